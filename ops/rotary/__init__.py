@@ -1,0 +1,97 @@
+"""Rotary position embedding (RoPE) and its length-extrapolatable xPos variant (LeX Transformer).
+
+Pairs are ADJACENT features (x[..., 2j], x[..., 2j+1]) read as the complex number
+x[2j] + i x[2j+1], the layout of upstream Megalodon (spec section 6) and of torchscale's xPos.
+For position t and pair j, with theta_j = base**(-2j/d)::
+
+    out_j = zeta_j**(s * t / xpos_scale_base) * exp(i * t * theta_j) * x_j
+
+where zeta_j = (2j + 0.4 d) / (1.4 d), s = +1 for queries and -1 for keys
+(``xpos_downscale=True``), and the zeta factor is 1 when ``xpos_scale_base`` is None (plain
+RoPE). With xPos, q_t . k_u then depends on t - u only, decaying with the distance.
+
+Angles and scales are computed in float64 from the integer positions, then rounded once to the
+compute dtype, so large positions (a long KV cache) keep fp32-accurate angles.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_tensor
+from .._dispatch import OpBackends
+
+__all__ = ["rotary", "rotation_tables"]
+
+BACKENDS = OpBackends("rotary", {"torch": "megalodon_kernels.ops.rotary.torch_impl"})
+
+
+def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_base, xpos_downscale: bool,
+                    dtype: torch.dtype):
+    """(cos, sin) of shape (P, L, 1, dim/2) with the xPos scale folded in; P = 1 or B."""
+    pos = positions.to(torch.float64)
+    if pos.dim() == 1:
+        pos = pos.unsqueeze(0)
+    j = torch.arange(0, dim // 2, dtype=torch.float64, device=positions.device)
+    inv_freq = base ** (-2.0 * j / dim)
+    angle = pos[..., None] * inv_freq  # [P, L, d/2], exact-ish in float64
+    cos, sin = torch.cos(angle), torch.sin(angle)
+    if xpos_scale_base is not None:
+        zeta = (2.0 * j + 0.4 * dim) / (1.4 * dim)
+        sign = -1.0 if xpos_downscale else 1.0
+        scale = torch.exp(torch.log(zeta) * (sign * pos[..., None] / xpos_scale_base))
+        cos, sin = cos * scale, sin * scale
+    return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+
+
+class RotaryFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, impl):
+        ctx.save_for_backward(cos, sin)
+        ctx.impl = impl
+        return impl.module.rotary_fwd(x, cos, sin, **impl.config)
+
+    @staticmethod
+    def backward(ctx, dy):
+        cos, sin = ctx.saved_tensors
+        dx = ctx.impl.module.rotary_bwd(dy, cos, sin, **ctx.impl.config)
+        return dx, None, None, None
+
+
+def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0, xpos_scale_base=None, *,
+           xpos_downscale: bool = False, backend: str = "auto") -> torch.Tensor:
+    """Rotate adjacent feature pairs of ``x`` by their positions (RoPE), optionally with xPos.
+
+    Args:
+        x: r(B L H d), d even; float16/bfloat16/float32/float64.
+        positions: integer tensor (L,) shared by the batch, or (B, L) per sequence.
+        base: RoPE base (upstream ``rope_base``, default 10000).
+        xpos_scale_base: None for RoPE; a positive number (LeX uses 512) for xPos.
+        xpos_downscale: xPos only; False for queries, True for keys.
+        backend: "auto", "torch", "triton" or "cuda".
+
+    Returns:
+        r(B L H d) in x's dtype.
+
+    Example::
+
+        q = rotary(q, torch.arange(L), xpos_scale_base=512)
+        k = rotary(k, torch.arange(L), xpos_scale_base=512, xpos_downscale=True)
+    """
+    check_tensor("x", x, (None, None, None, None), REAL_DTYPES, dims="(B, L, H, d)")
+    B, L, H, d = x.shape
+    if d % 2:
+        raise ValueError(f"x must have an even last dimension d (pairs of features), got d={d}")
+    if not isinstance(positions, torch.Tensor):
+        raise TypeError(f"positions must be an integer torch.Tensor of shape (L,) or (B, L), got {type(positions).__name__}")
+    if positions.dim() == 1:
+        check_tensor("positions", positions, (L,), INT_DTYPES, device=x.device, dims="(L,)")
+    else:
+        check_tensor("positions", positions, (B, L), INT_DTYPES, device=x.device, dims="(B, L)")
+    base = check_float("base", base, low=0.0, low_open=True)
+    if xpos_scale_base is not None:
+        xpos_scale_base = check_float("xpos_scale_base", xpos_scale_base, low=0.0, low_open=True)
+    if not isinstance(xpos_downscale, bool):
+        raise TypeError(f"xpos_downscale must be a bool, got {type(xpos_downscale).__name__}")
+    impl = BACKENDS.select(backend, {"x": x}, device=x.device, dtype=x.dtype)
+    cos, sin = rotation_tables(positions, d, base, xpos_scale_base, xpos_downscale, acc_dtype(x.dtype))
+    return RotaryFunction.apply(x, cos, sin, impl)

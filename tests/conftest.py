@@ -1,0 +1,50 @@
+"""Test-wide setup: interpreter mode, seeds, NaN-poisoned allocations, hypothesis profiles.
+
+NaN poisoning (FLA's trick): every ``torch.empty*`` allocation made while a test runs is filled
+with NaN (floating and complex dtypes), so a kernel or launcher that forgets to write part of
+its output fails loudly instead of passing on zero-initialised memory.
+"""
+import os
+import random
+
+# Must precede any triton import: Triton kernels run on CPU tensors in the interpreter, and
+# fp fusion is pinned so numerics do not change with Triton's default (NO-GPU.md).
+os.environ.setdefault("TRITON_INTERPRET", "1")
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from hypothesis import settings  # noqa: E402
+
+settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, print_blob=True)
+settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+_POISON = {
+    "empty": torch.empty,
+    "empty_like": torch.empty_like,
+    "empty_strided": torch.empty_strided,
+}
+
+
+def _poisoned(factory):
+    def make(*args, **kwargs):
+        t = factory(*args, **kwargs)
+        if t.is_floating_point() or t.is_complex():
+            t.fill_(float("nan"))
+        return t
+
+    return make
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_poison(monkeypatch):
+    random.seed(0)
+    np.random.seed(0)
+    torch.manual_seed(0)
+    for name, factory in _POISON.items():
+        monkeypatch.setattr(torch, name, _poisoned(factory))
+    orig_new_empty = torch.Tensor.new_empty
+    monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(orig_new_empty))
+    yield

@@ -1,0 +1,76 @@
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from megalodon_kernels import ops
+from megalodon_kernels.reference import rotary as ref
+from support import as_input, assert_close, to_np, tol
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+def _check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x0 = torch.randn(B, L, H, d, dtype=torch.float64, generator=gen)
+    # xPos scales grow like zeta**(t / scale_base): keep t / scale_base moderate so the
+    # norm-wise error compares numbers of similar size (torchscale centres positions for this).
+    max_pos = 100_000 if xpos is None else int(4 * xpos)
+    offset = min(offset, max_pos)
+    if per_batch:
+        pos = torch.randint(0, max_pos + 1, (B, L), generator=gen)
+    else:
+        pos = torch.arange(offset, offset + L)
+    x = as_input(x0, dtype, contiguous, requires_grad=True)
+    y = ops.rotary(x, pos, xpos_scale_base=xpos, xpos_downscale=downscale, backend="torch")
+    assert y.dtype == dtype and y.shape == x.shape
+    xr = to_np(x.detach())  # the reference sees the rounded input
+    assert_close("y", y, ref.rotary(xr, pos.numpy(), 10000.0, xpos, downscale), tol("torch", dtype, "fwd"))
+    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
+    (dx,) = torch.autograd.grad(y, x, dy)
+    assert_close("dx", dx, ref.rotary_bwd(to_np(dy), pos.numpy(), 10000.0, xpos, downscale),
+                 tol("torch", dtype, "bwd"))
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("L", [1, 31, 33, 129])
+@pytest.mark.parametrize("xpos", [None, 512.0], ids=["rope", "xpos"])
+def test_rotary_matches_reference(dtype, L, xpos):
+    _check(2, L, 3, 8, dtype, xpos, False, 0, False, True)
+
+
+@given(
+    B=st.integers(1, 3), L=st.integers(1, 70), H=st.integers(1, 3), half=st.integers(1, 8),
+    xpos=st.sampled_from([None, 64.0, 512.0]), downscale=st.booleans(),
+    offset=st.integers(0, 100_000), per_batch=st.booleans(), contiguous=st.booleans(),
+    seed=st.integers(0, 2**31),
+)
+def test_rotary_property(B, L, H, half, xpos, downscale, offset, per_batch, contiguous, seed):
+    _check(B, L, H, 2 * half, torch.float32, xpos, downscale, offset, per_batch, contiguous, seed)
+
+
+def test_xpos_scores_depend_on_distance_only():
+    # q_t . k_u must equal q_{t+s} . k_{u+s}: the defining property of RoPE and xPos.
+    q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
+    def score(t, u):
+        qt = ops.rotary(q, torch.tensor([t]), xpos_scale_base=512.0)
+        ku = ops.rotary(k, torch.tensor([u]), xpos_scale_base=512.0, xpos_downscale=True)
+        return float((qt * ku).sum())
+    assert abs(score(10, 3) - score(1010, 1003)) < 1e-9 * abs(score(10, 3)) + 1e-12
+
+
+@pytest.mark.parametrize("bad, exc, match", [
+    (dict(x=torch.randn(2, 3, 4)), ValueError, "x must have rank 4"),
+    (dict(x=torch.randn(1, 3, 2, 5)), ValueError, "even"),
+    (dict(x=torch.randn(1, 3, 2, 4, dtype=torch.complex64)), TypeError, "x must have dtype"),
+    (dict(positions=torch.arange(4)), ValueError, "positions must have shape"),
+    (dict(positions=torch.arange(3.0)), TypeError, "positions must have dtype"),
+    (dict(positions=[0, 1, 2]), TypeError, "positions must be"),
+    (dict(base=-1.0), ValueError, "base must be >"),
+    (dict(xpos_scale_base=0.0), ValueError, "xpos_scale_base"),
+    (dict(backend="cuDNN"), ValueError, "backend must be one of"),
+])
+def test_rotary_bad_inputs(bad, exc, match):
+    args = dict(x=torch.randn(1, 3, 2, 4), positions=torch.arange(3))
+    args.update(bad)
+    with pytest.raises(exc, match=match):
+        ops.rotary(**args)
