@@ -1,3 +1,4 @@
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -74,3 +75,19 @@ def test_rotary_bad_inputs(bad, exc, match):
     args.update(bad)
     with pytest.raises(exc, match=match):
         ops.rotary(**args)
+
+
+def test_rotary_reference_backward_matches_finite_differences():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 2, 6))
+    dy = rng.standard_normal(x.shape)
+    pos = np.array([5, 70, 300])
+    dx = ref.rotary_bwd(dy, pos, 100.0, 128.0, True)
+    fd = np.zeros_like(x)
+    eps = 1e-6
+    for idx in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += eps
+        xm[idx] -= eps
+        fd[idx] = ((ref.rotary(xp, pos, 100.0, 128.0, True) - ref.rotary(xm, pos, 100.0, 128.0, True)) * dy).sum() / (2 * eps)
+    assert_close("reference dx vs finite differences", dx, fd, 1e-8)
