@@ -14,7 +14,7 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Sub-packages that ship; tests/, bench/ suites and examples/ are run from a checkout.
-SUBPACKAGES = ["ops", "reference"]
+SUBPACKAGES = ["ops", "reference", "bench"]
 
 
 def _find_subpackages():

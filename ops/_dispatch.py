@@ -10,7 +10,9 @@ provides:
 * the op's ``fwd``/``bwd`` functions, with the same signature in every backend.
 
 ``backend="auto"`` resolves as: explicit argument > ``MEGALODON_KERNELS_BACKEND`` > autotune
-table (lands with the autotune issue) > first supported backend in :data:`PRIORITY`. The choice is
+table (lands with the autotune issue) > first supported backend in :data:`PRIORITY`. ``auto``
+never picks Triton for CPU tensors: that is the interpreter (``TRITON_INTERPRET=1``), which runs
+only when asked for by name. The choice is
 logged once per (op, backend, device type, dtype) at INFO level on the ``megalodon_kernels``
 logger.
 """
@@ -100,6 +102,8 @@ class OpBackends:
                 raise self._error(inputs, f"{self.op}: backend {backend!r} (from {source}) cannot run these inputs:")
             return self._finish(backend, source, device, dtype)
         for name in PRIORITY:
+            if name == "triton" and device.type == "cpu":
+                continue  # the Triton interpreter is a test vehicle, never a performance choice
             if not self.reasons(name, inputs):
                 return self._finish(name, "priority list", device, dtype)
         raise self._error(inputs, f"{self.op}: no backend can run these inputs:")

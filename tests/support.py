@@ -17,6 +17,10 @@ TOLERANCES = {
     ("torch", torch.float32): {"fwd": 2e-5, "bwd": 5e-5},
     ("torch", torch.float16): {"fwd": 4e-3, "bwd": 8e-3},
     ("torch", torch.bfloat16): {"fwd": 2e-2, "bwd": 4e-2},
+    # Triton runs in the interpreter here (exact fp32, no TF32); same budget as torch.
+    ("triton", torch.float32): {"fwd": 2e-5, "bwd": 5e-5},
+    ("triton", torch.float16): {"fwd": 4e-3, "bwd": 8e-3},
+    ("triton", torch.bfloat16): {"fwd": 2e-2, "bwd": 4e-2},
 }
 
 # Per-op widening, with the reason. Keep this small and justified.

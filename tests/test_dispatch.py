@@ -31,7 +31,7 @@ def test_explicit_backend_that_cannot_run_lists_every_reason():
 
 
 def test_env_var_forces_backend(monkeypatch):
-    monkeypatch.setenv(ENV_VAR, "triton")
+    monkeypatch.setenv(ENV_VAR, "cuda")
     with pytest.raises(NoBackendError, match=f"from {ENV_VAR}"):
         ops.rotary(_x(), torch.arange(3))
     # an explicit argument still wins over the environment
@@ -68,3 +68,11 @@ def test_failed_import_of_optional_backend_becomes_a_reason():
 def test_unknown_backend_name_rejected_at_registration():
     with pytest.raises(ValueError, match="unknown backend"):
         OpBackends("demo", {"opencl": "x"})
+
+
+def test_auto_never_picks_the_triton_interpreter_but_explicit_triton_runs_it():
+    assert _dispatch.os.environ.get("TRITON_INTERPRET") == "1"  # set by conftest
+    table = importlib.import_module("megalodon_kernels.ops.rotary").BACKENDS
+    assert not table.reasons("triton", {"x": _x()})
+    assert table.select("auto", {"x": _x()}, device=torch.device("cpu"), dtype=torch.float32).name == "torch"
+    assert table.select("triton", {"x": _x()}, device=torch.device("cpu"), dtype=torch.float32).name == "triton"

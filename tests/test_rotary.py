@@ -10,7 +10,7 @@ from support import as_input, assert_close, to_np, tol
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
-def _check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, seed=0):
+def _check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, seed=0, backend="torch"):
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(B, L, H, d, dtype=torch.float64, generator=gen)
     # xPos scales grow like zeta**(t / scale_base): keep t / scale_base moderate so the
@@ -22,14 +22,14 @@ def _check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, se
     else:
         pos = torch.arange(offset, offset + L)
     x = as_input(x0, dtype, contiguous, requires_grad=True)
-    y = ops.rotary(x, pos, xpos_scale_base=xpos, xpos_downscale=downscale, backend="torch")
+    y = ops.rotary(x, pos, xpos_scale_base=xpos, xpos_downscale=downscale, backend=backend)
     assert y.dtype == dtype and y.shape == x.shape
     xr = to_np(x.detach())  # the reference sees the rounded input
-    assert_close("y", y, ref.rotary(xr, pos.numpy(), 10000.0, xpos, downscale), tol("torch", dtype, "fwd"))
+    assert_close("y", y, ref.rotary(xr, pos.numpy(), 10000.0, xpos, downscale), tol(backend, dtype, "fwd"))
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
     (dx,) = torch.autograd.grad(y, x, dy)
     assert_close("dx", dx, ref.rotary_bwd(to_np(dy), pos.numpy(), 10000.0, xpos, downscale),
-                 tol("torch", dtype, "bwd"))
+                 tol(backend, dtype, "bwd"))
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
@@ -47,6 +47,21 @@ def test_rotary_matches_reference(dtype, L, xpos):
 )
 def test_rotary_property(B, L, H, half, xpos, downscale, offset, per_batch, contiguous, seed):
     _check(B, L, H, 2 * half, torch.float32, xpos, downscale, offset, per_batch, contiguous, seed)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("per_batch", [False, True], ids=["shared_pos", "per_batch_pos"])
+def test_rotary_triton_matches_reference(dtype, per_batch):
+    # Interpreter: few, large programs (block_rows=16 over B*L = 66 rows -> 5 x 1 programs).
+    _check(2, 33, 3, 8, dtype, 512.0, per_batch, 7, per_batch, False, backend="triton")
+
+
+def test_rotary_triton_equals_torch_bitwise_in_fp32():
+    x = torch.randn(2, 17, 2, 16)
+    pos = torch.arange(17) * 1000
+    a = ops.rotary(x, pos, backend="triton")
+    b = ops.rotary(x, pos, backend="torch")
+    assert torch.equal(a, b)
 
 
 def test_xpos_scores_depend_on_distance_only():

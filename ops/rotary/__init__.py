@@ -22,7 +22,10 @@ from .._dispatch import OpBackends
 
 __all__ = ["rotary", "rotation_tables"]
 
-BACKENDS = OpBackends("rotary", {"torch": "megalodon_kernels.ops.rotary.torch_impl"})
+BACKENDS = OpBackends("rotary", {
+    "triton": "megalodon_kernels.ops.rotary.triton_impl",
+    "torch": "megalodon_kernels.ops.rotary.torch_impl",
+})
 
 
 def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_base, xpos_downscale: bool,

@@ -1,0 +1,141 @@
+"""Ahead-of-time compilation of Triton kernels for sm_80 / sm_90, without a GPU.
+
+Every Triton backend module declares ``aot_variants() -> list[Variant]``: each kernel x each
+config it can launch with x each input dtype. :func:`compile_variant` compiles one with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` and reads its resources:
+shared memory from the metadata, registers and local memory (spills) from the bundled
+``cuobjdump --dump-resource-usage`` on the cubin. Used by the test suite (every variant must
+compile, fit shared memory and not spill), by ``python -m megalodon_kernels.bench.resources`` and
+by the autotuner to prune configs before timing them.
+
+The signature carries the specialisation hints the JIT would add for aligned production shapes
+(pointers and the integer arguments named in ``div16`` divisible by 16), since without them the
+compiled code and its register count differ from what runs (NO-GPU.md).
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+#: per-block shared memory limits (bytes) of the target architectures
+SMEM_LIMIT = {80: 166912, 90: 232448}
+ARCH_NAME = {80: "sm_80 (A100)", 90: "sm_90 (H100)"}
+#: ops with a Triton backend; each has ops/<op>/triton_impl.py with aot_variants()
+TRITON_OPS = ("rotary",)
+
+
+@dataclass(frozen=True)
+class Variant:
+    op: str
+    kernel: str
+    fn: object  # the @triton.jit function
+    arg_types: tuple  # ((name, "*fp32" | "i32" | "fp32" | ...), ...) for the runtime arguments
+    constexprs: tuple  # ((name, value), ...)
+    div16: frozenset = frozenset()
+    num_warps: int = 4
+    num_stages: int = 2
+    label: str = ""
+
+
+@dataclass
+class Resources:
+    variant: Variant
+    cc: int
+    regs: int
+    shared: int
+    local: int  # stack + local memory per thread in bytes: > 0 means spills
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.shared <= SMEM_LIMIT[self.cc]
+
+    @property
+    def spills(self) -> bool:
+        return self.local > 0
+
+
+def _source(v: Variant):
+    from triton.compiler import ASTSource
+
+    types = dict(v.arg_types)
+    consts = dict(v.constexprs)
+    signature, attrs = {}, {}
+    for i, name in enumerate(v.fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+            if types[name].startswith("*") or name in v.div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise ValueError(f"{v.op}/{v.kernel}: argument {name!r} has neither a type nor a constexpr value")
+    return ASTSource(fn=v.fn, signature=signature, constexprs=consts, attrs=attrs)
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_variant(v: Variant, cc: int) -> Resources:
+    if not hasattr(v.fn, "cache_key"):
+        raise RuntimeError(f"{v.op}/{v.kernel} was decorated under TRITON_INTERPRET=1 and cannot be compiled; "
+                           "use compile_all(), whose worker processes import the kernels without the interpreter")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    k = triton.compile(_source(v), target=GPUTarget("cuda", cc, 32),
+                       options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+        path = f.name
+    try:
+        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(path)
+    usage = dict((m.group(1), int(m.group(2))) for m in re.finditer(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return Resources(v, cc, regs=usage.get("REG", -1), shared=int(k.metadata.shared),
+                     local=usage.get("STACK", 0) + usage.get("LOCAL", 0))
+
+
+def all_variants(ops=TRITON_OPS) -> list[Variant]:
+    variants = []
+    for op in ops:
+        mod = importlib.import_module(f"megalodon_kernels.ops.{op}.triton_impl")
+        variants.extend(mod.aot_variants())
+    return variants
+
+
+def _worker_init():
+    # The interpreter replaces @triton.jit functions at decoration time; the workers import the
+    # kernel modules fresh (spawn), after this runs, so they get compilable JITFunctions.
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+def _compile_job(args):
+    op, index, cc = args
+    v = all_variants((op,))[index]
+    r = compile_variant(v, cc)
+    return op, index, cc, r.regs, r.shared, r.local
+
+
+def compile_all(ops=TRITON_OPS, ccs=(80, 90), workers: int | None = None) -> list[Resources]:
+    """Compile every variant of ``ops`` for every arch, in parallel worker processes."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    by_op = {op: all_variants((op,)) for op in ops}
+    jobs = [(op, i, cc) for op in ops for i in range(len(by_op[op])) for cc in ccs]
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
+        results = list(pool.map(_compile_job, jobs))
+    return [Resources(by_op[op][i], cc, regs, shared, local) for op, i, cc, regs, shared, local in results]

@@ -1,0 +1,73 @@
+"""Shared pieces of every Triton backend: availability rules and interpreter-safe bf16 stores.
+
+Triton kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (how the test
+suite executes them here). Facts that shape this file (NO-GPU.md): in the interpreter bf16 values
+are raw uint16 bits, so kernels convert to fp32 right after ``tl.load``, compute in fp32, and round
+to bf16 once, on store, with round-to-nearest-even done in integer arithmetic (the interpreter's
+own ``.to(tl.bfloat16)`` truncates). On a GPU the same code compiles to the same rounding.
+"""
+from __future__ import annotations
+
+import os
+
+import torch
+
+# Pin fp fusion (Triton 3.9 warns that its default flips in 3.10; the flip changes numerics).
+os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+try:  # triton is an optional dependency of the package
+    import triton
+    import triton.language as tl
+
+    HAVE_TRITON = True
+except Exception:  # pragma: no cover - exercised only where triton is absent
+    triton = None
+    tl = None
+    HAVE_TRITON = False
+
+SUPPORTED_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def device_reasons(*tensors: torch.Tensor) -> list[str]:
+    """Why Triton cannot run on these tensors' device (empty list: it can)."""
+    if not HAVE_TRITON:
+        return ["triton is not installed: pip install triton"]
+    dev = tensors[0].device
+    if dev.type == "cuda":
+        return []
+    if dev.type == "cpu" and interpreting():
+        return []
+    return [f"tensors are on {dev.type}: Triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
+            "(the interpreter; slow, for testing)"]
+
+
+def dtype_reasons(name: str, t: torch.Tensor, allowed=SUPPORTED_DTYPES) -> list[str]:
+    if t.dtype not in allowed:
+        names = ", ".join(str(d).replace("torch.", "") for d in allowed)
+        return [f"{name} has dtype {t.dtype}; the Triton kernels take {names} (use backend='torch' for others)"]
+    return []
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def fp32_to_bf16_rne(x):
+        """Round fp32 -> bf16 to nearest even via the bit pattern (interpreter-safe)."""
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + (0x7FFF + ((bits >> 16) & 1))
+        hi = (bits >> 16).to(tl.uint16)
+        # NaN stays a quiet NaN (rounding could carry a signalling-NaN payload into inf).
+        hi = tl.where(x != x, 0x7FC0, hi).to(tl.uint16)
+        return hi.to(tl.bfloat16, bitcast=True)
+
+    @triton.jit
+    def store_rounded(ptr, x, mask, OUT_BF16: tl.constexpr):
+        """Store fp32 ``x`` into ``ptr``'s element type, rounding once (RNE for bf16)."""
+        if OUT_BF16:
+            tl.store(ptr, fp32_to_bf16_rne(x), mask=mask)
+        else:
+            tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)

@@ -1,0 +1,92 @@
+"""Triton backend of rotary: one elementwise kernel over (rows = B*L) x (pairs = H*d/2).
+
+Each program rotates a [BLOCK_ROWS, BLOCK_PAIRS] tile of adjacent feature pairs with the
+precomputed (cos, sin) tables (xPos scale folded in, float64-accurate angles rounded once to
+fp32). Reads x once and the tables once per (row, pair), writes the output once: memory-bound,
+ideal bytes = 2 * |x| + |tables|.
+"""
+from __future__ import annotations
+
+import torch
+
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
+
+DEFAULT_CONFIG = {"block_rows": 16, "block_pairs": 64, "num_warps": 4}
+#: every config this backend may launch with (the autotuner chooses among them; each is AOT-compiled in tests)
+CONFIG_SPACE = {"block_rows": [4, 16], "block_pairs": [64, 128], "num_warps": [4]}
+
+
+def not_supported_reasons(x) -> list[str]:
+    return device_reasons(x) + dtype_reasons("x", x)
+
+
+if HAVE_TRITON:
+
+    @triton.jit
+    def _rotary_kernel(
+        x_ptr, cos_ptr, sin_ptr, out_ptr,
+        n_rows, L, n_pairs, half_d, tab_batch_stride, sign,
+        OUT_BF16: tl.constexpr,
+        BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
+    ):
+        o_r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row = b * L + l
+        o_p = tl.program_id(1) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)  # pair = h * d/2 + j
+        m = (o_r[:, None] < n_rows) & (o_p[None, :] < n_pairs)
+        # [BR, BP] offsets of the pair's first feature in x (contiguous (B, L, H, d))
+        p_x = x_ptr + o_r[:, None].to(tl.int64) * (2 * n_pairs) + 2 * o_p[None, :]
+        b_x0 = tl.load(p_x, mask=m, other=0.0).to(tl.float32)
+        b_x1 = tl.load(p_x + 1, mask=m, other=0.0).to(tl.float32)
+        # tables are (P, L, 1, d/2) with P in {1, B}: batch stride 0 when shared
+        o_b = o_r // L
+        o_l = o_r % L
+        o_t = o_b[:, None].to(tl.int64) * tab_batch_stride + o_l[:, None] * half_d + (o_p[None, :] % half_d)
+        b_c = tl.load(cos_ptr + o_t, mask=m, other=0.0)
+        b_s = tl.load(sin_ptr + o_t, mask=m, other=0.0) * sign
+        p_o = out_ptr + o_r[:, None].to(tl.int64) * (2 * n_pairs) + 2 * o_p[None, :]
+        store_rounded(p_o, b_x0 * b_c - b_x1 * b_s, m, OUT_BF16)
+        store_rounded(p_o + 1, b_x0 * b_s + b_x1 * b_c, m, OUT_BF16)
+
+
+def _launch(x, cos, sin, sign, block_rows, block_pairs, num_warps):
+    B, L, H, d = x.shape
+    x = x.contiguous()
+    cos, sin = cos.to(torch.float32).contiguous(), sin.to(torch.float32).contiguous()
+    out = torch.empty_like(x)
+    n_rows, n_pairs = B * L, H * d // 2
+    tab_batch_stride = 0 if cos.shape[0] == 1 else L * (d // 2)
+    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_pairs, block_pairs))
+    _rotary_kernel[grid](
+        x, cos, sin, out, n_rows, L, n_pairs, d // 2, tab_batch_stride, sign,
+        OUT_BF16=x.dtype == torch.bfloat16,
+        BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs, num_warps=num_warps,
+    )
+    return out
+
+
+def rotary_fwd(x, cos, sin, block_rows=16, block_pairs=64, num_warps=4):
+    return _launch(x, cos, sin, 1.0, block_rows, block_pairs, num_warps)
+
+
+def rotary_bwd(dy, cos, sin, block_rows=16, block_pairs=64, num_warps=4):
+    return _launch(dy, cos, sin, -1.0, block_rows, block_pairs, num_warps)
+
+
+def aot_variants():
+    """Every (dtype x config) this backend can launch, for ahead-of-time compilation."""
+    from itertools import product
+
+    from .._triton_aot import Variant
+
+    variants = []
+    for dt, br, bp, nw in product(("fp16", "bf16", "fp32"), CONFIG_SPACE["block_rows"], CONFIG_SPACE["block_pairs"],
+                                  CONFIG_SPACE["num_warps"]):
+        variants.append(Variant(
+            op="rotary", kernel="_rotary_kernel", fn=_rotary_kernel,
+            arg_types=(("x_ptr", f"*{dt}"), ("cos_ptr", "*fp32"), ("sin_ptr", "*fp32"), ("out_ptr", f"*{dt}"),
+                       ("n_rows", "i32"), ("L", "i32"), ("n_pairs", "i32"), ("half_d", "i32"),
+                       ("tab_batch_stride", "i32"), ("sign", "fp32")),
+            constexprs=(("OUT_BF16", dt == "bf16"), ("BLOCK_ROWS", br), ("BLOCK_PAIRS", bp)),
+            div16=frozenset({"n_rows", "L", "n_pairs", "half_d", "tab_batch_stride"}),
+            num_warps=nw, label=f"{dt} rows={br} pairs={bp} warps={nw}",
+        ))
+    return variants
