@@ -1,0 +1,34 @@
+"""The interpreter byte counter counts exactly the unmasked lanes' bytes."""
+import torch
+import triton
+import triton.language as tl
+
+from megalodon_kernels.bench.triton_bytes import count_bytes
+
+
+@triton.jit
+def _copy_prefix(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    o = tl.arange(0, BLOCK)
+    m = o < n
+    v = tl.load(x_ptr + o, mask=m, other=0.0)
+    tl.store(y_ptr + o, v + tl.load(x_ptr + o, mask=m, other=0.0), mask=m)  # x read twice
+
+
+def test_masked_lanes_cost_nothing_and_repeats_count_in_total_not_unique():
+    x = torch.randn(64)
+    y = torch.zeros(64, dtype=torch.float64)
+    with count_bytes() as c:
+        _copy_prefix[(1,)](x, y, 37, BLOCK=64)
+    assert torch.equal(y[:37], (2 * x[:37]).double()) and torch.all(y[37:] == 0)
+    assert c.loaded == 2 * 37 * 4
+    assert c.stored == 37 * 8
+    assert c.loaded_unique == 37 * 4 and c.stored_unique == 37 * 8
+
+
+def test_counter_is_removed_after_the_block():
+    x = torch.randn(8)
+    y = torch.empty(8, dtype=torch.float64)
+    with count_bytes() as c:
+        pass
+    _copy_prefix[(1,)](x, y, 8, BLOCK=8)
+    assert c.total == 0
