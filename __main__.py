@@ -40,16 +40,17 @@ def _versions() -> list[tuple[str, str]]:
 
 
 def main() -> int:
-    from .selfcheck import backend_report, run_checks
+    from .selfcheck import run_checks
 
     print("megalodon_kernels self-check\n")
     for name, value in _versions():
         print(f"  {name:<18} {value}")
+    rows, availability = run_checks()
     print("\nbackends (per op: usable here, or why not)")
-    for line in backend_report():
-        print("  " + line)
+    for op, per_backend in availability.items():
+        for backend, status in per_backend.items():
+            print(f"  {op:<16} {backend:<7} {status}")
     print()
-    rows = run_checks()
     header = f"{'op':<16} {'backend':<8} {'dtype':<9} {'pass':<5} {'check':<26} {'max abs err':>12} {'rel err':>10} {'tol':>8}"
     print(header)
     print("-" * len(header))

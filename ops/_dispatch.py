@@ -78,10 +78,13 @@ class OpBackends:
         return {name: self.reasons(name, inputs) for name in PRIORITY}
 
     def _error(self, inputs: dict, head: str) -> NoBackendError:
+        reasons = self.all_reasons(inputs)
         lines = [head]
-        for name, why in self.all_reasons(inputs).items():
+        for name, why in reasons.items():
             lines.append(f"  {name}: " + ("supported" if not why else "; ".join(why)))
-        return NoBackendError("\n".join(lines))
+        err = NoBackendError("\n".join(lines))
+        err.reasons = reasons  # per backend, for callers that report them (python -m megalodon_kernels)
+        return err
 
     def select(self, backend: str, inputs: dict, *, device: torch.device, dtype: torch.dtype) -> Choice:
         """Resolve ``backend`` ("auto" or a name in PRIORITY) for these inputs."""
