@@ -1,0 +1,80 @@
+"""PyTorch backend of cema: the three stage backends composed, with one rounding of y.
+
+Forward: (k, b) = cema_kernel(p, log_q, gamma, L, hx); y = fftconv(x, k) kept in the compute dtype,
+plus b and omega x, then rounded once to x's dtype; h = ema_hidden(x, p, log_q, hx) if asked.
+Backward, with dy the gradient of y and dh that of h:
+
+    dx = fftconv_x(dy) + omega dy (+ ema_hidden_x(dh)),  domega = sum_{b,t} dy x
+    (dp, dlog_q, dgamma, dhx) = cema_kernel_bwd(dk = fftconv_k(dy), db = dy) (+ ema_hidden's terms)
+
+One power table (ops/_vandermonde.py) serves every stage of a pass: the kernel, the bias (shifted
+view) and the state (flipped). Saved for the backward: the inputs, k r(D L) (cheaper than
+recomputing it), and ema_hidden's c(B D N) sums V, W.
+"""
+from __future__ import annotations
+
+from .._vandermonde import power_table
+from ..cema_kernel.torch_impl import cema_kernel_bwd, cema_kernel_fwd
+from ..ema_hidden.torch_impl import ema_hidden_bwd, ema_hidden_fwd
+from ..fftconv.torch_impl import compute_dtype, fftconv_bwd, fftconv_fwd
+
+#: The knobs of the stages it composes (see cema_kernel and fftconv).
+DEFAULT_CONFIG: dict = {"power_block": 64, "direct_max_len": 16}
+
+
+def not_supported_reasons(**inputs) -> list[str]:
+    return []  # every device and dtype torch supports
+
+
+def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, power_block, direct_max_len):
+    """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W))."""
+    L = x.shape[-1]
+    table = power_table(log_q, L, power_block)                            # shared by every stage
+    k, b = cema_kernel_fwd(p, log_q, gamma, L, hx, power_block=power_block, table=table)
+    cd = compute_dtype(x.dtype, k.dtype)
+    y = fftconv_fwd(x, k, cd, direct_max_len=direct_max_len)              # [B, D, L]
+    y = y.addcmul_(omega.to(cd)[:, None], x.to(cd))
+    if b is not None:
+        y = y.add_(b)
+    h = V = W = None
+    if return_state:
+        h, V, W = ema_hidden_fwd(x, p, log_q, hx, weighted, power_block=power_block, table=table)
+    return y.to(x.dtype), h, (k, V, W)
+
+
+def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, power_block, direct_max_len):
+    """-> (dx, dp, dlog_q, dgamma, domega, dhx), any of them None when not needed; dy/dh may be None."""
+    need_x, need_p, need_lq, need_gamma, need_omega, need_hx = needs
+    k, V, W = saved
+    L = x.shape[-1]
+    cd = compute_dtype(x.dtype, k.dtype)
+    dx = dp = dlq = dgamma = domega = dhx = None
+    table = power_table(log_q, L, power_block)
+    if dy is not None:
+        dyc = dy.to(cd)
+        need_k = need_p or need_lq or need_gamma
+        dxc, dk = fftconv_bwd(dyc, x, k, need_x, need_k, direct_max_len=direct_max_len)
+        if need_x:
+            dx = dxc.addcmul_(omega.to(cd)[:, None], dyc)
+        if need_omega:
+            domega = (dyc * x.to(cd)).sum((0, 2))
+        if need_k or (need_hx and hx is not None):
+            dp, dlq, dgamma, dhx = cema_kernel_bwd(
+                dk, None if hx is None else dyc, p, log_q, gamma, L, hx,
+                (need_p, need_lq, need_gamma, need_hx), power_block=power_block, table=table)
+    if dh is not None:
+        dxh, dph, dlqh, dhxh = ema_hidden_bwd(dh, p, log_q, hx, V, W, L, (need_x, need_p, need_lq, need_hx),
+                                              power_block=power_block, table=table)
+        dx = _add(dx, dxh)
+        dp = _add(dp, dph)
+        dlq = _add(dlq, dlqh)
+        dhx = _add(dhx, dhxh)
+    return dx, dp, dlq, dgamma, domega, dhx
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b

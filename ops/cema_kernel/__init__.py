@@ -1,0 +1,93 @@
+"""CEMA kernel and bias: the Vandermonde sums of the complex EMA (spec section 1).
+
+For coefficients p r(D N), q = exp(log_q) c(D N), gamma c(D N) and an optional initial state
+hx c(B D N)::
+
+    k[d, j]    = Re sum_n p[d,n] gamma[d,n] q[d,n]**j               j < L
+    b[b, d, t] = Re sum_n gamma[d,n] hx[b,d,n] q[d,n]**(t+1)        t < L
+
+k is the impulse response and b the free response of h_t = p x_t + q h_{t-1}, y_t = Re sum gamma h_t,
+so y = causal_conv(x, k) + b. The coefficients come in as log_q (not q) so that |q| close to 1 keeps
+its decay in fp32, and gradients flow to log_q directly (d q**j / d log_q = j q**j: no 1/q).
+
+Numerical rule (``ops/_vandermonde.py``): every power is Q1[j mod T] * Q2[j div T], each table entry
+evaluated on its own with a float64 exponent and phase reduced mod 2 pi in float64, rounded once;
+never repeated multiplication, never j*arg(q) in fp32. fp32 error vs float64 stays ~1e-7 relative
+(norm-wise) up to L = 2**20 (bench/accuracy_cema.py).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import check_int, check_tensor, complex_of
+from .._dispatch import OpBackends
+
+__all__ = ["cema_kernel", "check_coefficients"]
+
+BACKENDS = OpBackends("cema_kernel", {"torch": "megalodon_kernels.ops.cema_kernel.torch_impl"})
+
+COEF_DTYPES = (torch.float32, torch.float64)
+
+
+def check_coefficients(p, log_q, gamma=None, hx=None, *, D=None, B=None, device=None):
+    """Validate the CEMA coefficients; returns (D, N). Shared by cema_kernel, ema_hidden and cema.
+
+    p r(D N) float32/float64; log_q, gamma c(D N) and hx c(B D N) of the matching complex dtype.
+    """
+    check_tensor("p", p, (D, None), COEF_DTYPES, device=device, dims="(D, N)")
+    device = p.device
+    D, N = p.shape
+    cdt = (complex_of(p.dtype),)
+    check_tensor("log_q", log_q, (D, N), cdt, device=device, dims="(D, N)")
+    if gamma is not None:
+        check_tensor("gamma", gamma, (D, N), cdt, device=device, dims="(D, N)")
+    if hx is not None:
+        check_tensor("hx", hx, (B, D, N), cdt, device=device, dims="(B, D, N)")
+    return D, N
+
+
+class CemaKernelFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, p, log_q, gamma, hx, length, impl):
+        ctx.set_materialize_grads(False)
+        k, b = impl.module.cema_kernel_fwd(p, log_q, gamma, length, hx, **impl.config)
+        ctx.save_for_backward(p, log_q, gamma, hx)
+        ctx.length, ctx.impl = length, impl
+        return k, b
+
+    @staticmethod
+    def backward(ctx, dk, db):
+        p, log_q, gamma, hx = ctx.saved_tensors
+        impl = ctx.impl
+        if dk is None and db is None:
+            return None, None, None, None, None, None
+        dp, dlq, dgamma, dhx = impl.module.cema_kernel_bwd(
+            dk, db, p, log_q, gamma, ctx.length, hx, ctx.needs_input_grad[:4], **impl.config)
+        return (dp.to(p.dtype), dlq.to(log_q.dtype), dgamma.to(gamma.dtype),
+                None if dhx is None else dhx.to(hx.dtype), None, None)
+
+
+def cema_kernel(p: torch.Tensor, log_q: torch.Tensor, gamma: torch.Tensor, length: int,
+                hx: torch.Tensor | None = None, *, backend: str = "auto"):
+    """CEMA convolution kernel k and initial-state bias b.
+
+    Args:
+        p: r(D N) float32 or float64 (upstream sigmoid(alpha)).
+        log_q: c(D N), complex64 with float32 p, complex128 with float64 p.
+        gamma: c(D N), same dtype as log_q (already scaled by sqrt(1/N)).
+        length: L >= 1.
+        hx: c(B D N) previous hidden state, or None.
+        backend: "auto", "torch", "triton" or "cuda".
+
+    Returns:
+        (k r(D L), b r(B D L) or None), in p's dtype. Gradients flow to p, log_q, gamma, hx.
+
+    Example::
+
+        k, b = cema_kernel(p, log_q, gamma, 4096, hx)   # y = fftconv(x, k) + b + omega[:, None] * x
+    """
+    check_coefficients(p, log_q, gamma, hx)
+    length = check_int("length", length, minimum=1)
+    impl = BACKENDS.select(backend, {"p": p, "log_q": log_q, "gamma": gamma, "length": length, "hx": hx},
+                           device=p.device, dtype=p.dtype)
+    return CemaKernelFunction.apply(p, log_q, gamma, hx, length, impl)

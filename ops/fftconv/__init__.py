@@ -1,0 +1,59 @@
+"""Causal long convolution (spec section 3):  y[b, d, t] = sum_{s <= t} k[d, t-s] x[b, d, s].
+
+A linear convolution truncated to L (no wrap-around). CEMA calls it with k in float32 and x in
+bf16/fp16: arithmetic runs in float32 (float64 if x or k is float64) whatever the input dtypes,
+y is rounded once to x's dtype, and the gradients come back in x's and k's dtypes.
+
+The torch backend uses zero-padded FFTs of size 2*nextpow2(L) and, for L up to the
+``direct_max_len`` knob, a direct Toeplitz matmul (FFT overheads dominate there).
+"""
+from __future__ import annotations
+
+import torch
+
+from .._checks import REAL_DTYPES, check_tensor
+from .._dispatch import OpBackends
+from ..ema_hidden import check_sequence
+
+__all__ = ["fftconv"]
+
+BACKENDS = OpBackends("fftconv", {"torch": "megalodon_kernels.ops.fftconv.torch_impl"})
+
+
+class FftconvFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, k, impl):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(x, k)
+        ctx.impl = impl
+        return impl.module.fftconv_fwd(x, k, **impl.config)
+
+    @staticmethod
+    def backward(ctx, dy):
+        if dy is None:
+            return None, None, None
+        x, k = ctx.saved_tensors
+        need_x, need_k = ctx.needs_input_grad[:2]
+        dx, dk = ctx.impl.module.fftconv_bwd(dy, x, k, need_x, need_k, **ctx.impl.config)
+        return (None if dx is None else dx.to(x.dtype), None if dk is None else dk.to(k.dtype), None)
+
+
+def fftconv(x: torch.Tensor, k: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
+    """Causal convolution of every (b, d) row of x with the kernel row k[d].
+
+    Args:
+        x: r(B D L), float16/bfloat16/float32/float64.
+        k: r(D L), any of the same dtypes (CEMA passes float32).
+        backend: "auto", "torch", "triton" or "cuda".
+
+    Returns:
+        y r(B D L) in x's dtype. Gradients flow to x (x's dtype) and k (k's dtype).
+
+    Example::
+
+        y = fftconv(x.bfloat16(), k)        # k r(D L) float32 from cema_kernel
+    """
+    B, D, L = check_sequence(x)
+    check_tensor("k", k, (D, L), REAL_DTYPES, device=x.device, dims="(D, L)")
+    impl = BACKENDS.select(backend, {"x": x, "k": k}, device=x.device, dtype=x.dtype)
+    return FftconvFunction.apply(x, k, impl)
