@@ -14,7 +14,7 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Sub-packages that ship; tests/, bench/ suites and examples/ are run from a checkout.
-SUBPACKAGES = ["ops", "reference", "bench"]
+SUBPACKAGES = ["ops", "reference", "bench", "autotune"]
 
 
 def _find_subpackages():
@@ -31,4 +31,6 @@ def _find_subpackages():
 setup(
     packages=["megalodon_kernels", *_find_subpackages()],
     package_dir={"megalodon_kernels": "."},
+    # Autotune tables are data files of the autotune package (one JSON per measured device).
+    package_data={"megalodon_kernels.autotune": ["tables/*.json"]},
 )

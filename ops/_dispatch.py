@@ -10,7 +10,7 @@ provides:
 * the op's ``fwd``/``bwd`` functions, with the same signature in every backend.
 
 ``backend="auto"`` resolves as: explicit argument > ``MEGALODON_KERNELS_BACKEND`` > autotune
-table (lands with the autotune issue) > first supported backend in :data:`PRIORITY`. ``auto``
+table entry for (op, device, dtype, key) > first supported backend in :data:`PRIORITY`. ``auto``
 never picks Triton for CPU tensors: that is the interpreter (``TRITON_INTERPRET=1``), which runs
 only when asked for by name. The choice is
 logged once per (op, backend, device type, dtype) at INFO level on the ``megalodon_kernels``
@@ -25,6 +25,9 @@ from dataclasses import dataclass, field
 from types import ModuleType
 
 import torch
+
+from ..autotune import cache as autotune_cache
+from ..autotune import registry as autotune_registry
 
 logger = logging.getLogger("megalodon_kernels")
 
@@ -90,6 +93,12 @@ class OpBackends:
         """Resolve ``backend`` ("auto" or a name in PRIORITY) for these inputs."""
         if not isinstance(backend, str) or backend not in ("auto", *PRIORITY):
             raise ValueError(f"backend must be one of {['auto', *PRIORITY]}, got {backend!r}")
+        tuning = autotune_registry.forced(self.op, inputs)
+        if tuning is not None:  # the tuner is measuring one candidate: exactly that one
+            name, config = tuning
+            if self.reasons(name, inputs):
+                raise self._error(inputs, f"{self.op}: backend {name!r} (forced by the tuner) cannot run these inputs:")
+            return self._finish(name, "autotune override", device, dtype, config)
         source = "argument"
         if backend == "auto":
             forced = os.environ.get(ENV_VAR, "").strip()
@@ -99,22 +108,36 @@ class OpBackends:
                         f"environment variable {ENV_VAR} must be one of {['auto', *PRIORITY]}, got {forced!r}"
                     )
                 backend, source = forced, ENV_VAR
+        # The autotune key: feature sizes and length buckets from the op's registration.
+        tunable = autotune_registry.get(self.op)
+        key = tunable.key(inputs) if tunable is not None else None
         if backend != "auto":
             why = self.reasons(backend, inputs)
             if why:
                 raise self._error(inputs, f"{self.op}: backend {backend!r} (from {source}) cannot run these inputs:")
-            return self._finish(backend, source, device, dtype)
+            # A named backend still runs its best tuned config for this key, if the table has one.
+            hit = autotune_cache.lookup(self.op, device, dtype, key, backend=backend) if key else None
+            return self._finish(backend, source, device, dtype, hit[1] if hit else None, key)
+        if key is not None:
+            hit = autotune_cache.lookup(self.op, device, dtype, key)
+            if hit is not None and not self.reasons(hit[0], inputs):
+                return self._finish(hit[0], "autotune table", device, dtype, hit[1], key)
         for name in PRIORITY:
             if name == "triton" and device.type == "cpu":
                 continue  # the Triton interpreter is a test vehicle, never a performance choice
             if not self.reasons(name, inputs):
-                return self._finish(name, "priority list", device, dtype)
+                return self._finish(name, "priority list", device, dtype, None, key)
         raise self._error(inputs, f"{self.op}: no backend can run these inputs:")
 
-    def _finish(self, name: str, source: str, device: torch.device, dtype: torch.dtype) -> Choice:
+    def _finish(self, name: str, source: str, device: torch.device, dtype: torch.dtype,
+                config: dict | None = None, key: dict | None = None) -> Choice:
         mod = self._load(name)
-        key = (self.op, name, device.type, dtype)
-        if key not in _logged:
-            _logged.add(key)
-            logger.info("%s: using backend %r for %s/%s (chosen by %s)", self.op, name, device.type, dtype, source)
-        return Choice(name, mod, dict(getattr(mod, "DEFAULT_CONFIG", {})))
+        merged = dict(getattr(mod, "DEFAULT_CONFIG", {}))
+        merged.update(config or {})
+        key_text = autotune_registry.key_string(key) if key else ""
+        log_key = (self.op, name, device.type, dtype, key_text)
+        if log_key not in _logged:
+            _logged.add(log_key)
+            logger.info("%s: using backend %r %s for %s/%s%s (chosen by %s)", self.op, name, merged or "",
+                        device.type, dtype, f" key {key_text}" if key_text else "", source)
+        return Choice(name, mod, merged)

@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import REAL_DTYPES, check_tensor
+from ...autotune import registry as autotune
 from .._dispatch import OpBackends
 from ..cema_kernel import check_coefficients
 from ..ema_hidden import check_sequence
@@ -22,6 +23,14 @@ from ..ema_hidden import check_sequence
 __all__ = ["cema"]
 
 BACKENDS = OpBackends("cema", {"torch": "megalodon_kernels.ops.cema.torch_impl"})
+
+autotune.register(
+    "cema",
+    key=lambda x, p, log_q, gamma, omega, hx: {"D": x.shape[1], "N": p.shape[1], "L": autotune.pow2_bucket(x.shape[2]),
+                                               "hx": hx is not None},
+    space={"torch": {"power_block": [64, 32, 128], "direct_max_len": [16, 0, 256]}},
+    harness="megalodon_kernels.autotune.harness.cema",
+)
 
 
 class CemaFunction(torch.autograd.Function):

@@ -20,11 +20,20 @@ from __future__ import annotations
 import torch
 
 from .._checks import check_int, check_tensor, complex_of
+from ...autotune import registry as autotune
 from .._dispatch import OpBackends
 
 __all__ = ["cema_kernel", "check_coefficients"]
 
 BACKENDS = OpBackends("cema_kernel", {"torch": "megalodon_kernels.ops.cema_kernel.torch_impl"})
+
+autotune.register(
+    "cema_kernel",
+    key=lambda p, log_q, gamma, length, hx: {"D": p.shape[0], "N": p.shape[1], "L": autotune.pow2_bucket(length),
+                                             "hx": hx is not None},
+    space={"torch": {"power_block": [64, 16, 32, 128, 256]}},
+    harness="megalodon_kernels.autotune.harness.cema_kernel",
+)
 
 COEF_DTYPES = (torch.float32, torch.float64)
 

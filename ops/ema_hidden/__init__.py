@@ -14,12 +14,21 @@ from __future__ import annotations
 import torch
 
 from .._checks import REAL_DTYPES, check_tensor
+from ...autotune import registry as autotune
 from .._dispatch import OpBackends
 from ..cema_kernel import check_coefficients
 
 __all__ = ["ema_hidden"]
 
 BACKENDS = OpBackends("ema_hidden", {"torch": "megalodon_kernels.ops.ema_hidden.torch_impl"})
+
+autotune.register(
+    "ema_hidden",
+    key=lambda x, p, log_q, hx: {"D": x.shape[1], "N": p.shape[1], "L": autotune.pow2_bucket(x.shape[2]),
+                                 "hx": hx is not None},
+    space={"torch": {"power_block": [64, 16, 32, 128, 256]}},
+    harness="megalodon_kernels.autotune.harness.ema_hidden",
+)
 
 
 class EmaHiddenFunction(torch.autograd.Function):

@@ -12,12 +12,21 @@ from __future__ import annotations
 import torch
 
 from .._checks import REAL_DTYPES, check_tensor
+from ...autotune import registry as autotune
 from .._dispatch import OpBackends
 from ..ema_hidden import check_sequence
 
 __all__ = ["fftconv"]
 
 BACKENDS = OpBackends("fftconv", {"torch": "megalodon_kernels.ops.fftconv.torch_impl"})
+
+autotune.register(
+    "fftconv",
+    key=lambda x, k: {"D": x.shape[1], "L": autotune.pow2_bucket(x.shape[2]), "k": str(k.dtype).replace("torch.", "")},
+    # direct (Toeplitz) path for L <= direct_max_len, FFT above; 0 = always FFT.
+    space={"torch": {"direct_max_len": [16, 0, 64, 256, 1024]}},
+    harness="megalodon_kernels.autotune.harness.fftconv",
+)
 
 
 class FftconvFunction(torch.autograd.Function):

@@ -18,6 +18,7 @@ from __future__ import annotations
 import torch
 
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_tensor
+from ...autotune import registry as autotune
 from .._dispatch import OpBackends
 
 __all__ = ["rotary", "rotation_tables"]
@@ -26,6 +27,13 @@ BACKENDS = OpBackends("rotary", {
     "triton": "megalodon_kernels.ops.rotary.triton_impl",
     "torch": "megalodon_kernels.ops.rotary.torch_impl",
 })
+
+autotune.register(
+    "rotary",
+    key=lambda x: {"H": x.shape[2], "d": x.shape[3], "L": autotune.pow2_bucket(x.shape[1])},
+    space={"torch": {}},
+    harness="megalodon_kernels.autotune.harness.rotary",
+)
 
 
 def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_base, xpos_downscale: bool,

@@ -1,0 +1,59 @@
+"""Tuning harnesses, one module per op: how the tuner builds inputs for a shape, runs a candidate
+forward and backward through the public op, and computes the float64 reference.
+
+They live here, not in ops/, because they import the references (DESIGN.md section 1: ops never
+import reference/; the tuner may). Each module defines ``HARNESS = registry.Harness(...)`` and is
+named in the op's ``registry.register(..., harness="megalodon_kernels.autotune.harness.<op>")``.
+"""
+import numpy as np
+import torch
+
+#: Allowed max|err| / max|ref| over every output and gradient, per dtype: the gradient column of
+#: tests/support.py's torch table. The check is there to throw out broken candidates; the tests
+#: hold each backend to its own, tighter tolerances.
+TOLERANCE = {"float64": 1e-9, "float32": 5e-5, "float16": 8e-3, "bfloat16": 4e-2}
+
+
+def random(shape, dtype: torch.dtype, device, gen: torch.Generator, requires_grad: bool = False) -> torch.Tensor:
+    """Standard normal values drawn in float64 on the CPU (same values on every device), then cast."""
+    t = torch.randn(shape, dtype=torch.float64, generator=gen).to(device=device, dtype=dtype)
+    return t.requires_grad_(requires_grad)
+
+
+def to_np(t: torch.Tensor) -> np.ndarray:
+    """The float64 (or complex128) NumPy copy the references take; it sees the rounded inputs."""
+    t = t.detach().cpu()
+    return t.to(torch.complex128 if t.is_complex() else torch.float64).numpy()
+
+
+def real_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of CEMA coefficients for inputs of ``dtype``: float64 with float64, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def cema_coefficients(D: int, N: int, dtype: torch.dtype, device, gen: torch.Generator):
+    """(p r(D N), log_q c(D N), gamma c(D N)) as a Megalodon layer makes them: p = alpha,
+    |q| = 1 - alpha * delta with alpha, delta in (0, 1) (slow decays included), arg q in [0, pi),
+    gamma ~ complex normal / sqrt(N). Real dtype from :func:`real_dtype`."""
+    real = real_dtype(dtype)
+    cplx = torch.complex128 if real == torch.float64 else torch.complex64
+    alpha = torch.sigmoid(torch.randn(D, N, dtype=torch.float64, generator=gen))
+    delta = torch.sigmoid(torch.randn(D, N, dtype=torch.float64, generator=gen))
+    theta = torch.rand(D, N, dtype=torch.float64, generator=gen) * np.pi
+    log_q = torch.complex(torch.log1p(-alpha * delta), theta)
+    gamma = torch.complex(torch.randn(D, N, dtype=torch.float64, generator=gen),
+                          torch.randn(D, N, dtype=torch.float64, generator=gen)) / np.sqrt(N)
+
+    def leaf(t, dt):
+        return t.to(device=device, dtype=dt).requires_grad_(True)
+
+    return leaf(alpha, real), leaf(log_q, cplx), leaf(gamma, cplx)
+
+
+def grads(outputs: dict, upstream: dict, wrt: dict) -> dict:
+    """Backward of sum over outputs of <upstream, output> into ``wrt`` (name -> leaf); a
+    gradient that does not reach a leaf is returned as zeros (the reference says 0 too)."""
+    names = [n for n in outputs if outputs[n] is not None]
+    got = torch.autograd.grad([outputs[n] for n in names], list(wrt.values()),
+                              [upstream[n] for n in names], allow_unused=True)
+    return {f"d{name}": torch.zeros_like(leaf) if g is None else g for (name, leaf), g in zip(wrt.items(), got)}

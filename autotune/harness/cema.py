@@ -1,0 +1,37 @@
+"""Tuning harness of cema (kernel + fftconv + skip): shape {B, D, N, L}; y and every gradient."""
+import torch
+
+from ...ops.cema import cema
+from ...reference import cema as ref
+from .. import registry
+from . import TOLERANCE, cema_coefficients, grads, random, to_np
+
+
+def make_case(shape, dtype, device, seed):
+    gen = torch.Generator().manual_seed(seed)
+    B, D, N, L = shape["B"], shape["D"], shape["N"], shape["L"]
+    p, log_q, gamma = cema_coefficients(D, N, dtype, device, gen)
+    omega = random((D,), p.dtype, device, gen, requires_grad=True)
+    x = random((B, D, L), dtype, device, gen, requires_grad=True)
+    dy = random((B, D, L), dtype, device, gen)
+    return registry.Case(inputs={"x": x, "p": p, "log_q": log_q, "gamma": gamma, "omega": omega, "hx": None},
+                         data={"dy": dy})
+
+
+def run(case, backend, config):
+    i = case.inputs
+    y, _ = cema(i["x"], i["p"], i["log_q"], i["gamma"], i["omega"], backend=backend)
+    wrt = {n: i[n] for n in ("x", "p", "log_q", "gamma", "omega")}
+    return {"y": y, **grads({"y": y}, {"y": case.data["dy"]}, wrt)}
+
+
+def reference(case):
+    a = {n: to_np(case.inputs[n]) for n in ("x", "p", "log_q", "gamma", "omega")}
+    y, _ = ref.cema(a["x"], a["p"], a["log_q"], a["gamma"], a["omega"])
+    dx, dp, dlq, dgm, dom, _ = ref.cema_bwd(to_np(case.data["dy"]), None, a["x"], a["p"], a["log_q"], a["gamma"],
+                                            a["omega"])
+    return {"y": y, "dx": dx, "dp": dp, "dlog_q": dlq, "dgamma": dgm, "domega": dom}
+
+
+HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
+                           check_shape=lambda s: {**s, "B": 1})

@@ -1,0 +1,52 @@
+"""Each real op's autotune registration agrees with its backends, its harness and the shape sets.
+
+Skipped for ops that do not register yet. Checked: every backend in the declared space has a
+module ``ops/<op>/<backend>_impl.py`` whose DEFAULT_CONFIG has exactly the declared knobs, with the
+FIRST declared value of each (what the tuner records as the default); the harness loads; the cpu
+shape set covers the op and its cases map to a key the registration accepts.
+"""
+import importlib
+import pkgutil
+
+import pytest
+import torch
+
+import megalodon_kernels.ops as ops_pkg
+from megalodon_kernels.autotune import registry
+from megalodon_kernels.autotune.shapes import SHAPE_SETS
+
+OPS = sorted(info.name for info in pkgutil.iter_modules(ops_pkg.__path__) if info.ispkg)
+
+
+def _registered(op):
+    importlib.import_module(f"megalodon_kernels.ops.{op}")
+    tunable = registry.get(op)
+    if tunable is None:
+        pytest.skip(f"{op} does not register for autotuning yet")
+    return tunable
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_space_matches_default_config(op):
+    tunable = _registered(op)
+    for backend in tunable.space:
+        try:
+            impl = importlib.import_module(f"megalodon_kernels.ops.{op}.{backend}_impl")
+        except ImportError as exc:  # an optional dependency of that backend is absent here
+            print(f"{op}/{backend}: not importable here ({exc})")
+            continue
+        assert impl.DEFAULT_CONFIG == tunable.default_config(backend), (
+            f"{op}/{backend}: DEFAULT_CONFIG {impl.DEFAULT_CONFIG} must equal the first value of every declared "
+            f"knob {tunable.default_config(backend)}")
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_harness_and_cpu_shapes(op):
+    tunable = _registered(op)
+    harness = tunable.harness()
+    shapes = SHAPE_SETS["cpu"].shapes(op)
+    assert shapes, f"the cpu shape set has no shapes for {op}"
+    for shape in shapes:
+        small = harness.check_shape(shape) if harness.check_shape else shape
+        case = harness.make_case(small, torch.float32, torch.device("cpu"), 0)
+        assert tunable.key(case.inputs) == tunable.key(harness.make_case(shape, torch.float32, "cpu", 0).inputs)
