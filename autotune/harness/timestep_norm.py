@@ -19,7 +19,7 @@ def make_case(shape, dtype, device, seed):
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     up = {"y": random((B, L, D), dtype, device, gen), "mean": random((B, G), acc, device, gen),
           "var": random((B, G), acc, device, gen)}
-    return registry.Case(inputs={"x": x}, data={"scale": scale, "bias": bias, "G": G, "up": up})
+    return registry.Case(inputs={"x": x, "num_groups": G}, data={"scale": scale, "bias": bias, "G": G, "up": up})
 
 
 def run(case, backend, config):

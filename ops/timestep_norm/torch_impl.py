@@ -1,0 +1,294 @@
+"""PyTorch backend of TimestepNorm: a parallel Welford scan forward, a scaled-carry backward.
+
+Shift. All statistics are taken of x - K with K [B, G] the median of the finite row means of the
+segment (see ``_shift``); they are shift-invariant, and only the returned mean adds K back. In
+fp32 this keeps x - mu_t at the precision of the data's spread instead of ulp(mean).
+
+Forward. Each unmasked step t of a (batch, group) column is one observation (n=1, mean=gmu_t,
+M2=gvar_t) in "per-step" units, so the running population variance is M2/n. Observations are
+combined with Chan's pairwise merge, which is associative and never subtracts large sums::
+
+    delta = mu_b - mu_a,  n = n_a + n_b
+    mu = mu_a + delta * n_b / n,   M2 = M2_a + M2_b + delta^2 * n_a * n_b / n
+
+(n = 0 is the identity: an empty side returns the other side exactly, no division by zero).
+The scan is two-level with chunk length T (``DEFAULT_CONFIG["chunk"]``): a log-depth
+Hillis-Steele scan inside each chunk, a Hillis-Steele exclusive scan of the chunk totals with the
+prior (prev_count, prev_mean, prev_count * prev_var) merged in front, then one merge of each chunk
+prefix into its in-chunk prefixes. Error grows with log(L), not L, and a large common mean or a
+wild first step never cancels (cumsum(x) / cumsum(x^2) loses everything in fp32 there).
+Counts are exact (float64, so streaming past 2^24 tokens stays exact).
+
+Backward. With n_t the count after step t, w_t = 1 on unmasked steps, r_t = rstd_t and per group
+ds_t = sum_i dy_i (x_i - mu_t) scale_i, db_t = sum_i dy_i scale_i, the reverse scan of spec 4.3
+(carries (u, v) from (dmean, dvar); u <- c1 du - 2 c1 c2 dv (gmu - mu_prev), v <- c1 dv) becomes,
+with the carries divided by the running count so that each step ADDS a term instead of
+rescaling the carry::
+
+    V_t    = dvar / n_L  - sum_{s >= t} w_s 0.5 r_s^3 ds_s / n_s                     (= dgvar_t)
+    U_t    = dmean / n_L - sum_{s >= t} w_s [r_s db_s + 2 V_s (gmu_s - mu_{s-1})] / n_s
+    dgmu_t = U_{t+1} - r_t db_t / n_t + 2 V_t (gmu_t - mu_t)
+    dx_i   = w_t [dy_i r_t scale_i + dgmu_t / Dg + 2 dgvar_t (x_i - gmu_t) / Dg]
+    dprev_mean = n_0 U_0,  dprev_var = n_0 V_0   (n_0 = prev_count; both are (dmean, dvar)
+                                                  passed straight through when no step is observed)
+
+(U_t = u_{t-1} / n_{t-1}, V_t = dv_t / n_t in the unscaled carries.) mu_{s-1} is the CARRIED
+mean entering step s (spec 8.2), and (gmu_s - mu_{s-1}) / n_s is used rather than the equal
+mu_s - mu_{s-1}, a difference of two rounded running means. The two reverse sums run over all
+of L, so they are two-level: a cumsum inside chunks of T in the compute dtype, chunk totals
+accumulated in float64, one rounding at the end (the dscale/dbias column sums likewise).
+Padded steps enter only through torch.where, so NaN/inf in a padded x (or a 1/0 count before the
+first observation, spec 8.4) reaches nothing.
+"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .._checks import acc_dtype
+
+#: chunk: the time-chunk length T of the two-level scans (forward Welford scan and backward
+#: reverse sums). Any T >= 1 gives the same result up to rounding.
+DEFAULT_CONFIG: dict = {"chunk": 64}
+
+
+def not_supported_reasons(x, num_groups=None) -> list[str]:
+    return []  # every device and dtype torch supports
+
+
+# ----------------------------------------------------------------------------------------------
+# Welford / Chan merge and the parallel scan
+# ----------------------------------------------------------------------------------------------
+
+def _merge(a, b, guard_empty: bool = True):
+    """Chan's merge of summaries a = (n, mu, M2) (earlier) and b (later); n is float64 [..., 1].
+
+    With ``guard_empty`` an empty side (n = 0) returns the other side bit-exactly, whatever mean
+    it carries (the prior with prev_count = 0). Inside the scans every empty summary is exactly
+    (0, 0, 0), for which the plain formula is already exact, so they skip the guard.
+    """
+    na, ma, Ma = a
+    nb, mb, Mb = b
+    n = na + nb
+    n_safe = n.clamp_min(1.0)
+    frac = (nb / n_safe).to(ma.dtype)  # share of b; exact ratio of exact counts, one rounding
+    weight = (na * nb / n_safe).to(ma.dtype)
+    delta = mb - ma
+    mu = torch.addcmul(ma, delta, frac)
+    m2 = torch.addcmul(Ma + Mb, delta * delta, weight)
+    if guard_empty:
+        a_empty, b_empty = na == 0, nb == 0
+        mu = torch.where(b_empty, ma, torch.where(a_empty, mb, mu))
+        m2 = torch.where(b_empty, Ma, torch.where(a_empty, Mb, m2))
+    return n, mu, m2
+
+
+def _hillis_steele(s, dim: int):
+    """Inclusive scan of summaries along ``dim`` in ceil(log2(len)) merge rounds."""
+    size = s[0].shape[dim]
+    step = 1
+    while step < size:
+        head = [t.narrow(dim, 0, step) for t in s]  # already final after this round
+        earlier = [t.narrow(dim, 0, size - step) for t in s]
+        later = [t.narrow(dim, step, size - step) for t in s]
+        merged = _merge(earlier, later, guard_empty=False)
+        s = tuple(torch.cat((h, m), dim=dim) for h, m in zip(head, merged))
+        step *= 2
+    return s
+
+
+def _welford_scan(n_obs, gmu, gvar, prior, chunk: int):
+    """States after every step: returns (n [B, L, 1] float64, mu [B, L, G], M2 [B, L, G]).
+
+    n_obs [B, L, 1] float64 (1 = observation, 0 = padded), gmu/gvar [B, L, G] (zeros on padded
+    steps), prior = (n0 [B, 1], mu0 [B, G], M2_0 [B, G]).
+    """
+    B, L, G = gmu.shape
+    T = max(1, min(chunk, L))
+    nc = -(-L // T)
+    pad = nc * T - L
+    obs = (n_obs, gmu, gvar)
+    if pad:
+        obs = tuple(F.pad(t, (0, 0, 0, pad)) for t in obs)  # zero summaries = identity
+    obs = tuple(t.reshape(B, nc, T, t.shape[-1]) for t in obs)  # [B, nc, T, G]
+    local = _hillis_steele(obs, dim=2)  # prefixes inside each chunk
+    totals = tuple(t[:, :, -1] for t in local)  # [B, nc, G]
+    incl = _hillis_steele(totals, dim=1)
+    # Exclusive prefix of chunk c = prior (+) totals[0..c-1].
+    excl = tuple(F.pad(t[:, :-1], (0, 0, 1, 0)) for t in incl)
+    n0, mu0, m20 = prior
+    carry = _merge((n0[:, None], mu0[:, None], m20[:, None]), excl)  # [B, nc, G]
+    out = _merge(tuple(t[:, :, None] for t in carry), local)  # [B, nc, T, G]
+    return tuple(t.reshape(B, nc * T, t.shape[-1])[:, :L] for t in out)
+
+
+# ----------------------------------------------------------------------------------------------
+# Two-level sums (fp32 inside a chunk, float64 across chunks)
+# ----------------------------------------------------------------------------------------------
+
+def _reverse_cumsum(v: torch.Tensor, chunk: int, init: torch.Tensor | None = None) -> torch.Tensor:
+    """out[:, t] = init + sum_{s >= t} v[:, s] along dim 1 of v [B, L, G]; init [B, G] float64."""
+    B, L, G = v.shape
+    T = max(1, min(chunk, L))
+    nc = -(-L // T)
+    vc = F.pad(v, (0, 0, 0, nc * T - L)).reshape(B, nc, T, G)
+    local = vc.flip(2).cumsum(2).flip(2)  # [B, nc, T, G], sums within the chunk
+    tot = local[:, :, 0].to(torch.float64)  # [B, nc, G]
+    after = tot.flip(1).cumsum(1).flip(1)
+    after = F.pad(after[:, 1:], (0, 0, 0, 1))  # sum over later chunks, exclusive
+    if init is not None:
+        after = after + init[:, None]
+    out = (local.to(torch.float64) + after[:, :, None]).to(v.dtype)
+    return out.reshape(B, nc * T, G)[:, :L]
+
+
+def _sum_rows(v: torch.Tensor, chunk: int) -> torch.Tensor:
+    """Sum v [B, L, D] over (B, L): chunks of T rows in v's dtype, the partial sums in float64."""
+    B, L, D = v.shape
+    T = max(1, min(chunk, L))
+    full = (L // T) * T
+    out = v[:, :full].reshape(B, L // T, T, D).sum(2).to(torch.float64).sum((0, 1))
+    if full < L:
+        out = out + v[:, full:].sum(1).to(torch.float64).sum(0)
+    return out
+
+
+# ----------------------------------------------------------------------------------------------
+# Forward / backward
+# ----------------------------------------------------------------------------------------------
+
+def _shift(xg, live):
+    """A per-(batch, group) value K near the bulk of the data: the median of the finite row means.
+
+    Everything is computed on x - K. Where K/2 <= x <= 2K that subtraction is exact (Sterbenz),
+    and the running mean is then stored as a small offset from K: x - mu_t keeps the precision of
+    the spread of x instead of ulp(mean) (with |mean| = 1e3 and std 1 in fp32, storing mu_t itself
+    costs ~3e-5 relative in y). A median ignores an outlier step; K only changes rounding.
+    """
+    rough = xg.mean(-1)  # [B, L, G]
+    ok = live[..., None] & torch.isfinite(rough)
+    K = torch.nanmedian(torch.where(ok, rough, float("nan")), dim=1).values  # [B, G]
+    return torch.where(torch.isnan(K), 0.0, K)  # nothing finite observed: no shift
+
+
+def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+                      chunk=DEFAULT_CONFIG["chunk"]):
+    """Returns (y, count, mean, var, saved) with ``saved`` the tensors timestep_norm_bwd needs."""
+    B, L, D = x.shape
+    G = num_groups
+    acc = acc_dtype(x.dtype)
+    live = ~padding_mask  # [B, L]
+    has_pad = bool(padding_mask.any())  # without padding, skip the x-sized masking passes
+    dead = padding_mask[..., None]  # [B, L, 1]
+    mu0 = prev_mean.to(acc)
+    var0 = prev_var.to(acc)
+
+    xg = x.to(acc).reshape(B, L, G, D // G)
+    K = _shift(xg, live) if L else torch.zeros_like(mu0)  # [B, G]
+    xg = xg - K[:, None, :, None]  # [B, L, G, Dg]; every statistic below is relative to K
+    # Two-pass moments inside each row: mean first, then squared deviations from it.
+    gmu = xg.mean(-1)  # [B, L, G]
+    gvar = (xg - gmu[..., None]).square_().mean(-1)
+    if has_pad:  # a padded row's NaN/inf must not enter the scan
+        gmu = torch.where(dead, 0.0, gmu)
+        gvar = torch.where(dead, 0.0, gvar)
+    n_obs = live.to(torch.float64)[..., None]  # [B, L, 1]
+
+    n0 = prev_count.to(torch.float64)[:, None]  # [B, 1]
+    # With no prior observations the prior is ignored entirely (also a non-finite prev_var).
+    m20 = torch.where(n0 > 0, var0 * n0.to(acc), 0.0)
+    n, mu, m2 = _welford_scan(n_obs, gmu, gvar, (n0, mu0 - K, m20), chunk)
+    # Before the first observation the carried state is the prior itself.
+    var = torch.where(n > 0, m2 / n.clamp_min(1.0).to(acc), var0[:, None])  # [B, L, G]
+    rstd = torch.rsqrt(var + eps)
+
+    scale_g = scale.to(acc).reshape(G, D // G)
+    bias_g = bias.to(acc).reshape(G, D // G)
+    y = (xg - mu[..., None]).mul_(rstd[..., None])  # [B, L, G, Dg]
+    y = torch.addcmul(bias_g, y, scale_g)
+    if has_pad:
+        y = torch.where(dead[..., None], 0.0, y)
+    y = y.reshape(B, L, D).to(x.dtype)
+
+    count = prev_count.to(torch.int64) + live.sum(1)
+    if L:
+        # A fully padded segment hands the state back bit-exactly.
+        observed = live.any(1)[:, None]  # [B, 1]
+        mean_out = torch.where(observed, mu[:, -1] + K, mu0)
+        var_out = torch.where(observed, var[:, -1], var0)
+    else:
+        mean_out, var_out = mu0.clone(), var0.clone()
+    saved = (x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0 - K, K)
+    return y, count, mean_out, var_out, saved
+
+
+def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, chunk=DEFAULT_CONFIG["chunk"]):
+    """Returns (dx, dscale, dbias, dprev_mean, dprev_var), all in the accumulation dtype."""
+    # mu, gmu and mu0 are relative to the shift K (see _shift); x is shifted again below.
+    x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0, K = saved
+    B, L, D = x.shape
+    G = num_groups
+    Dg = D // G
+    acc = mu.dtype
+    live = ~padding_mask  # [B, L]
+    has_pad = bool(padding_mask.any())
+    dead = padding_mask[..., None]  # [B, L, 1]
+    dead4 = dead[..., None]  # [B, L, 1, 1]
+    dmean64 = dmean.to(torch.float64)
+    dvar64 = dvar.to(torch.float64)
+
+    n0 = prev_count.to(torch.float64)  # [B]
+    n = n0[:, None] + live.to(torch.float64).cumsum(1)  # [B, L] count after step t
+    n_end = n0 + live.sum(1).to(torch.float64)  # [B]
+    inv_n = torch.where(live, 1.0 / n.clamp_min(1.0), 0.0).to(acc)[..., None]  # [B, L, 1], 0 if padded
+    inv_n_end = (1.0 / n_end.clamp_min(1.0))[:, None]  # [B, 1] float64
+
+    xg = x.to(acc).reshape(B, L, G, Dg) - K[:, None, :, None]  # [B, L, G, Dg]
+    dyg = dy.to(acc).reshape(B, L, G, Dg)
+    xc = xg - mu[..., None]  # x - mu_t
+    if has_pad:  # zero both factors so padded rows add exact zeros (never 0 * NaN) below
+        dyg = torch.where(dead4, 0.0, dyg)
+        xc = torch.where(dead4, 0.0, xc)
+    scale_g = scale.to(acc).reshape(G, Dg)
+    dys = dyg * scale_g  # [B, L, G, Dg]
+    dyxc = dyg * xc
+    ds = (dyxc * scale_g).sum(-1)  # [B, L, G]
+    db = dys.sum(-1)
+    r = rstd
+    dscale = _sum_rows((dyxc * r[..., None]).reshape(B, L, D), chunk)
+    dbias = _sum_rows(dyg.reshape(B, L, D), chunk)
+
+    # V_t = dgvar_t: the variance carry divided by n_t (reverse inclusive sum).
+    V = _reverse_cumsum(-0.5 * r * r * r * ds * inv_n, chunk, init=dvar64 * inv_n_end)  # [B, L, G]
+    # mu_{t-1}: the carried mean entering step t (the prior mean at t = 0).
+    mu_prev = torch.cat((mu0[:, None], mu[:, :-1]), dim=1)  # [B, L, G]
+    n_prev = torch.cat((n0[:, None], n[:, :-1]), dim=1)[..., None]  # [B, L, 1]
+    # (gmu_t - mu_{t-1}) / n_t equals mu_t - mu_{t-1}, but that difference of two stored running
+    # means would lose ulp(mu) * n_t relative; gmu_t - mu_{t-1} is O(spread). The term exists only
+    # after an observation (c1 > 0): the guard keeps an arbitrary prior mean with prev_count = 0 out.
+    cross = torch.where(n_prev > 0, 2.0 * V * (gmu - mu_prev) * inv_n, 0.0)
+    a = torch.where(dead, 0.0, r * db * inv_n + cross)
+    U = _reverse_cumsum(-a, chunk, init=dmean64 * inv_n_end)  # U_t: mean carry entering t from the right, / n_{t-1}
+    U_next = torch.cat((U[:, 1:], (dmean64 * inv_n_end).to(acc)[:, None]), dim=1)  # U_{t+1}
+    # dgmu_t = U_{t+1} - r_t db_t / n_t + 2 V_t (gmu_t - mu_t); its -r db / n part is kept apart:
+    # dx = r (dy scale - db / (n Dg)) + [U_{t+1} + 2 V (gmu - mu)] / Dg + 2 V (x - gmu) / Dg.
+    # Subtracting inside the bracket before scaling by r avoids cancelling two O(r |dy|) terms
+    # when r is large and n small (var ~ 0, e.g. Dg = 1 at the first step: r = 1/sqrt(eps)).
+    rest = (U_next + 2.0 * V * (gmu - mu)) / Dg  # [B, L, G]
+    dx = torch.addcmul(rest[..., None], xg - gmu[..., None], (2.0 / Dg * V)[..., None])
+    dx = dx.addcmul_(dys - (db * inv_n / Dg)[..., None], r[..., None])
+    if has_pad:
+        dx = torch.where(dead4, 0.0, dx)
+    dx = dx.reshape(B, L, D)
+
+    # Endpoints: the unscaled carries after step 0 are n_0 times the scaled ones. Nothing
+    # observed in the segment (also n_L = 0): mean/var ARE prev_mean/prev_var, gradients pass
+    # straight through.
+    nothing = ~live.any(1)[:, None]
+    has_prior = (n0 > 0)[:, None]
+    U0 = U[:, 0] if L else (dmean64 * inv_n_end).to(acc)
+    V0 = V[:, 0] if L else (dvar64 * inv_n_end).to(acc)
+    n0c = n0[:, None]  # float64: prev_count may exceed 2^24 in a long stream
+    dprev_mean = torch.where(nothing, dmean.to(acc), torch.where(has_prior, (n0c * U0).to(acc), 0.0))
+    dprev_var = torch.where(nothing, dvar.to(acc), torch.where(has_prior, (n0c * V0).to(acc), 0.0))
+    return dx, dscale.to(acc), dbias.to(acc), dprev_mean, dprev_var
