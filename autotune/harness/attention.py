@@ -22,7 +22,8 @@ def make_case(shape, dtype, device, seed):
     k = random((B, L, H, dh), dtype, device, gen, requires_grad=True)
     v = random((B, L, H, dv), dtype, device, gen, requires_grad=True)
     do = random((B, L, H, dv), dtype, device, gen)
-    return registry.Case(inputs={"q": q, "k": k, "v": v},
+    return registry.Case(inputs={"q": q, "k": k, "v": v, "chunk_size": shape["chunk"], "causal": True,
+                                 "block_causal": False, "dropkey": False},
                          data={"chunk": shape["chunk"], "scale": dh ** -0.5, "do": do})
 
 

@@ -1,0 +1,88 @@
+"""DropKey softmax over an existing score tensor (upstream's ``attention_softmax``, spec 5.4).
+
+For callers that build scores themselves (extra biases, custom score functions): the same
+bottom-right causal mask and the same DropKey rule as :func:`ops.attention.attention`, so
+``dropkey_softmax(scale * q k^T, causal, p, seed) @ v`` equals ``attention(q, k, v, ...)``
+with the same seed. The backward uses the saved output only: dropped and masked entries have
+y = 0 and get zero gradient, so no mask replay is needed.
+"""
+from __future__ import annotations
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from .._checks import REAL_DTYPES, _dtype_names, check_float
+from ...autotune import registry as autotune
+from .._dispatch import OpBackends
+from ..dropkey_rule import resolve_seed
+
+__all__ = ["dropkey_softmax"]
+
+BACKENDS = OpBackends("dropkey_softmax", {"torch": "megalodon_kernels.ops.dropkey_softmax.torch_impl"})
+
+autotune.register(
+    "dropkey_softmax",
+    key=lambda scores: {"L": autotune.pow2_bucket(scores.shape[-2]), "S": autotune.pow2_bucket(scores.shape[-1])},
+    space={"torch": {"block_q": [256, 64, 128, 512], "max_block_elems": [1 << 22]}},
+    harness="megalodon_kernels.autotune.harness.dropkey_softmax",
+)
+
+
+class DropKeySoftmaxFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, scores, kw: dict, impl):
+        kw = {**kw, **impl.config}
+        y = impl.module.dropkey_softmax_fwd(scores, **kw)
+        ctx.save_for_backward(y)
+        ctx.kw, ctx.impl = kw, impl
+        return y
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, dy):
+        (y,) = ctx.saved_tensors
+        return ctx.impl.module.dropkey_softmax_bwd(dy, y, **ctx.kw), None, None
+
+
+def dropkey_softmax(scores: torch.Tensor, causal: bool = True, dropkey_p: float = 0.0, seed=None, *,
+                    backend: str = "auto") -> torch.Tensor:
+    """Softmax over the last axis with the bottom-right causal mask and DropKey.
+
+    Args:
+        scores: r(..., L, S), at least 2-D; float16/bfloat16/float32/float64.
+        causal: row i sees keys j <= i + (S - L) only (bottom-right alignment, as in attention).
+        dropkey_p: DropKey drop probability in [0, 1); 0 disables it.
+        seed: int in [0, 2**63 - 1] or None; with dropkey_p > 0, None draws one from torch's
+            default generator.
+        backend: "auto", "torch", "triton" or "cuda".
+
+    Returns:
+        r(..., L, S) probabilities, same shape and dtype as scores (computed in fp32, fp64 for
+        fp64, rounded once).
+
+    DropKey indices: i and j are the last two indices of scores; h is the index along dim -3
+    (0 if scores is 2-D); b is the flat (row-major) index over the dims before -3 (0 if scores
+    has at most 3 dims). Entry (b, h, i, j) is dropped unless
+    ``ops.dropkey_rule.keep_mask(seed, dropkey_p, b, h, i, j)``; a dropped score becomes -inf
+    before the softmax, nothing is rescaled, and a row with no visible kept entry is all 0.
+    For scores r(B H L S) = scale * q k^T per head, ``dropkey_softmax(scores, causal, p, seed) @ v``
+    equals ``attention(q, k, v, scale=scale, causal=causal, dropkey_p=p, seed=seed)`` (up to
+    layout).
+
+    Example::
+
+        scores = torch.einsum("blhd,bshd->bhls", q, k) + bias  # (B, H, L, S)
+        p = dropkey_softmax(scores, causal=True, dropkey_p=0.1, seed=step)
+    """
+    if not isinstance(scores, torch.Tensor):
+        raise TypeError(f"scores must be a torch.Tensor of shape (..., L, S), got {type(scores).__name__}")
+    if scores.dtype not in REAL_DTYPES:
+        raise TypeError(f"scores must have dtype in [{_dtype_names(REAL_DTYPES)}], got {scores.dtype}")
+    if scores.dim() < 2:
+        raise ValueError(f"scores must have rank >= 2 (..., L, S), got shape {tuple(scores.shape)}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
+    dropkey_p = check_float("dropkey_p", dropkey_p, low=0.0, high=1.0, high_open=True)
+    seed = resolve_seed(seed) if (seed is not None or dropkey_p > 0.0) else 0
+    impl = BACKENDS.select(backend, {"scores": scores}, device=scores.device, dtype=scores.dtype)
+    return DropKeySoftmaxFunction.apply(scores, dict(causal=causal, dropkey_p=dropkey_p, seed=seed), impl)

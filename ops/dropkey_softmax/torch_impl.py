@@ -1,0 +1,87 @@
+"""PyTorch backend of dropkey_softmax: row blocks of the (..., L, S) scores, fp32 softmax each.
+
+The scores already exist in full, so tiling is only about temporaries: a block's fp32 copy,
+its mask and the int64 DropKey hash stay within ``max_block_elems`` entries. Keys beyond a
+block's last causal position are never computed; they are written as 0.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .._checks import acc_dtype
+from ..dropkey_rule import keep_mask
+
+DEFAULT_CONFIG: dict = {
+    # Rows per block (upper bound; shrunk to respect max_block_elems).
+    "block_q": 256,
+    # Upper bound on entries (batch * heads * rows * S) of one block's temporaries.
+    "max_block_elems": 1 << 22,
+}
+
+
+def not_supported_reasons(scores) -> list[str]:
+    return []  # every device and dtype torch supports; no length limit
+
+
+def _as_bhls(x):
+    """(..., L, S) -> (Bf, Hf, L, S): b = flat index over dims before -3, h = index along -3."""
+    L, S = x.shape[-2:]
+    H = x.shape[-3] if x.dim() >= 3 else 1
+    return x.reshape(math.prod(x.shape[:-3]), H, L, S)  # explicit sizes: -1 is ambiguous for empty x
+
+
+def _blocks(Bf, Hf, L, S, causal, block_q, max_block_elems):
+    rows = max(1, min(block_q, max_block_elems // max(1, Bf * Hf * S)))
+    for i0 in range(0, L, rows):
+        i1 = min(L, i0 + rows)
+        hi = max(0, min(S, i1 - 1 + S - L + 1)) if causal else S  # keys past the block's last position: 0
+        yield i0, i1, hi
+
+
+def _allowed(Bf, Hf, i0, i1, hi, L, S, causal, dropkey_p, seed, device):
+    i_idx = torch.arange(i0, i1, device=device).view(1, 1, -1, 1)  # [1, 1, rows, 1]
+    j = torch.arange(hi, device=device).view(1, 1, 1, -1)  # [1, 1, 1, hi]
+    allowed = (j <= i_idx + (S - L)) if causal else torch.ones((1, 1, 1, hi), dtype=torch.bool, device=device)
+    if dropkey_p > 0.0:
+        b_idx = torch.arange(Bf, device=device).view(-1, 1, 1, 1)
+        h_idx = torch.arange(Hf, device=device).view(1, -1, 1, 1)
+        allowed = allowed & keep_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j)
+    return allowed
+
+
+def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_q, max_block_elems):
+    """y of the scores' shape and dtype."""
+    x = _as_bhls(scores)
+    Bf, Hf, L, S = x.shape
+    acc = acc_dtype(scores.dtype)
+    y = torch.empty(x.shape, dtype=scores.dtype, device=scores.device)
+    for i0, i1, hi in _blocks(Bf, Hf, L, S, causal, block_q, max_block_elems):
+        y[:, :, i0:i1, hi:] = 0
+        if hi == 0:
+            continue
+        allowed = _allowed(Bf, Hf, i0, i1, hi, L, S, causal, dropkey_p, seed, scores.device)
+        s = x[:, :, i0:i1, :hi].to(acc, copy=True).masked_fill_(~allowed, -math.inf)  # [Bf, Hf, rows, hi]
+        p = torch.softmax(s, dim=-1)
+        empty = ~allowed.any(dim=-1, keepdim=True)  # rows with no visible kept key: softmax gave NaN
+        if bool(empty.any()):
+            p.masked_fill_(empty, 0.0)
+        y[:, :, i0:i1, :hi] = p
+    return y.view(scores.shape)
+
+
+def dropkey_softmax_bwd(dy, y, *, causal, dropkey_p, seed, block_q, max_block_elems):
+    """dscores = y (dy - sum_j y dy); masked and dropped entries have y = 0, so no mask replay."""
+    yb, dyb = _as_bhls(y), _as_bhls(dy)
+    Bf, Hf, L, S = yb.shape
+    acc = acc_dtype(y.dtype)
+    dx = torch.empty(yb.shape, dtype=y.dtype, device=y.device)
+    for i0, i1, hi in _blocks(Bf, Hf, L, S, causal, block_q, max_block_elems):
+        dx[:, :, i0:i1, hi:] = 0
+        if hi == 0:
+            continue
+        p = yb[:, :, i0:i1, :hi].to(acc)
+        g = dyb[:, :, i0:i1, :hi].to(acc, copy=True)
+        dx[:, :, i0:i1, :hi] = g.sub_((p * g).sum(dim=-1, keepdim=True)).mul_(p)
+    return dx.view(y.shape)
