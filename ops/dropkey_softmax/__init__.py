@@ -18,7 +18,10 @@ from ..dropkey_rule import resolve_seed
 
 __all__ = ["dropkey_softmax"]
 
-BACKENDS = OpBackends("dropkey_softmax", {"torch": "megalodon_kernels.ops.dropkey_softmax.torch_impl"})
+BACKENDS = OpBackends("dropkey_softmax", {
+    "cuda": "megalodon_kernels.ops.dropkey_softmax.cuda_impl",
+    "torch": "megalodon_kernels.ops.dropkey_softmax.torch_impl",
+})
 
 autotune.register(
     "dropkey_softmax",

@@ -18,7 +18,10 @@ from ..ema_hidden import check_sequence
 
 __all__ = ["fftconv"]
 
-BACKENDS = OpBackends("fftconv", {"torch": "megalodon_kernels.ops.fftconv.torch_impl"})
+BACKENDS = OpBackends("fftconv", {
+    "cuda": "megalodon_kernels.ops.fftconv.cuda_impl",
+    "torch": "megalodon_kernels.ops.fftconv.torch_impl",
+})
 
 autotune.register(
     "fftconv",

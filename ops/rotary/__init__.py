@@ -24,6 +24,7 @@ from .._dispatch import OpBackends
 __all__ = ["rotary", "rotation_tables"]
 
 BACKENDS = OpBackends("rotary", {
+    "cuda": "megalodon_kernels.ops.rotary.cuda_impl",
     "triton": "megalodon_kernels.ops.rotary.triton_impl",
     "torch": "megalodon_kernels.ops.rotary.torch_impl",
 })

@@ -27,7 +27,10 @@ from .._dispatch import OpBackends
 
 __all__ = ["timestep_norm"]
 
-BACKENDS = OpBackends("timestep_norm", {"torch": "megalodon_kernels.ops.timestep_norm.torch_impl"})
+BACKENDS = OpBackends("timestep_norm", {
+    "cuda": "megalodon_kernels.ops.timestep_norm.cuda_impl",
+    "torch": "megalodon_kernels.ops.timestep_norm.torch_impl",
+})
 
 autotune.register(
     "timestep_norm",

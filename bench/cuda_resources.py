@@ -1,0 +1,106 @@
+"""Resource table of every CUDA kernel (nvcc, offline) and run times in the CPU emulator.
+
+    python -m megalodon_kernels.bench.cuda_resources [--arch 80 90] [--emulator]
+
+Compiles each cuda/*.cu with ``nvcc -cubin -arch=sm_XX -Xptxas -v`` (cached by source hash, no
+GPU needed) and prints registers, spill bytes, static + worst-case dynamic shared memory against
+the per-block limit; exit code 1 if any kernel spills or does not fit. ``--emulator`` also times
+each op's forward and backward in the SIMT emulator (CPU seconds; a functional check, not a
+performance figure).
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+from megalodon_kernels.cuda import build
+
+
+def _family(kernel: str) -> str:
+    return kernel.split("(")[0].split("<")[0].split("::")[-1].split()[-1]
+
+
+def resource_rows(archs):
+    rows = build.nvcc_resources_all(tuple(archs))
+    try:
+        dyn = dict(build.load_emulator().dynamic_smem_table())
+    except Exception as exc:  # no host compiler
+        print(f"(dynamic shared memory table unavailable: {exc})", file=sys.stderr)
+        dyn = {}
+    return rows, dyn
+
+
+def emulator_times():
+    import torch
+
+    from megalodon_kernels.cuda import kernels as K
+    from megalodon_kernels.ops.rotary import rotation_tables
+
+    ext = build.load_emulator()
+    g = torch.Generator().manual_seed(0)
+    out = []
+
+    def timed(name, shape, fn):
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        out.append((name, shape, time.perf_counter() - t0, time.process_time() - c0))
+
+    for dt in (torch.float32, torch.bfloat16):
+        tag = str(dt).replace("torch.", "")
+        s = torch.randn(2, 4, 64, 64, generator=g).to(dt)
+        y = K.dropkey_softmax_fwd(ext, s, causal=True, dropkey_p=0.1, seed=1)
+        timed(f"dropkey_softmax fwd {tag}", "(2,4,64,64)",
+              lambda: K.dropkey_softmax_fwd(ext, s, causal=True, dropkey_p=0.1, seed=1))
+        timed(f"dropkey_softmax bwd {tag}", "(2,4,64,64)", lambda: K.dropkey_softmax_bwd(ext, s, y, causal=True))
+        x = torch.randn(2, 256, 4, 64, generator=g).to(dt)
+        cos, sin = rotation_tables(torch.arange(256), 64, 10000.0, None, False, torch.float32)
+        timed(f"rotary fwd {tag}", "(2,256,4,64)", lambda: K.rotary_fwd(ext, x, cos, sin))
+        B, L, D, G = 2, 512, 64, 4
+        x = torch.randn(B, L, D, generator=g).to(dt)
+        args = (torch.ones(D), torch.zeros(D), torch.zeros(B, dtype=torch.int64), torch.zeros(B, G), torch.ones(B, G),
+                torch.zeros(B, L, dtype=torch.bool), G, 1e-5)
+        res = K.timestep_norm_fwd(ext, x, *args)
+        timed(f"timestep_norm fwd {tag}", f"({B},{L},{D}) G={G}", lambda: K.timestep_norm_fwd(ext, x, *args))
+        timed(f"timestep_norm bwd {tag}", f"({B},{L},{D}) G={G}",
+              lambda: K.timestep_norm_bwd(ext, x, torch.zeros(B, G), torch.zeros(B, G), res[4], G))
+        for L in (1024, 16384):
+            x = torch.randn(1, 1, L, generator=g).to(dt)
+            k = torch.randn(1, L, generator=g)
+            timed(f"fftconv fwd {tag}", f"(1,1,{L})", lambda: K.fftconv_fwd(ext, x, k))
+            timed(f"fftconv bwd {tag}", f"(1,1,{L})", lambda: K.fftconv_bwd(ext, x, x, k))
+    return out
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description="CUDA kernel resources (nvcc -Xptxas -v) and emulator run times")
+    ap.add_argument("--arch", nargs="*", type=int, default=[80, 90], choices=sorted(build.SMEM_LIMIT))
+    ap.add_argument("--emulator", action="store_true", help="also time every op in the CPU emulator")
+    a = ap.parse_args(argv)
+    rows, dyn = resource_rows(a.arch)
+    print(f"{'kernel':<58} {'arch':<6} {'regs':>4} {'spill':>5} {'static':>7} {'dynamic':>8} {'total':>7} "
+          f"{'limit':>7}  status")
+    bad = 0
+    for r in sorted(rows, key=lambda r: (r.source, _family(r.kernel), r.kernel, r.arch)):
+        d = dyn.get(_family(r.kernel), 0)
+        total = r.static_smem + d
+        status = []
+        if r.spill_stores or r.spill_loads:
+            status.append("SPILLS")
+        if total > build.SMEM_LIMIT[r.arch]:
+            status.append("SMEM")
+        bad += bool(status)
+        name = r.kernel.split("(")[0].replace("void ", "").replace("mk::", "").replace("__nv_bfloat16", "bf16")
+        print(f"{name:<58} sm_{r.arch:<3} {r.registers:>4} {r.spill_stores + r.spill_loads:>5} {r.static_smem:>7} "
+              f"{d:>8} {total:>7} {build.SMEM_LIMIT[r.arch]:>7}  {', '.join(status) or 'ok'}")
+    print(f"\n{len(rows)} kernel variants, {bad} flagged (dynamic = worst case of the launcher, "
+          f"fftconv at N = 16384)")
+    if a.emulator:
+        print(f"\n{'emulator run':<28} {'shape':<18} {'wall s':>8} {'cpu s':>8}")
+        for name, shape, wall, cpu in emulator_times():
+            print(f"{name:<28} {shape:<18} {wall:>8.3f} {cpu:>8.3f}")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,137 @@
+// Shared device helpers: dtype conversion, warp/block reductions, the DropKey rule, checks.
+// Every kernel source includes this first; it brings in the real CUDA headers under nvcc and
+// the SIMT emulator (emu/emu.cuh) under a host compiler.
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "emu/emu.cuh"
+
+namespace mk {
+
+using bf16 = __nv_bfloat16;
+
+// Element types the launchers accept (the Python side passes these codes).
+enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
+
+// Runtime dtype -> compile-time element type T.
+#define MK_DISPATCH_FLOAT_BF16(dtype, T, ...)                                                    \
+  [&] {                                                                                          \
+    switch (dtype) {                                                                             \
+      case ::mk::kFloat32: { using T = float; return __VA_ARGS__(); }                            \
+      case ::mk::kBFloat16: { using T = ::mk::bf16; return __VA_ARGS__(); }                      \
+      default: throw std::invalid_argument("unsupported dtype code " + std::to_string(dtype)); \
+    }                                                                                            \
+  }()
+
+template <class T>
+__host__ __device__ __forceinline__ float to_f32(T v);
+template <>
+__host__ __device__ __forceinline__ float to_f32<float>(float v) { return v; }
+template <>
+__host__ __device__ __forceinline__ float to_f32<bf16>(bf16 v) { return __bfloat162float(v); }
+
+template <class T>
+__host__ __device__ __forceinline__ T from_f32(float v);
+template <>
+__host__ __device__ __forceinline__ float from_f32<float>(float v) { return v; }
+template <>
+__host__ __device__ __forceinline__ bf16 from_f32<bf16>(float v) { return __float2bfloat16_rn(v); }
+
+template <class T>
+__host__ __device__ __forceinline__ T imin(T a, T b) { return a < b ? a : b; }
+template <class T>
+__host__ __device__ __forceinline__ T imax(T a, T b) { return a < b ? b : a; }
+
+__host__ __device__ __forceinline__ int ilog2(unsigned int v) {  // floor(log2 v), v > 0
+  int r = 0;
+  while (v >>= 1) ++r;
+  return r;
+}
+
+constexpr unsigned int kFullMask = 0xFFFFFFFFu;
+
+// ------------------------------------------------------------------------------------------------
+// The package's DropKey rule (ops/dropkey_rule.py), bit for bit, in 32-bit unsigned arithmetic.
+// ------------------------------------------------------------------------------------------------
+namespace dropkey {
+
+__host__ __device__ __forceinline__ std::uint32_t mix32(std::uint32_t x) {
+  x ^= x >> 16;
+  x *= 0x21F0AAADu;
+  x ^= x >> 15;
+  x *= 0x735A2D97u;
+  x ^= x >> 15;
+  return x;
+}
+
+// Host side: the seed folded into the 32-bit stream key, and the integer drop threshold.
+inline std::uint32_t seed_key(std::uint64_t seed) {
+  const std::uint32_t s = mix32(static_cast<std::uint32_t>(seed & 0xFFFFFFFFu) ^ 0x9E3779B9u);
+  return mix32(s ^ static_cast<std::uint32_t>(seed >> 32));
+}
+inline std::uint32_t threshold(double p) {
+  // int(p * 2**32) for p in [0, 1): p * 2^32 is exact in double, the cast truncates (= floor).
+  if (!(p > 0.0)) return 0;
+  const double t = p * 4294967296.0;
+  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<std::uint32_t>(t);
+}
+
+__host__ __device__ __forceinline__ std::uint32_t row_key(std::uint32_t key, std::uint32_t b, std::uint32_t h,
+                                                          std::uint32_t i) {
+  return mix32(mix32(mix32(key ^ b) ^ h) ^ i);
+}
+// keep <=> mix32(row ^ j) >= threshold (threshold 0 keeps everything)
+__host__ __device__ __forceinline__ bool keep(std::uint32_t row, std::uint32_t j, std::uint32_t thr) {
+  return mix32(row ^ j) >= thr;
+}
+
+}  // namespace dropkey
+
+// ------------------------------------------------------------------------------------------------
+// Reductions
+// ------------------------------------------------------------------------------------------------
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+// Sum over the block (blockDim.x a multiple of 32, y = z = 1). `scratch` holds 32 floats of
+// shared memory. Every thread gets the result. Contains two barriers, so all threads must call it.
+__device__ __forceinline__ float block_sum(float v, float* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+  __syncthreads();
+  float s = 0.0f;
+  const int nwarps = blockDim.x >> 5;
+  for (int w = 0; w < nwarps; ++w) s += scratch[w];  // same order in every thread: identical results
+  __syncthreads();  // scratch may be reused right after
+  return s;
+}
+
+// float2 through a warp shuffle: two 32-bit shuffles on the GPU, one exchange in the emulator.
+__device__ __forceinline__ float2 shfl_xor2(float2 v, int lane_mask) {
+#if MK_EMULATOR
+  return __shfl_xor_sync(kFullMask, v, lane_mask);
+#else
+  return make_float2(__shfl_xor_sync(kFullMask, v.x, lane_mask), __shfl_xor_sync(kFullMask, v.y, lane_mask));
+#endif
+}
+
+// ------------------------------------------------------------------------------------------------
+// Host-side argument checks (launchers throw std::invalid_argument -> Python ValueError)
+// ------------------------------------------------------------------------------------------------
+inline void require(bool ok, const std::string& msg) {
+  if (!ok) throw std::invalid_argument(msg);
+}
+
+inline unsigned int grid_1d(std::int64_t blocks, std::int64_t cap = 1 << 20) {
+  if (blocks < 1) blocks = 1;
+  return static_cast<unsigned int>(blocks < cap ? blocks : cap);
+}
+
+}  // namespace mk

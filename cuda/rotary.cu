@@ -1,0 +1,29 @@
+// rotary fwd (CONJ = false) and bwd (CONJ = true) for float and bf16.
+#include "launchers.h"
+#include "rotary.cuh"
+
+namespace mk {
+
+void rotary(int dtype, bool conjugate, const void* x, const float* cos, const float* sin, void* y, std::int64_t B,
+            std::int64_t L, std::int64_t H, std::int64_t half, std::int64_t P, void* stream) {
+  require(B >= 0 && L >= 0 && H >= 0 && half >= 0, "rotary: negative sizes");
+  require(P == 1 || P == B, "rotary: the tables must have P = 1 or P = B rows");
+  const std::int64_t pairs = B * L * H * half;
+  if (pairs == 0) return;
+  constexpr int kThreads = 256;
+  const unsigned int grid = grid_1d((pairs + kThreads - 1) / kThreads, 65535);
+  const bool per_batch = P == B && B > 1;
+  MK_DISPATCH_FLOAT_BF16(dtype, T, [&] {
+    if (conjugate) {
+      const auto rotary_bwd = &rotary_kernel<T, true>;
+      MK_LAUNCH(rotary_bwd, grid, kThreads, 0, stream, static_cast<const T*>(x), cos, sin, static_cast<T*>(y), pairs, L,
+                H, half, per_batch);
+    } else {
+      const auto rotary_fwd = &rotary_kernel<T, false>;
+      MK_LAUNCH(rotary_fwd, grid, kThreads, 0, stream, static_cast<const T*>(x), cos, sin, static_cast<T*>(y), pairs, L,
+                H, half, per_batch);
+    }
+  });
+}
+
+}  // namespace mk

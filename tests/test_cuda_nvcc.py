@@ -1,0 +1,84 @@
+"""Every CUDA source compiles with nvcc for sm_80 and sm_90, without spills, within shared memory.
+
+``nvcc -std=c++20 -cubin -arch=sm_XX -Xptxas -v`` (no GPU needed) reports per kernel the
+registers, spill stores/loads and STATIC shared memory; the dynamic shared memory a launcher
+asks for is not in that figure, so the worst case of each kernel family comes from the
+launchers' own table (``dynamic_smem_table``, e.g. fftconv at N = 16384) and the sum is checked
+against the per-block opt-in limit (166912 B on A100, 232448 B on H100). Results are cached by
+source hash (cuda/build.py), so only edited sources recompile.
+"""
+import pytest
+
+from megalodon_kernels.cuda import build
+
+pytestmark = pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not found (CUDA toolkit)")
+
+ARCHS = (80, 90)
+SOURCES = build.product_sources()
+
+
+@pytest.fixture(scope="module")
+def resources():
+    return build.nvcc_resources_all(ARCHS, SOURCES)  # parallel, cached
+
+
+@pytest.fixture(scope="module")
+def dynamic_smem():
+    try:
+        return dict(build.load_emulator().dynamic_smem_table())
+    except Exception as exc:  # no host compiler: the table is unavailable, skip those checks
+        pytest.skip(f"emulator extension unavailable for the dynamic smem table: {exc}")
+
+
+def _family(kernel: str) -> str:
+    """'void mk::fftconv_fwd_kernel<float>(...)' -> 'fftconv_fwd_kernel'."""
+    name = kernel.split("(")[0].split("<")[0]
+    return name.split("::")[-1].split()[-1]
+
+
+@pytest.mark.parametrize("arch", ARCHS, ids=lambda a: f"sm_{a}")
+@pytest.mark.parametrize("source", SOURCES, ids=lambda p: p.name)
+def test_compiles(resources, source, arch):
+    rows = [r for r in resources if r.source == source.name and r.arch == arch]  # compiled in parallel
+    launches = "MK_LAUNCH(" in source.read_text()  # resources.cu holds host code only
+    assert bool(rows) == launches, f"{source.name}: ptxas reported {len(rows)} kernels"
+
+
+def test_no_spills(resources):
+    bad = [r for r in resources if r.spill_stores or r.spill_loads]
+    for r in resources:
+        print(f"{r.source:<20} sm_{r.arch}  {r.registers:>3} regs  {r.spill_stores:>3} B spill st  "
+              f"{r.spill_loads:>3} B spill ld  {r.stack:>3} B stack  {r.static_smem:>6} B smem  {r.kernel}")
+    assert not bad, "spills: " + "; ".join(f"{r.kernel} sm_{r.arch}: {r.spill_stores}/{r.spill_loads} B" for r in bad)
+
+
+def test_shared_memory_within_per_block_limits(resources, dynamic_smem):
+    over = []
+    for r in resources:
+        total = r.static_smem + dynamic_smem.get(_family(r.kernel), 0)
+        if total > build.SMEM_LIMIT[r.arch]:
+            over.append(f"{r.kernel} sm_{r.arch}: {total} B > {build.SMEM_LIMIT[r.arch]} B")
+    assert not over, "; ".join(over)
+
+
+def test_dynamic_smem_table_names_real_kernels(resources, dynamic_smem):
+    families = {_family(r.kernel) for r in resources}
+    unknown = sorted(set(dynamic_smem) - families)
+    assert not unknown, f"dynamic_smem_table names kernels nvcc did not compile: {unknown}"
+
+
+def test_fftconv_16k_shared_memory(resources, dynamic_smem):
+    rows = [r for r in resources if _family(r.kernel).startswith("fftconv_")]
+    assert rows
+    for r in rows:
+        dyn = dynamic_smem[_family(r.kernel)]
+        total = dyn + r.static_smem
+        print(f"fftconv N=16384 (L <= 16384): {r.kernel} sm_{r.arch}: {dyn} B dynamic + {r.static_smem} B static "
+              f"= {total} B of {build.SMEM_LIMIT[r.arch]} B")
+        assert dyn == 16384 * 8
+        assert total <= build.SMEM_LIMIT[80]  # fits the A100 in one block per row
+
+
+def test_registers_allow_the_launch_bounds(resources):
+    # ptxas honours __launch_bounds__; a kernel above 255 registers would not compile at all.
+    assert all(0 < r.registers <= 255 for r in resources)
