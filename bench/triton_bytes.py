@@ -98,30 +98,37 @@ def nbytes(*tensors) -> int:
 
 
 # ------------------------------------------------------------------ per-op measurement cases
-def _rotary_cases():
-    import torch
-
-    from megalodon_kernels.ops.rotary import rotation_tables, triton_impl
-
-    B, L, H, d = 2, 256, 4, 64
-    x = torch.randn(B, L, H, d)
-    cos, sin = rotation_tables(torch.arange(L), d, 10000.0, None, False, torch.float32)
-    with count_bytes() as c:
-        y = triton_impl.rotary_fwd(x, cos, sin)
-    yield "rotary fwd", f"B={B} L={L} H={H} d={d} fp32", c, nbytes(x, cos, sin, y)
+# Each ops/<op>/triton_impl.py defines ``bytes_cases()``, yielding (kernel name, shape text,
+# run) where ``run()`` launches the kernel(s) at a medium shape and returns the ideal byte count
+# (every input read once, every output written once); it is called inside count_bytes().
 
 
-CASES = {"rotary": _rotary_cases}
+def _cases(op):
+    import importlib
+
+    return importlib.import_module(f"megalodon_kernels.ops.{op}.triton_impl").bytes_cases()
+
+
+def measure(op):
+    """[(kernel, shape, ByteCount, ideal bytes)] for one op."""
+    rows = []
+    for name, shape, run in _cases(op):
+        with count_bytes() as c:
+            ideal = run()
+        rows.append((name, shape, c, ideal))
+    return rows
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="bytes moved per Triton kernel vs the ideal")
-    ap.add_argument("--ops", nargs="*", default=list(CASES), choices=list(CASES))
+    from megalodon_kernels.ops._triton_aot import TRITON_OPS
+
+    ap.add_argument("--ops", nargs="*", default=list(TRITON_OPS), choices=list(TRITON_OPS))
     a = ap.parse_args(argv)
     print(f"{'kernel':<22} {'shape':<28} {'loaded':>10} {'stored':>10} {'total':>10} {'unique':>10} "
           f"{'ideal':>10} {'total/ideal':>11} {'unique/ideal':>12}")
     for op in a.ops:
-        for name, shape, c, ideal in CASES[op]():
+        for name, shape, c, ideal in measure(op):
             uniq = c.loaded_unique + c.stored_unique
             print(f"{name:<22} {shape:<28} {c.loaded:>10} {c.stored:>10} {c.total:>10} {uniq:>10} {ideal:>10} "
                   f"{c.total / ideal:>11.3f} {uniq / ideal:>12.3f}")

@@ -24,8 +24,14 @@ from dataclasses import dataclass, field
 #: per-block shared memory limits (bytes) of the target architectures
 SMEM_LIMIT = {80: 166912, 90: 232448}
 ARCH_NAME = {80: "sm_80 (A100)", 90: "sm_90 (H100)"}
-#: ops with a Triton backend; each has ops/<op>/triton_impl.py with aot_variants()
-TRITON_OPS = ("rotary",)
+def _discover_triton_ops() -> tuple[str, ...]:
+    """Every op with an ops/<op>/triton_impl.py (each must define aot_variants())."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    return tuple(sorted(d for d in os.listdir(here) if os.path.isfile(os.path.join(here, d, "triton_impl.py"))))
+
+
+#: ops with a Triton backend, found on disk so adding a backend needs no registration here
+TRITON_OPS = _discover_triton_ops()
 
 
 @dataclass(frozen=True)

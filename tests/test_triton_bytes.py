@@ -32,3 +32,19 @@ def test_counter_is_removed_after_the_block():
         pass
     _copy_prefix[(1,)](x, y, 8, BLOCK=8)
     assert c.total == 0
+
+
+def test_every_triton_op_reports_its_bytes_against_the_ideal():
+    from megalodon_kernels.bench.triton_bytes import measure
+    from megalodon_kernels.ops._triton_aot import TRITON_OPS
+
+    for op in TRITON_OPS:
+        rows = measure(op)
+        assert rows, f"{op}: triton_impl.bytes_cases() yielded nothing"
+        for name, shape, c, ideal in rows:
+            uniq = c.loaded_unique + c.stored_unique
+            print(f"{name} {shape}: total {c.total} unique {uniq} ideal {ideal}")
+            # Every input byte is read and every output byte written (no skipped work) ...
+            assert uniq >= ideal, name
+            # ... and no address beyond the op's inputs/outputs is touched more than once per launch.
+            assert uniq <= 1.05 * ideal, name

@@ -90,3 +90,18 @@ def aot_variants():
             num_warps=nw, label=f"{dt} rows={br} pairs={bp} warps={nw}",
         ))
     return variants
+
+
+def bytes_cases():
+    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py)."""
+    from . import rotation_tables
+
+    B, L, H, d = 2, 256, 4, 64
+    x = torch.randn(B, L, H, d)
+    cos, sin = rotation_tables(torch.arange(L), d, 10000.0, None, False, torch.float32)
+
+    def run():
+        y = rotary_fwd(x, cos, sin)
+        return sum(t.numel() * t.element_size() for t in (x, cos, sin, y))
+
+    yield "rotary fwd", f"B={B} L={L} H={H} d={d} fp32", run
