@@ -23,7 +23,7 @@ from setuptools import setup
 HERE = os.path.dirname(os.path.abspath(__file__))
 
 # Sub-packages that ship; tests/, bench/ suites and examples/ are run from a checkout.
-SUBPACKAGES = ["ops", "reference", "bench", "autotune", "cuda"]
+SUBPACKAGES = ["ops", "reference", "bench", "autotune", "cuda", "model"]
 
 
 def _find_subpackages():

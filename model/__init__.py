@@ -1,0 +1,31 @@
+"""Megalodon model layer: blocks and a causal LM composed from ``megalodon_kernels.ops``.
+
+Follows upstream Megalodon (spec section 7) with the upstream state_dict names, so upstream
+consolidated checkpoints load strictly; adds exact streaming inference through a constant-size
+cache, and construction without CUDA or torch.distributed.
+
+Example::
+
+    from megalodon_kernels.model import Megalodon, get_config
+
+    model = Megalodon(get_config("tiny"))
+    logits = model(tokens)                         # (B, L, V), any L
+    cache = model.init_cache(batch_size=tokens.shape[0])
+    for piece in tokens.split(7, dim=1):           # any split gives the same logits
+        step_logits = model(piece, cache=cache)
+    out = model.generate(prompt, 32, top_k=20, temperature=0.8)
+"""
+from .cache import LayerState, MegalodonCache
+from .checkpoint import CheckpointMismatchError, check_state_dict, from_upstream, load_upstream, read_state_dict
+from .config import PRESETS, MegalodonConfig, get_config
+from .layers import (ComplexEMA, LayerNorm, MegalodonAttention, MegalodonBlock, NormalizedFFN, RMSNorm,
+                     TimestepNorm)
+from .megalodon import Megalodon, OutputLayer, RotaryEmbedding, sample_next
+
+__all__ = [
+    "MegalodonConfig", "PRESETS", "get_config",
+    "ComplexEMA", "TimestepNorm", "RMSNorm", "LayerNorm", "MegalodonAttention", "NormalizedFFN", "MegalodonBlock",
+    "Megalodon", "RotaryEmbedding", "OutputLayer", "sample_next",
+    "MegalodonCache", "LayerState",
+    "CheckpointMismatchError", "load_upstream", "from_upstream", "read_state_dict", "check_state_dict",
+]

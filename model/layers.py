@@ -1,0 +1,392 @@
+"""Megalodon layers on top of megalodon_kernels.ops (spec section 7).
+
+Module and parameter names follow upstream exactly (spec 7.7), so ``state_dict()`` keys match the
+upstream consolidated checkpoints. Every sequence-mixing computation (TimestepNorm, CEMA, RoPE,
+attention) goes through ``megalodon_kernels.ops`` with the configured backend; what stays in
+plain PyTorch is per-position work (linear layers, RMSNorm / LayerNorm, gates).
+
+Shapes: B batch, L length, D model_dim, N cema_ndim, G norm groups, H heads, dz / dv head dims.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from megalodon_kernels import ops
+
+from .cache import LayerState
+from .config import MegalodonConfig
+
+__all__ = ["ComplexEMA", "TimestepNorm", "RMSNorm", "LayerNorm", "MegalodonAttention", "NormalizedFFN",
+           "MegalodonBlock", "init_linear"]
+
+
+def _backend_fn(backend: Union[str, dict]):
+    if isinstance(backend, dict):
+        return lambda name: backend.get(name, "auto")
+    return lambda name: backend
+
+
+def init_linear(layer: nn.Linear, mode: str) -> None:
+    """Upstream's ``get_init_fn(init_mode)`` for linear weights; biases are zero.
+
+    'he' is kaiming_normal with a = sqrt(5) (std = 1/sqrt(3 fan_in)); 'bert' N(0, 0.02^2);
+    'gaussian' truncated N(0, 1) on [-3, 3]; 'xavier' xavier_uniform; 'none' keeps PyTorch's
+    default (upstream leaves the memory uninitialised because a checkpoint overwrites it).
+    """
+    w = layer.weight
+    if w.is_meta:  # shapes only (deferred init): nothing to fill
+        return
+    with torch.no_grad():
+        if mode == "he":
+            nn.init.kaiming_normal_(w, a=math.sqrt(5.0))
+        elif mode == "bert":
+            nn.init.normal_(w, mean=0.0, std=0.02)
+        elif mode == "gaussian":
+            nn.init.trunc_normal_(w, mean=0.0, std=1.0, a=-3.0, b=3.0)
+        elif mode == "xavier":
+            nn.init.xavier_uniform_(w)
+        elif mode != "none":
+            raise ValueError(f"unknown init_mode {mode!r}")
+        if layer.bias is not None:
+            layer.bias.zero_()
+
+
+# ---------------------------------------------------------------------------------------------
+# Norms
+
+
+class TimestepNorm(nn.Module):
+    """Causal cumulative group norm (spec 4.1) through ``ops.timestep_norm``.
+
+    State (upstream names): buffer ``prior_count`` () int64; ``prior_mean`` and ``prior_logv`` (G,)
+    (Parameters if prior_count > 0, else buffers); Parameters ``weight`` and ``bias`` (D,), zeros,
+    the applied scale being ``weight + 1``. The default previous state is
+    (prior_count, prior_mean, exp(prior_logv)).
+
+    Upstream refuses num_groups None / == D unless prior_count > 1 (spec 8.3); the group op handles
+    G == D fine, so we allow it.
+    """
+
+    def __init__(self, num_features: int, num_groups: Optional[int] = None, prior_count: int = 0,
+                 eps: float = 1e-5, backend: Union[str, dict] = "auto"):
+        super().__init__()
+        G = num_features if num_groups is None else num_groups
+        if num_features % G:
+            raise ValueError(f"num_groups ({G}) must divide num_features ({num_features})")
+        self.num_features, self.num_groups, self.eps = num_features, G, eps
+        self.backend = _backend_fn(backend)("timestep_norm")
+        self.register_buffer("prior_count", torch.tensor(prior_count, dtype=torch.int64))
+        if prior_count > 0:
+            self.prior_mean = nn.Parameter(torch.zeros(G))
+            self.prior_logv = nn.Parameter(torch.zeros(G))
+        else:
+            self.register_buffer("prior_mean", torch.zeros(G))
+            self.register_buffer("prior_logv", torch.zeros(G))
+        self.weight = nn.Parameter(torch.zeros(num_features))
+        self.bias = nn.Parameter(torch.zeros(num_features))
+
+    def forward(self, x: torch.Tensor, prev_count: Optional[torch.Tensor] = None,
+                prev_mean: Optional[torch.Tensor] = None, prev_var: Optional[torch.Tensor] = None,
+                padding_mask: Optional[torch.Tensor] = None):
+        """x r(B L D) -> (y r(B L D), count int64 (B,), mean r(B G), var r(B G))."""
+        B = x.shape[0]
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if prev_count is None:
+            prev_count = self.prior_count.expand(B).contiguous()
+        if prev_mean is None:
+            prev_mean = self.prior_mean.to(acc).expand(B, -1).contiguous()
+        if prev_var is None:
+            prev_var = self.prior_logv.to(acc).exp().expand(B, -1).contiguous()
+        # +1 in fp32 (upstream adds it in the parameter dtype, rounding in bf16: spec 8.16).
+        scale = self.weight.to(acc) + 1.0
+        return ops.timestep_norm(x, scale, self.bias, self.num_groups, prev_count, prev_mean, prev_var,
+                                 padding_mask, self.eps, backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"num_features={self.num_features}, num_groups={self.num_groups}, eps={self.eps}"
+
+
+class RMSNorm(nn.Module):
+    """y = x / sqrt(mean(x^2) + eps) * (weight + 1), statistics in fp32 (spec 7.5)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        if affine:
+            self.weight = nn.Parameter(torch.zeros(dim))
+        else:
+            self.register_parameter("weight", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
+        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.weight is not None:
+            y = y * (self.weight.to(y.dtype) + 1.0)
+        return y.to(x.dtype)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
+
+
+class LayerNorm(nn.Module):
+    """y = (x - mean) / sqrt(var + eps) * (weight + 1) + bias (spec 7.5)."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        if affine:
+            self.weight = nn.Parameter(torch.zeros(dim))
+            self.bias = nn.Parameter(torch.zeros(dim))
+        else:
+            self.register_parameter("weight", None)
+            self.register_parameter("bias", None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        w = None if self.weight is None else self.weight + 1.0
+        return F.layer_norm(x, (self.dim,), w, self.bias, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
+
+
+# ---------------------------------------------------------------------------------------------
+# CEMA
+
+
+class ComplexEMA(nn.Module):
+    """Multi-dimensional complex EMA (spec 7.3) through ``ops.cema``.
+
+    Parameters (upstream names and shapes): alpha (D, N, 1), delta (D, N, 1), theta (D, 1, 1),
+    gamma (D, N, 2) (real view of a complex weight), omega (D, 1). Coefficients, recomputed on
+    every call (no eval-mode cache that could go stale, spec 8.15), in fp32 (fp64 for fp64
+    parameters) whatever the parameter dtype:
+
+        p      = sigmoid(alpha)
+        log_q  = log(1 - sigmoid(alpha) sigmoid(delta)) + i theta_n,
+        theta_n = n sigmoid(theta) 2 pi / N,  n = 1..N
+        gamma_c = (gamma[..., 0] + i gamma[..., 1]) sqrt(1/N)
+
+    log|q| is formed without cancellation: log1p(-a d) while a d < 1/2, else
+    log(sigmoid(-alpha) + sigmoid(alpha) sigmoid(-delta)) (= 1 - a d exactly), so a decay close to
+    1 keeps its fp32 digits.
+    """
+
+    def __init__(self, embed_dim: int, ndim: int = 16, backend: Union[str, dict] = "auto"):
+        super().__init__()
+        self.embed_dim, self.ndim = embed_dim, ndim
+        self.scale = math.sqrt(1.0 / ndim)
+        self.backend = _backend_fn(backend)("cema")
+        self.alpha = nn.Parameter(torch.zeros(embed_dim, ndim, 1))
+        self.delta = nn.Parameter(torch.zeros(embed_dim, ndim, 1))
+        self.theta = nn.Parameter(torch.zeros(embed_dim, 1, 1))
+        self.gamma = nn.Parameter(torch.zeros(embed_dim, ndim, 2))
+        self.omega = nn.Parameter(torch.zeros(embed_dim, 1))
+        self.reset_parameters()
+
+    @torch.no_grad()
+    def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
+        """Upstream init (spec 7.3) without torch.distributed: the theta permutation comes from
+        ``generator`` (or torch's default one)."""
+        D = self.embed_dim
+        if self.alpha.is_meta:
+            return
+        nn.init.normal_(self.alpha, 0.0, 0.2, generator=generator)
+        nn.init.normal_(self.delta, 0.0, 0.2, generator=generator)
+        idx = torch.randperm(D, generator=generator)
+        f = torch.exp(torch.arange(1, D + 1, dtype=torch.float64) * (-math.log(D) / D))[idx]
+        self.theta.copy_(torch.log(f / (1.0 - f)).view(D, 1, 1))
+        nn.init.normal_(self.gamma, 0.0, 1.0, generator=generator)
+        self.gamma[:, :, 1] = 0.0
+        nn.init.trunc_normal_(self.omega, 0.0, 0.25, -1.0, 1.0, generator=generator)
+
+    def coefficients(self):
+        """(p r(D N), log_q c(D N), gamma c(D N)) in fp32/complex64 (fp64/complex128 for fp64 params)."""
+        dt = torch.float64 if self.alpha.dtype == torch.float64 else torch.float32
+        D, N = self.embed_dim, self.ndim
+        alpha, delta = self.alpha.to(dt).view(D, N), self.delta.to(dt).view(D, N)
+        a, d = torch.sigmoid(alpha), torch.sigmoid(delta)
+        ad = a * d
+        one_minus = torch.sigmoid(-alpha) + a * torch.sigmoid(-delta)
+        small = ad < 0.5
+        # Each branch only sees inputs it is selected for, so the other's gradient is never inf * 0.
+        log_abs = torch.where(small, torch.log1p(-torch.where(small, ad, 0.0)),
+                              torch.log(torch.where(small, 1.0, one_minus)))
+        n = torch.arange(1, N + 1, dtype=dt, device=alpha.device)
+        phase = torch.sigmoid(self.theta.to(dt).view(D, 1)) * (2.0 * math.pi / N) * n
+        log_q = torch.complex(log_abs, phase)
+        gamma = torch.view_as_complex(self.gamma.to(dt).contiguous()) * self.scale
+        return a, log_q, gamma
+
+    def forward(self, x: torch.Tensor, hx: Optional[torch.Tensor] = None, return_state: bool = False):
+        """x r(B D L), hx c(B D N) or None -> (y r(B D L) in x's dtype, h c(B D N) or None)."""
+        p, log_q, gamma = self.coefficients()
+        return ops.cema(x, p, log_q, gamma, self.omega.view(self.embed_dim), hx, return_state,
+                        backend=self.backend)
+
+    def extra_repr(self) -> str:
+        return f"edim={self.embed_dim}, ndim={self.ndim}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Moving-average gated attention (the "mega" sub-layer)
+
+
+class MegalodonAttention(nn.Module):
+    """Upstream's MovingAverageGatedAttention (spec 7.1 / 7.2); state_dict names ``timenorm.*``,
+    ``cema.*``, ``rmsnorm.weight``, ``wv``, ``wz``, ``wr``, ``wh1``, ``wh2``, ``gamma``, ``beta``.
+
+    forward(x r(B L D), state=None) -> r(B L D), the block input plus the attention branch.
+
+    Attention is causal and block-diagonal over chunks of ``chunk_size`` positions counted from
+    the start of the sequence; q and k are rotated (RoPE) with their position inside their chunk.
+    Any L works: the last chunk may be partial. With a :class:`LayerState` the call continues a
+    stream: TimestepNorm starts from the carried (count, mean, var), CEMA from the carried hidden
+    state, and the new queries attend to the cached (already rotated) keys of the unfinished
+    chunk; the state is updated in place. A stream split anywhere equals one call on the whole.
+    """
+
+    def __init__(self, cfg: MegalodonConfig):
+        super().__init__()
+        D, Z, E, H = cfg.model_dim, cfg.z_dim, cfg.value_dim, cfg.num_heads
+        self.mdim, self.zdim, self.hdim, self.num_heads = D, Z, E, H
+        self.z_head_dim, self.v_head_dim = cfg.z_head_dim, cfg.v_head_dim
+        self.chunk_size = cfg.chunk_size
+        self.rope_base = cfg.rope_theta
+        self.dropout, self.hidden_dropout = cfg.dropout, cfg.hidden_dropout
+        self.dropkey_p = cfg.dropkey_rate
+        self.attn_fn = cfg.attn_fn
+        be = _backend_fn(cfg.backend)
+        self._attn_backend, self._rotary_backend = be("attention"), be("rotary")
+
+        self.timenorm = TimestepNorm(D, cfg.norm_num_groups, cfg.norm_prior_count, cfg.norm_eps, cfg.backend)
+        self.cema = ComplexEMA(D, cfg.cema_ndim, cfg.backend)
+        self.rmsnorm = RMSNorm(D, cfg.norm_eps, affine=cfg.norm_affine)
+        self.znorm = RMSNorm(self.z_head_dim, cfg.norm_eps, affine=False)
+        self.wv = nn.Linear(D, E)
+        self.wz = nn.Linear(D, Z)
+        self.wr = nn.Linear(D, E)
+        self.wh1 = nn.Linear(D, D)
+        self.wh2 = nn.Linear(E, D, bias=False)
+        self.gamma = nn.Parameter(torch.zeros(2, Z))
+        self.beta = nn.Parameter(torch.zeros(2, Z))
+        for lin in (self.wv, self.wz, self.wr, self.wh1, self.wh2):
+            init_linear(lin, cfg.init_mode)
+
+    def _dropout(self, x, p):
+        return F.dropout(x, p, self.training) if p > 0 else x
+
+    def forward(self, x: torch.Tensor, state: Optional[LayerState] = None) -> torch.Tensor:
+        B, L, D = x.shape
+        H, dz, dv, C = self.num_heads, self.z_head_dim, self.v_head_dim, self.chunk_size
+        if state is None:
+            prev_count = prev_mean = prev_var = hx = None
+            offset = 0
+        else:
+            prev_count, prev_mean, prev_var, hx = state.norm_count, state.norm_mean, state.norm_var, state.hx
+            offset = state.chunk_offset
+
+        # 1-2. TimestepNorm (carried statistics)
+        out_tsn, count, mean, var = self.timenorm(x, prev_count, prev_mean, prev_var)
+        # 3. CEMA over time on (B, D, L); no activation after it
+        y, h = self.cema(out_tsn.transpose(1, 2), hx, return_state=state is not None)
+        out_cema = y.transpose(1, 2)
+        # 4. RMSNorm
+        mx = self._dropout(self.rmsnorm(out_cema), self.hidden_dropout)
+        # 5-6. shared z -> normalised per head -> q, k by scale/offset
+        z = self.znorm(self.wz(mx).view(B, L, H, dz)).view(B, L, self.zdim)
+        qk = z.unsqueeze(2) * ((self.gamma + 1.0) / math.sqrt(dz)) + self.beta  # [B, L, 2, Z]
+        q, k = qk.unbind(2)
+        # 7-8. value from the TimestepNorm output, gate from mx
+        v = F.silu(self.wv(out_tsn))
+        r = F.silu(self.wr(mx))
+        # 9. chunked attention; RoPE positions are relative to each chunk's start
+        pos = torch.remainder(torch.arange(offset, offset + L, device=x.device), C)
+        q = ops.rotary(q.reshape(B, L, H, dz), pos, self.rope_base, backend=self._rotary_backend)
+        k = ops.rotary(k.reshape(B, L, H, dz), pos, self.rope_base, backend=self._rotary_backend)
+        v = v.reshape(B, L, H, dv)
+        if state is not None and offset > 0:
+            k_all = torch.cat([state.k.to(k.dtype), k], dim=1)
+            v_all = torch.cat([state.v.to(v.dtype), v], dim=1)
+        else:
+            k_all, v_all = k, v
+        dropkey_p = self.dropkey_p if self.training else 0.0
+        attn = ops.attention(q, k_all, v_all, scale=1.0, causal=True, chunk_size=C, dropkey_p=dropkey_p,
+                             attn_fn=self.attn_fn, backend=self._attn_backend)
+        # 10-12. gate, output projections, residual
+        attn = self._dropout(attn.reshape(B, L, self.hdim) * r, self.hidden_dropout)
+        out = self._dropout(self.wh1(mx) + self.wh2(attn), self.dropout) + x
+
+        if state is not None:
+            S = k_all.shape[1]
+            keep = S % C  # keys of the unfinished chunk; a copy, so the full k_all can be freed
+            state.k = k_all[:, S - keep:].detach().clone()
+            state.v = v_all[:, S - keep:].detach().clone()
+            state.norm_count, state.norm_mean, state.norm_var = count.detach(), mean.detach(), var.detach()
+            state.hx = h.detach()
+        return out
+
+    def extra_repr(self) -> str:
+        return (f"mdim={self.mdim}, zdim={self.zdim}, hdim={self.hdim}, heads={self.num_heads}, "
+                f"chunk={self.chunk_size}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FFN and block
+
+
+class NormalizedFFN(nn.Module):
+    """Upstream's NormalizedFeedForwardNetwork (spec 7.4): names ``norm.*``, ``fc1``, ``fc2``,
+    ``fc3`` (SwiGLU only), ``alpha`` (rescale only, init 0.1 * 0.5**layer_id).
+
+    forward(y, residual) = residual + alpha * dropout(fc2(dropout(act(LN(y))))), with
+    act(u) = silu(fc1 u) * fc3 u (SwiGLU) or silu(fc1 u).
+    """
+
+    def __init__(self, cfg: MegalodonConfig, layer_id: int = 0):
+        super().__init__()
+        D, Fh = cfg.model_dim, cfg.ffn_hidden_dim
+        self.swiglu = cfg.swiglu
+        self.dropout, self.hidden_dropout = cfg.dropout, cfg.hidden_dropout
+        self.norm = LayerNorm(D, cfg.norm_eps, affine=cfg.norm_affine)
+        self.fc1 = nn.Linear(D, Fh, bias=False)
+        self.fc2 = nn.Linear(Fh, D, bias=False)
+        self.fc3 = nn.Linear(D, Fh, bias=False) if cfg.swiglu else None
+        for lin in (self.fc1, self.fc2, self.fc3):
+            if lin is not None:
+                init_linear(lin, cfg.init_mode)
+        if cfg.rescale_nffn:
+            self.alpha = nn.Parameter(torch.full((D,), 0.1 * 0.5 ** layer_id))
+        else:
+            self.register_parameter("alpha", None)
+
+    def forward(self, y: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        u = self.norm(y)
+        hidden = F.silu(self.fc1(u))
+        if self.fc3 is not None:
+            hidden = hidden * self.fc3(u)
+        if self.hidden_dropout > 0:
+            hidden = F.dropout(hidden, self.hidden_dropout, self.training)
+        out = self.fc2(hidden)
+        if self.dropout > 0:
+            out = F.dropout(out, self.dropout, self.training)
+        if self.alpha is not None:
+            out = out * self.alpha
+        return out + residual
+
+
+class MegalodonBlock(nn.Module):
+    """mega then nffn with the two-hop residual: out = x + alpha * FFN(LN(mega(x)))  (spec 7.4)."""
+
+    def __init__(self, cfg: MegalodonConfig, layer_id: int = 0):
+        super().__init__()
+        self.layer_id = layer_id
+        self.mega = MegalodonAttention(cfg)
+        self.nffn = NormalizedFFN(cfg, layer_id)
+
+    def forward(self, x: torch.Tensor, state: Optional[LayerState] = None) -> torch.Tensor:
+        return self.nffn(self.mega(x, state), x)
