@@ -280,10 +280,20 @@ class MegalodonAttention(nn.Module):
     def _dropout(self, x, p):
         return F.dropout(x, p, self.training) if p > 0 else x
 
-    def forward(self, x: torch.Tensor, state: Optional[LayerState] = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, state: Optional[LayerState] = None, *,
+                carry: Optional[tuple] = None, on_carry=None) -> torch.Tensor:
+        """``carry`` / ``on_carry`` serve chunk parallelism (:mod:`..parallel`), with gradients:
+        ``carry = (prev_count, prev_mean, prev_var, hx)`` (any may be None) is the incoming state
+        of a slice starting on a chunk boundary, and ``on_carry(count, mean, var, h)`` is called
+        with the outgoing state (not detached) right after the CEMA, before the attention."""
         B, L, D = x.shape
         H, dz, dv, C = self.num_heads, self.z_head_dim, self.v_head_dim, self.chunk_size
-        if state is None:
+        if carry is not None:
+            if state is not None:
+                raise ValueError("pass either a streaming state or a carry, not both")
+            prev_count, prev_mean, prev_var, hx = carry
+            offset = 0
+        elif state is None:
             prev_count = prev_mean = prev_var = hx = None
             offset = 0
         else:
@@ -293,7 +303,9 @@ class MegalodonAttention(nn.Module):
         # 1-2. TimestepNorm (carried statistics)
         out_tsn, count, mean, var = self.timenorm(x, prev_count, prev_mean, prev_var)
         # 3. CEMA over time on (B, D, L); no activation after it
-        y, h = self.cema(out_tsn.transpose(1, 2), hx, return_state=state is not None)
+        y, h = self.cema(out_tsn.transpose(1, 2), hx, return_state=state is not None or on_carry is not None)
+        if on_carry is not None:
+            on_carry(count, mean, var, h)
         out_cema = y.transpose(1, 2)
         # 4. RMSNorm
         mx = self._dropout(self.rmsnorm(out_cema), self.hidden_dropout)
@@ -388,5 +400,7 @@ class MegalodonBlock(nn.Module):
         self.mega = MegalodonAttention(cfg)
         self.nffn = NormalizedFFN(cfg, layer_id)
 
-    def forward(self, x: torch.Tensor, state: Optional[LayerState] = None) -> torch.Tensor:
-        return self.nffn(self.mega(x, state), x)
+    def forward(self, x: torch.Tensor, state: Optional[LayerState] = None, *,
+                carry: Optional[tuple] = None, on_carry=None) -> torch.Tensor:
+        """``carry`` / ``on_carry``: see :meth:`MegalodonAttention.forward` (chunk parallelism)."""
+        return self.nffn(self.mega(x, state, carry=carry, on_carry=on_carry), x)
