@@ -21,6 +21,7 @@ __all__ = ["dropkey_softmax"]
 BACKENDS = OpBackends("dropkey_softmax", {
     "cuda": "megalodon_kernels.ops.dropkey_softmax.cuda_impl",
     "torch": "megalodon_kernels.ops.dropkey_softmax.torch_impl",
+    "triton": "megalodon_kernels.ops.dropkey_softmax.triton_impl",
 })
 
 autotune.register(

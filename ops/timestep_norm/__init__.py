@@ -30,6 +30,7 @@ __all__ = ["timestep_norm"]
 BACKENDS = OpBackends("timestep_norm", {
     "cuda": "megalodon_kernels.ops.timestep_norm.cuda_impl",
     "torch": "megalodon_kernels.ops.timestep_norm.torch_impl",
+    "triton": "megalodon_kernels.ops.timestep_norm.triton_impl",
 })
 
 autotune.register(
