@@ -45,11 +45,17 @@ def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True
                    table=None):
     """-> (dx r(B D L) in p's dtype or None, dp r(D N), dlog_q c(D N), dhx c(B D N) or None)."""
     need_x, need_p, need_lq, need_hx = needs
-    dx = dlq = dhx = None
-    gc = dh.conj()
+    dx = None
     if need_x:
         table = reversed_table(table if table is not None else power_table(log_q, length, power_block))
-        dx = synthesize(gc * p, table)                                 # [B, D, L]
+        dx = synthesize(dh.conj() * p, table)                          # [B, D, L]
+    return (dx, *coefficient_grads(dh, p, log_q, hx, V, W, length, need_p, need_lq))
+
+
+def coefficient_grads(dh, p, log_q, hx, V, W, length, need_p, need_lq):
+    """(dp, dlog_q, dhx or None) from the saved sums V = sum_j q**(L-1-j) x_j and its
+    exponent-weighted twin W: O(B D N) products shared by every backend of ema_hidden."""
+    gc = dh.conj()
     dp = (gc * V).real.sum(0) if need_p else torch.zeros_like(p)
     qL = power_L(log_q, length) if hx is not None else None
     if need_lq:
@@ -59,6 +65,5 @@ def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True
         dlq = (dh * dq.conj()).sum(0)
     else:
         dlq = torch.zeros_like(log_q)
-    if hx is not None:
-        dhx = dh * qL.conj()
-    return dx, dp, dlq, dhx
+    dhx = dh * qL.conj() if hx is not None else None
+    return dp, dlq, dhx

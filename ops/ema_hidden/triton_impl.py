@@ -28,6 +28,7 @@ import torch
 
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, triton
 from ..cema_kernel.triton_impl import MAX_LENGTH, MAX_N, N_TILES, _re, block_n, phase_fraction
+from .torch_impl import coefficient_grads
 
 DEFAULT_CONFIG = {"block_m": 32, "block_r": 32, "num_warps": 4, "analysis_warps": 8}
 #: every config this backend may launch with (each is AOT-compiled in tests)
@@ -137,12 +138,6 @@ if HAVE_TRITON:
             tl.store(dx_ptr + row * L + o_j, synth_tile(ar, ai, q1r, q1i), mask=m_j)
 
 
-def _power_L(log_q, length):
-    from .torch_impl import power_L
-
-    return power_L(log_q, length)
-
-
 def ema_hidden_fwd(x, p, log_q, hx, weighted=False, *, block_m=32, block_r=32, num_warps=4, analysis_warps=8):
     """-> (h c(B D N), V c(B D N), W c(B D N) or None); same contract as the torch backend."""
     B, D, L = x.shape
@@ -170,7 +165,7 @@ def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True
     need_x, need_p, need_lq, need_hx = needs
     L = int(length)
     B, D, N = dh.shape
-    dx = dlq = dhx = None
+    dx = None
     if need_x:
         dx = torch.empty(B, D, L, dtype=p.dtype, device=p.device)
         M = triton.cdiv(L, block_r)
@@ -178,20 +173,8 @@ def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True
             _re(dh), p.contiguous(), _re(log_q), phase_fraction(log_q), dx, D, N, L, B, M,
             BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n(N), num_warps=num_warps,
         )
-    # O(B D N) products of the saved sums (as in the torch backend)
-    gc = dh.conj()
-    dp = (gc * V).real.sum(0) if need_p else torch.zeros_like(p)
-    qL = _power_L(log_q, L) if hx is not None else None
-    if need_lq:
-        dq = p * W
-        if hx is not None:
-            dq = dq + (L * qL) * hx
-        dlq = (dh * dq.conj()).sum(0)
-    else:
-        dlq = torch.zeros_like(log_q)
-    if hx is not None:
-        dhx = dh * qL.conj()
-    return dx, dp, dlq, dhx
+    # the O(B D N) coefficient gradients are small products of the saved sums: shared with torch
+    return (dx, *coefficient_grads(dh, p, log_q, hx, V, W, L, need_p, need_lq))
 
 
 def aot_variants():
