@@ -102,6 +102,18 @@ if HAVE_TRITON:
         return s, c
 
     @triton.jit
+    def load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N: tl.constexpr):
+        """Row d of the coefficients: (n offsets, n mask, coefficient index d*N + n, log|q|,
+        the 64-bit phase fraction of arg(q)/2pi, p); padded n lanes read 0 (q**e = 1, p = 0)."""
+        o_n = tl.arange(0, BLOCK_N)
+        m_n = o_n < N
+        o_c = d * N + o_n
+        b_a = tl.load(lq_ptr + 2 * o_c, mask=m_n, other=0.0)
+        b_f = tl.load(f_ptr + o_c, mask=m_n, other=0)
+        b_p = tl.load(p_ptr + o_c, mask=m_n, other=0.0)
+        return o_n, m_n, o_c, b_a, b_f, b_p
+
+    @triton.jit
     def qpow(a, f, e):
         """q**e for log|q| = a (fp32), phase fraction f (int64, 2**-64 turns) and integer exponent e."""
         mag = tl.exp(e.to(tl.float32) * a)
@@ -150,12 +162,7 @@ if HAVE_TRITON:
         d = tl.program_id(0)
         o_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         o_r = tl.arange(0, BLOCK_R)
-        o_n = tl.arange(0, BLOCK_N)
-        m_n = o_n < N
-        o_c = d * N + o_n                                           # coefficient index (d, n)
-        b_a = tl.load(lq_ptr + 2 * o_c, mask=m_n, other=0.0)
-        b_f = tl.load(f_ptr + o_c, mask=m_n, other=0)
-        b_p = tl.load(p_ptr + o_c, mask=m_n, other=0.0)
+        o_n, m_n, o_c, b_a, b_f, b_p = load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N)
         b_gr = tl.load(g_ptr + 2 * o_c, mask=m_n, other=0.0)
         b_gi = tl.load(g_ptr + 2 * o_c + 1, mask=m_n, other=0.0)
         # [BN, T] q**r, and [BM, BN] q**(mT): rows past the end get exponent 0 (finite, masked on store)
@@ -187,12 +194,7 @@ if HAVE_TRITON:
     ):
         d = tl.program_id(0)
         o_r = tl.arange(0, BLOCK_R)
-        o_n = tl.arange(0, BLOCK_N)
-        m_n = o_n < N
-        o_c = d * N + o_n
-        b_a = tl.load(lq_ptr + 2 * o_c, mask=m_n, other=0.0)
-        b_f = tl.load(f_ptr + o_c, mask=m_n, other=0)
-        b_p = tl.load(p_ptr + o_c, mask=m_n, other=0.0)
+        o_n, m_n, o_c, b_a, b_f, b_p = load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N)
         b_gr = tl.load(g_ptr + 2 * o_c, mask=m_n, other=0.0)
         b_gi = tl.load(g_ptr + 2 * o_c + 1, mask=m_n, other=0.0)
         # [T, BN] q**r; r is the d/dlog_q weight of the inner exponent

@@ -50,7 +50,7 @@ def not_supported_reasons(x=None, p=None, log_q=None, hx=None, **_) -> list[str]
 
 
 if HAVE_TRITON:
-    from ..cema_kernel.triton_impl import analyze_tile, cmul, qpow, synth_tile
+    from ..cema_kernel.triton_impl import analyze_tile, cmul, load_coefficients, qpow, synth_tile
 
     @triton.jit
     def _ema_hidden_fwd_kernel(
@@ -60,12 +60,7 @@ if HAVE_TRITON:
     ):
         d = tl.program_id(0)
         o_r = tl.arange(0, BLOCK_R)
-        o_n = tl.arange(0, BLOCK_N)
-        m_n = o_n < N
-        o_c = d * N + o_n
-        b_a = tl.load(lq_ptr + 2 * o_c, mask=m_n, other=0.0)
-        b_f = tl.load(f_ptr + o_c, mask=m_n, other=0)
-        b_p = tl.load(p_ptr + o_c, mask=m_n, other=0.0)
+        o_n, m_n, o_c, b_a, b_f, b_p = load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N)
         pad = M * BLOCK_R - L
         # [T, BN] q**(T-1-r) and (T-1-r) q**(T-1-r)
         e1 = BLOCK_R - 1 - o_r
@@ -116,12 +111,7 @@ if HAVE_TRITON:
         d = tl.program_id(0)
         o_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
         o_r = tl.arange(0, BLOCK_R)
-        o_n = tl.arange(0, BLOCK_N)
-        m_n = o_n < N
-        o_c = d * N + o_n
-        b_a = tl.load(lq_ptr + 2 * o_c, mask=m_n, other=0.0)
-        b_f = tl.load(f_ptr + o_c, mask=m_n, other=0)
-        b_p = tl.load(p_ptr + o_c, mask=m_n, other=0.0)
+        o_n, m_n, o_c, b_a, b_f, b_p = load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N)
         pad = M * BLOCK_R - L
         q1r, q1i = qpow(b_a[:, None], b_f[:, None], (BLOCK_R - 1 - o_r)[None, :])   # [BN, T]
         e2 = tl.where(o_m < M, (M - 1 - o_m) * BLOCK_R, 0)
