@@ -67,29 +67,41 @@ if HAVE_TRITON:
         return _mix32(hk ^ o_i.to(tl.uint32))
 
     @triton.jit
+    def _row_block(L, S, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+        """This program's query rows: (row indices [BM], row mask, row start offsets, and the end
+        of the key range any of them can see - keys past it are never read, written as 0)."""
+        bh = tl.program_id(1)
+        o_i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query rows
+        m_i = o_i < L
+        p_row = bh.to(tl.int64) * L * S + o_i.to(tl.int64) * S  # [BM] row starts
+        if CAUSAL:
+            hi = tl.minimum(S, tl.program_id(0) * BLOCK_M + BLOCK_M - 1 + shift + 1)
+        else:
+            hi = S
+        return o_i, m_i, p_row, hi
+
+    @triton.jit
+    def _visible(o_i, m_i, o_j, S, shift, CAUSAL: tl.constexpr):
+        """[BM, BS] (in bounds, causally visible): bottom-right alignment, key j <= i + S - L."""
+        in_row = m_i[:, None] & (o_j[None, :] < S)
+        vis = in_row
+        if CAUSAL:
+            vis = vis & (o_j[None, :] <= o_i[:, None] + shift)
+        return in_row, vis
+
+    @triton.jit
     def _dropkey_softmax_fwd_kernel(
         x_ptr, y_ptr, L, S, Hf, shift, seed_k, thr_i,
         OUT_BF16: tl.constexpr, CAUSAL: tl.constexpr, DROP: tl.constexpr, ONE_PASS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
-        bh = tl.program_id(1)
-        o_i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query rows
-        m_i = o_i < L
-        p_row = bh.to(tl.int64) * L * S + o_i.to(tl.int64) * S  # [BM] row starts
+        o_i, m_i, p_row, hi = _row_block(L, S, shift, CAUSAL, BLOCK_M)
         thr = thr_i.to(tl.uint32, bitcast=True)
         if DROP:
-            row_key = _row_keys(seed_k, bh, Hf, o_i)
-        # keys past the block's last visible position are never read (written as 0)
-        if CAUSAL:
-            hi = tl.minimum(S, tl.program_id(0) * BLOCK_M + BLOCK_M - 1 + shift + 1)
-        else:
-            hi = S
+            row_key = _row_keys(seed_k, tl.program_id(1), Hf, o_i)
         if ONE_PASS:
             o_j = tl.arange(0, BLOCK_S)
-            m_st = m_i[:, None] & (o_j[None, :] < S)
-            allowed = m_i[:, None] & (o_j[None, :] < S)
-            if CAUSAL:
-                allowed = allowed & (o_j[None, :] <= o_i[:, None] + shift)
+            m_st, allowed = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
             b_x = tl.load(x_ptr + p_row[:, None] + o_j[None, :], mask=allowed, other=0.0).to(tl.float32)
             if DROP:
                 allowed = allowed & _keep(row_key, o_j, thr)
@@ -107,9 +119,7 @@ if HAVE_TRITON:
             n_ok = tl.zeros([BLOCK_M], tl.float32)
             for j0 in range(0, hi, BLOCK_S):
                 o_j = j0 + tl.arange(0, BLOCK_S)
-                allowed = m_i[:, None] & (o_j[None, :] < S)
-                if CAUSAL:
-                    allowed = allowed & (o_j[None, :] <= o_i[:, None] + shift)
+                _, allowed = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
                 b_x = tl.load(x_ptr + p_row[:, None] + o_j[None, :], mask=allowed, other=0.0).to(tl.float32)
                 if DROP:
                     allowed = allowed & _keep(row_key, o_j, thr)
@@ -124,10 +134,7 @@ if HAVE_TRITON:
             inv = tl.where(n_ok > 0, 1.0 / b_l, 0.0)
             for j0 in range(0, S, BLOCK_S):
                 o_j = j0 + tl.arange(0, BLOCK_S)
-                m_st = m_i[:, None] & (o_j[None, :] < S)
-                allowed = m_st
-                if CAUSAL:
-                    allowed = allowed & (o_j[None, :] <= o_i[:, None] + shift)
+                m_st, allowed = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
                 b_x = tl.load(x_ptr + p_row[:, None] + o_j[None, :], mask=allowed, other=0.0).to(tl.float32)
                 if DROP:
                     allowed = allowed & _keep(row_key, o_j, thr)
@@ -141,20 +148,10 @@ if HAVE_TRITON:
         OUT_BF16: tl.constexpr, CAUSAL: tl.constexpr, ONE_PASS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
-        bh = tl.program_id(1)
-        o_i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_i = o_i < L
-        p_row = bh.to(tl.int64) * L * S + o_i.to(tl.int64) * S
-        if CAUSAL:
-            hi = tl.minimum(S, tl.program_id(0) * BLOCK_M + BLOCK_M - 1 + shift + 1)
-        else:
-            hi = S
+        o_i, m_i, p_row, hi = _row_block(L, S, shift, CAUSAL, BLOCK_M)
         if ONE_PASS:
             o_j = tl.arange(0, BLOCK_S)
-            m_st = m_i[:, None] & (o_j[None, :] < S)
-            vis = m_st
-            if CAUSAL:
-                vis = vis & (o_j[None, :] <= o_i[:, None] + shift)
+            m_st, vis = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
             p = p_row[:, None] + o_j[None, :]
             b_y = tl.load(y_ptr + p, mask=vis, other=0.0).to(tl.float32)
             b_g = tl.load(dy_ptr + p, mask=vis, other=0.0).to(tl.float32)
@@ -164,19 +161,14 @@ if HAVE_TRITON:
             b_d = tl.zeros([BLOCK_M], tl.float32)
             for j0 in range(0, hi, BLOCK_S):
                 o_j = j0 + tl.arange(0, BLOCK_S)
-                vis = m_i[:, None] & (o_j[None, :] < S)
-                if CAUSAL:
-                    vis = vis & (o_j[None, :] <= o_i[:, None] + shift)
+                _, vis = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
                 p = p_row[:, None] + o_j[None, :]
                 b_y = tl.load(y_ptr + p, mask=vis, other=0.0).to(tl.float32)
                 b_g = tl.load(dy_ptr + p, mask=vis, other=0.0).to(tl.float32)
                 b_d += tl.sum(b_y * b_g, axis=1)
             for j0 in range(0, S, BLOCK_S):
                 o_j = j0 + tl.arange(0, BLOCK_S)
-                m_st = m_i[:, None] & (o_j[None, :] < S)
-                vis = m_st
-                if CAUSAL:
-                    vis = vis & (o_j[None, :] <= o_i[:, None] + shift)
+                m_st, vis = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
                 p = p_row[:, None] + o_j[None, :]
                 b_y = tl.load(y_ptr + p, mask=vis, other=0.0).to(tl.float32)
                 b_g = tl.load(dy_ptr + p, mask=vis, other=0.0).to(tl.float32)
