@@ -6,6 +6,8 @@ asserting, so a failing run shows by how much.
 """
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import torch
 
@@ -82,3 +84,16 @@ def as_input(t: torch.Tensor, dtype: torch.dtype | None = None, contiguous: bool
     if not contiguous:
         t = noncontiguous(t)
     return t.detach().requires_grad_(requires_grad)
+
+
+@contextlib.contextmanager
+def knobs(backend_module, **config):
+    """Run with these knob values for a backend module (the dispatcher copies its DEFAULT_CONFIG
+    on every call, so patching the dict is enough); restored afterwards."""
+    saved = dict(backend_module.DEFAULT_CONFIG)
+    backend_module.DEFAULT_CONFIG.update(config)
+    try:
+        yield
+    finally:
+        backend_module.DEFAULT_CONFIG.clear()
+        backend_module.DEFAULT_CONFIG.update(saved)

@@ -1,6 +1,5 @@
 """attention (torch backend) against the float64 reference: forward, dq/dk/dv, every mask mode,
 Laplace, DropKey, the tiling knobs, empty rows and bad inputs."""
-import contextlib
 import math
 
 import numpy as np
@@ -13,21 +12,14 @@ from megalodon_kernels.ops.attention import torch_impl
 from megalodon_kernels.ops.dropkey_rule import dropkey_mask, resolve_seed
 from megalodon_kernels.ops.dropkey_softmax import dropkey_softmax
 from megalodon_kernels.reference import attention as ref
+from support import knobs as support_knobs
 from support import as_input, assert_close, err_ratio, to_np, tol
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
-@contextlib.contextmanager
 def knobs(**config):
-    """Run with these torch-backend knobs (the dispatcher copies DEFAULT_CONFIG on every call)."""
-    saved = dict(torch_impl.DEFAULT_CONFIG)
-    torch_impl.DEFAULT_CONFIG.update(config)
-    try:
-        yield
-    finally:
-        torch_impl.DEFAULT_CONFIG.clear()
-        torch_impl.DEFAULT_CONFIG.update(saved)
+    return support_knobs(torch_impl, **config)
 
 
 def close(name, actual, expected, tolerance, floor=0.0):

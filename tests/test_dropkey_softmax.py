@@ -1,6 +1,5 @@
 """dropkey_softmax (torch backend) against the float64 reference: forward and dscores for every
 rank, the (b, h, i, j) index mapping, DropKey properties, empty rows and bad inputs."""
-import contextlib
 import math
 
 import numpy as np
@@ -12,20 +11,14 @@ from megalodon_kernels.ops.dropkey_rule import dropkey_mask, resolve_seed
 from megalodon_kernels.ops.dropkey_softmax import dropkey_softmax
 from megalodon_kernels.ops.dropkey_softmax import torch_impl
 from megalodon_kernels.reference import attention as ref
+from support import knobs as support_knobs
 from support import as_input, assert_close, to_np, tol
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]
 
 
-@contextlib.contextmanager
 def knobs(**config):
-    saved = dict(torch_impl.DEFAULT_CONFIG)
-    torch_impl.DEFAULT_CONFIG.update(config)
-    try:
-        yield
-    finally:
-        torch_impl.DEFAULT_CONFIG.clear()
-        torch_impl.DEFAULT_CONFIG.update(saved)
+    return support_knobs(torch_impl, **config)
 
 
 def keep_for(shape, seed, p):
