@@ -24,7 +24,11 @@ from ..dropkey_rule import resolve_seed
 
 __all__ = ["attention", "ATTN_FNS"]
 
-BACKENDS = OpBackends("attention", {"torch": "megalodon_kernels.ops.attention.torch_impl"})
+BACKENDS = OpBackends("attention", {
+    "cuda": "megalodon_kernels.ops.attention.cuda_impl",
+    "torch": "megalodon_kernels.ops.attention.torch_impl",
+    "triton": "megalodon_kernels.ops.attention.triton_impl",
+})
 
 autotune.register(
     "attention",

@@ -22,7 +22,10 @@ from ..ema_hidden import check_sequence
 
 __all__ = ["cema"]
 
-BACKENDS = OpBackends("cema", {"torch": "megalodon_kernels.ops.cema.torch_impl"})
+BACKENDS = OpBackends("cema", {
+    "torch": "megalodon_kernels.ops.cema.torch_impl",
+    "triton": "megalodon_kernels.ops.cema.triton_impl",
+})
 
 autotune.register(
     "cema",

@@ -25,8 +25,11 @@ from .._dispatch import OpBackends
 
 __all__ = ["cema_kernel", "check_coefficients"]
 
-BACKENDS = OpBackends("cema_kernel", {"torch": "megalodon_kernels.ops.cema_kernel.torch_impl",
-                                      "triton": "megalodon_kernels.ops.cema_kernel.triton_impl"})
+BACKENDS = OpBackends("cema_kernel", {
+    "cuda": "megalodon_kernels.ops.cema_kernel.cuda_impl",
+    "torch": "megalodon_kernels.ops.cema_kernel.torch_impl",
+    "triton": "megalodon_kernels.ops.cema_kernel.triton_impl",
+})
 
 autotune.register(
     "cema_kernel",

@@ -20,8 +20,11 @@ from ..cema_kernel import check_coefficients
 
 __all__ = ["ema_hidden"]
 
-BACKENDS = OpBackends("ema_hidden", {"torch": "megalodon_kernels.ops.ema_hidden.torch_impl",
-                                     "triton": "megalodon_kernels.ops.ema_hidden.triton_impl"})
+BACKENDS = OpBackends("ema_hidden", {
+    "cuda": "megalodon_kernels.ops.ema_hidden.cuda_impl",
+    "torch": "megalodon_kernels.ops.ema_hidden.torch_impl",
+    "triton": "megalodon_kernels.ops.ema_hidden.triton_impl",
+})
 
 autotune.register(
     "ema_hidden",

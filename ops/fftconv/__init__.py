@@ -21,6 +21,7 @@ __all__ = ["fftconv"]
 BACKENDS = OpBackends("fftconv", {
     "cuda": "megalodon_kernels.ops.fftconv.cuda_impl",
     "torch": "megalodon_kernels.ops.fftconv.torch_impl",
+    "triton": "megalodon_kernels.ops.fftconv.triton_impl",
 })
 
 autotune.register(
