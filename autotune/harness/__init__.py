@@ -8,6 +8,8 @@ named in the op's ``registry.register(..., harness="megalodon_kernels.autotune.h
 import numpy as np
 import torch
 
+from .. import registry
+
 #: Allowed max|err| / max|ref| over every output and gradient, per dtype: the gradient column of
 #: tests/support.py's torch table. The check is there to throw out broken candidates; the tests
 #: hold each backend to its own, tighter tolerances.
@@ -57,3 +59,35 @@ def grads(outputs: dict, upstream: dict, wrt: dict) -> dict:
     got = torch.autograd.grad([outputs[n] for n in names], list(wrt.values()),
                               [upstream[n] for n in names], allow_unused=True)
     return {f"d{name}": torch.zeros_like(leaf) if g is None else g for (name, leaf), g in zip(wrt.items(), got)}
+
+
+#: Float64 work (about one multiply-add each) a reference may cost per tuning check. At GPU shapes
+#: (the 7B set: D = 4096, L = 32768) a full reference would take hours or more memory than the
+#: machine has (fftconv's is O(L^2) per channel), so beyond this budget a harness checks evenly
+#: spaced independent rows only (channels, groups, query rows) through :class:`registry.Part`.
+#: Read at call time, so tests can lower it.
+REFERENCE_BUDGET = 4e8
+
+
+def sample_rows(n: int, cost_per_row: float, minimum: int = 2) -> np.ndarray | None:
+    """Which of ``n`` independent rows the reference computes: None for all of them when
+    ``n * cost_per_row`` fits :data:`REFERENCE_BUDGET`, else evenly spaced indices that always
+    include the first and the last row (the tiling's edges) and at least ``minimum`` rows."""
+    if n * cost_per_row <= REFERENCE_BUDGET:
+        return None
+    count = int(min(n, max(minimum, REFERENCE_BUDGET // max(cost_per_row, 1.0))))
+    return np.unique(np.linspace(0, n - 1, count).round().astype(np.int64))
+
+
+def part(full: np.ndarray, rows: np.ndarray | None, axis: int):
+    """``full`` (the reference of the sampled rows only) as the output's value at ``rows`` along
+    ``axis``; plain ``full`` when every row was computed."""
+    if rows is None:
+        return full
+    index = (slice(None),) * axis + (rows,)
+    return registry.Part(index, full)
+
+
+def take(a: np.ndarray | None, rows: np.ndarray | None, axis: int):
+    """The sampled rows of a NumPy input along ``axis`` (all of it when ``rows`` is None)."""
+    return a if a is None or rows is None else np.take(a, rows, axis=axis)

@@ -5,7 +5,7 @@ import torch
 from ...ops.cema_kernel import cema_kernel
 from ...reference import cema_kernel as ref
 from .. import registry
-from . import TOLERANCE, cema_coefficients, grads, real_dtype, to_np
+from . import TOLERANCE, cema_coefficients, grads, part, real_dtype, sample_rows, take, to_np
 
 
 def make_case(shape, dtype, device, seed):
@@ -35,14 +35,18 @@ def run(case, backend, config):
 
 def reference(case):
     i = case.inputs
-    p, lq, gm = to_np(i["p"]), to_np(i["log_q"]), to_np(i["gamma"])
-    hx = None if i["hx"] is None else to_np(i["hx"])
-    db = None if case.data["db"] is None else to_np(case.data["db"])
+    D, N = i["p"].shape
+    B = 0 if i["hx"] is None else i["hx"].shape[0]
+    rows = sample_rows(D, 2.0 * N * i["length"] * (1 + B))  # channels are independent
+    p, lq, gm = (take(to_np(i[n]), rows, 0) for n in ("p", "log_q", "gamma"))
+    hx = None if i["hx"] is None else take(to_np(i["hx"]), rows, 1)
+    db = None if case.data["db"] is None else take(to_np(case.data["db"]), rows, 1)
     k, b = ref.cema_kernel(p, lq, gm, i["length"], hx)
-    dp, dlq, dgm, dhx = ref.cema_kernel_bwd(to_np(case.data["dk"]), db, p, lq, gm, i["length"], hx)
-    out = {"k": k, "dp": dp, "dlog_q": dlq, "dgamma": dgm}
+    dp, dlq, dgm, dhx = ref.cema_kernel_bwd(take(to_np(case.data["dk"]), rows, 0), db, p, lq, gm, i["length"], hx)
+    out = {"k": part(k, rows, 0), "dp": part(dp, rows, 0), "dlog_q": part(dlq, rows, 0),
+           "dgamma": part(dgm, rows, 0)}
     if hx is not None:
-        out.update(b=b, dhx=dhx)
+        out.update(b=part(b, rows, 1), dhx=part(dhx, rows, 1))
     return out
 
 

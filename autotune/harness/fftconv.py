@@ -4,7 +4,7 @@ import torch
 from ...ops.fftconv import fftconv
 from ...reference import fftconv as ref
 from .. import registry
-from . import TOLERANCE, grads, random, real_dtype, to_np
+from . import TOLERANCE, grads, part, random, real_dtype, sample_rows, take, to_np
 
 
 def make_case(shape, dtype, device, seed):
@@ -25,9 +25,11 @@ def run(case, backend, config):
 
 
 def reference(case):
-    x, k, dy = to_np(case.inputs["x"]), to_np(case.inputs["k"]), to_np(case.data["dy"])
+    B, D, L = case.inputs["x"].shape
+    rows = sample_rows(D, 1.5 * B * L * L)  # channels are independent; 3 passes of L^2/2 each
+    x, k, dy = (take(to_np(t), rows, axis=t.dim() - 2) for t in (case.inputs["x"], case.inputs["k"], case.data["dy"]))
     dx, dk = ref.fftconv_bwd(dy, x, k)
-    return {"y": ref.fftconv(x, k), "dx": dx, "dk": dk}
+    return {"y": part(ref.fftconv(x, k), rows, 1), "dx": part(dx, rows, 1), "dk": part(dk, rows, 0)}
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,

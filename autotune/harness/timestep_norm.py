@@ -1,11 +1,12 @@
 """Tuning harness of timestep_norm: shape {B, L, D, G}, no carried state or padding (training);
 y, mean, var and the gradients of x, scale, bias from all three."""
+import numpy as np
 import torch
 
 from ...ops.timestep_norm import timestep_norm
 from ...reference import timestep_norm as ref
 from .. import registry
-from . import TOLERANCE, grads, random, to_np
+from . import TOLERANCE, grads, part, random, sample_rows, take, to_np
 
 
 def make_case(shape, dtype, device, seed):
@@ -31,11 +32,19 @@ def run(case, backend, config):
 
 def reference(case):
     d = case.data
-    x, scale, bias = to_np(case.inputs["x"]), to_np(d["scale"]), to_np(d["bias"])
-    y, _, mean, var = ref.timestep_norm(x, scale, bias, d["G"])
-    dx, dscale, dbias, _, _ = ref.timestep_norm_bwd(to_np(d["up"]["y"]), to_np(d["up"]["mean"]), to_np(d["up"]["var"]),
-                                                    x, scale, bias, d["G"], None, None, None, None)
-    return {"y": y, "mean": mean, "var": var, "dx": dx, "dscale": dscale, "dbias": dbias}
+    B, L, D = case.inputs["x"].shape
+    G = d["G"]
+    groups = sample_rows(G, 12.0 * B * L * (D // G))  # groups are independent
+    # the features of the sampled groups
+    feats = None if groups is None else (groups[:, None] * (D // G) + np.arange(D // G)).reshape(-1)
+    x, dy = take(to_np(case.inputs["x"]), feats, 2), take(to_np(d["up"]["y"]), feats, 2)
+    scale, bias = take(to_np(d["scale"]), feats, 0), take(to_np(d["bias"]), feats, 0)
+    dmean, dvar = take(to_np(d["up"]["mean"]), groups, 1), take(to_np(d["up"]["var"]), groups, 1)
+    g = G if groups is None else len(groups)
+    y, _, mean, var = ref.timestep_norm(x, scale, bias, g)
+    dx, dscale, dbias, _, _ = ref.timestep_norm_bwd(dy, dmean, dvar, x, scale, bias, g, None, None, None, None)
+    return {"y": part(y, feats, 2), "mean": part(mean, groups, 1), "var": part(var, groups, 1),
+            "dx": part(dx, feats, 2), "dscale": part(dscale, feats, 0), "dbias": part(dbias, feats, 0)}
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
