@@ -111,11 +111,13 @@ def compile_variant(v: Variant, cc: int) -> Resources:
                      local=usage.get("STACK", 0) + usage.get("LOCAL", 0))
 
 
-def all_variants(ops=TRITON_OPS) -> list[Variant]:
+def all_variants(ops=TRITON_OPS, config: tuple | None = None) -> list[Variant]:
+    """Every variant of ``ops``; with ``config`` (sorted (knob, value) items of one op's backend
+    config), only the variants that config launches (``aot_variants(space)`` with one value per knob)."""
     variants = []
     for op in ops:
         mod = importlib.import_module(f"megalodon_kernels.ops.{op}.triton_impl")
-        variants.extend(mod.aot_variants())
+        variants.extend(mod.aot_variants() if config is None else mod.aot_variants({k: [v] for k, v in config}))
     return variants
 
 
@@ -127,21 +129,66 @@ def _worker_init():
 
 
 def _compile_job(args):
-    op, index, cc = args
-    v = all_variants((op,))[index]
-    r = compile_variant(v, cc)
-    return op, index, cc, r.regs, r.shared, r.local
+    op, index, cc, config = args
+    v = all_variants((op,), config)[index]
+    try:
+        r = compile_variant(v, cc)
+    except Exception as exc:  # reported per variant: one bad config must not hide the others
+        last = str(exc).strip().splitlines()[-1:] or [""]
+        return op, index, cc, None, f"{type(exc).__name__}: {last[0]}"
+    return op, index, cc, (r.regs, r.shared, r.local), None
 
 
 def compile_all(ops=TRITON_OPS, ccs=(80, 90), workers: int | None = None) -> list[Resources]:
     """Compile every variant of ``ops`` for every arch, in parallel worker processes."""
+    by_op = {op: all_variants((op,)) for op in ops}
+    results = _run_jobs([(op, i, cc, None) for op in ops for i in range(len(by_op[op])) for cc in ccs], workers)
+    failed = [f"{by_op[op][i].kernel} [{by_op[op][i].label}] sm_{cc}: {err}" for op, i, cc, _, err in results if err]
+    if failed:
+        raise RuntimeError("Triton variants failed to compile:\n  " + "\n  ".join(failed))
+    return [Resources(by_op[op][i], cc, *usage) for op, i, cc, usage, _ in results]
+
+
+def _run_jobs(jobs, workers=None):
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    by_op = {op: all_variants((op,)) for op in ops}
-    jobs = [(op, i, cc) for op in ops for i in range(len(by_op[op])) for cc in ccs]
+    if not jobs:
+        return []
     workers = workers or min(len(jobs), os.cpu_count() or 1)
     ctx = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
-        results = list(pool.map(_compile_job, jobs))
-    return [Resources(by_op[op][i], cc, regs, shared, local) for op, i, cc, regs, shared, local in results]
+        return list(pool.map(_compile_job, jobs))
+
+
+_PROBLEMS: dict = {}
+
+
+def config_problems(op: str, config: dict, cc: int, workers: int | None = None) -> list[str]:
+    """Why ``op``'s Triton backend must not run with ``config`` on sm_<cc>: every kernel variant
+    that config launches (each dtype and tiling) that does not compile, needs more shared memory
+    than the arch's per-block limit, or spills registers. Empty when every variant is fine.
+
+    The autotuner's ahead-of-time pruning: Triton raises OutOfResources only when a kernel is
+    loaded on a device, so a config is checked offline before it is timed (NO-GPU.md). Conservative
+    across dtypes: a config is pruned if any of its variants fails. Cached per process."""
+    if cc not in SMEM_LIMIT:
+        raise ValueError(f"cc must be one of {sorted(SMEM_LIMIT)} (archs with a known shared memory limit), got {cc}")
+    items = tuple(sorted(config.items()))
+    key = (op, items, cc)
+    if key not in _PROBLEMS:
+        variants = all_variants((op,), items)
+        problems = []
+        for _, i, _, usage, err in _run_jobs([(op, i, cc, items) for i in range(len(variants))], workers):
+            v = variants[i]
+            if err:
+                problems.append(f"{v.kernel} [{v.label}] does not compile for sm_{cc}: {err}")
+                continue
+            r = Resources(v, cc, *usage)
+            if not r.fits:
+                problems.append(f"{v.kernel} [{v.label}] needs {r.shared} B shared memory > {SMEM_LIMIT[cc]} B "
+                                f"on sm_{cc}")
+            if r.spills:
+                problems.append(f"{v.kernel} [{v.label}] spills {r.local} B per thread on sm_{cc}")
+        _PROBLEMS[key] = problems
+    return list(_PROBLEMS[key])

@@ -91,3 +91,25 @@ def part(full: np.ndarray, rows: np.ndarray | None, axis: int):
 def take(a: np.ndarray | None, rows: np.ndarray | None, axis: int):
     """The sampled rows of a NumPy input along ``axis`` (all of it when ``rows`` is None)."""
     return a if a is None or rows is None else np.take(a, rows, axis=axis)
+
+
+def triton_prune(op: str):
+    """A :attr:`registry.Harness.prune` for an op with a Triton backend: on a CUDA device of a
+    known arch (sm_80, sm_90), a Triton config is pruned before it is timed when any kernel it
+    launches does not compile, does not fit the per-block shared memory or spills
+    (``ops._triton_aot.config_problems``: ahead-of-time compilation, cached per process).
+    Other backends and other devices are not pruned here (on CPU the tuner never times the
+    Triton interpreter anyway)."""
+
+    def prune(backend, config, shape, dtype_name, ident) -> list[str]:
+        if backend != "triton" or ident.get("type") != "cuda":
+            return []
+        from ...ops import _triton_aot
+
+        major, minor = (int(v) for v in str(ident.get("capability", "0.0")).split("."))
+        cc = 10 * major + minor
+        if cc not in _triton_aot.SMEM_LIMIT:
+            return []  # no offline limit known for this arch: the timing run decides
+        return _triton_aot.config_problems(op, dict(config), cc)
+
+    return prune

@@ -5,7 +5,7 @@ import torch
 from ...ops.cema_kernel import cema_kernel
 from ...reference import cema_kernel as ref
 from .. import registry
-from . import TOLERANCE, cema_coefficients, grads, part, real_dtype, sample_rows, take, to_np
+from . import TOLERANCE, cema_coefficients, grads, part, real_dtype, sample_rows, take, to_np, triton_prune
 
 
 def make_case(shape, dtype, device, seed):
@@ -51,4 +51,5 @@ def reference(case):
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
-                           check_shape=lambda s: {**s, "B": 1})
+                           check_shape=lambda s: {**s, "B": 1},
+                           prune=triton_prune("cema_kernel"))

@@ -5,7 +5,7 @@ import torch
 from ...ops.dropkey_softmax import dropkey_softmax
 from ...reference import attention as ref
 from .. import registry
-from . import TOLERANCE, grads, part, random, sample_rows, take, to_np
+from . import TOLERANCE, grads, part, random, sample_rows, take, to_np, triton_prune
 
 
 def make_case(shape, dtype, device, seed):
@@ -34,4 +34,5 @@ def reference(case):
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
-                           check_shape=lambda s: {**s, "B": 1})
+                           check_shape=lambda s: {**s, "B": 1},
+                           prune=triton_prune("dropkey_softmax"))

@@ -4,7 +4,7 @@ import torch
 from ...ops.rotary import rotary
 from ...reference import rotary as ref
 from .. import registry
-from . import TOLERANCE, random, to_np
+from . import TOLERANCE, random, to_np, triton_prune
 
 
 def make_case(shape, dtype, device, seed):
@@ -28,4 +28,5 @@ def reference(case):
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
-                           check_shape=lambda s: {**s, "B": 1})  # batch is not in the key
+                           check_shape=lambda s: {**s, "B": 1},  # batch is not in the key
+                           prune=triton_prune("rotary"))

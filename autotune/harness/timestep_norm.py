@@ -6,7 +6,7 @@ import torch
 from ...ops.timestep_norm import timestep_norm
 from ...reference import timestep_norm as ref
 from .. import registry
-from . import TOLERANCE, grads, part, random, sample_rows, take, to_np
+from . import TOLERANCE, grads, part, random, sample_rows, take, to_np, triton_prune
 
 
 def make_case(shape, dtype, device, seed):
@@ -48,4 +48,5 @@ def reference(case):
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
-                           check_shape=lambda s: {**s, "B": 1})
+                           check_shape=lambda s: {**s, "B": 1},
+                           prune=triton_prune("timestep_norm"))

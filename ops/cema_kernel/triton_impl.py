@@ -44,11 +44,13 @@ import math
 
 import torch
 
+from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, tl, triton
 
-DEFAULT_CONFIG = {"block_m": 32, "block_r": 32, "num_warps": 4, "analysis_warps": 8}
-#: every config this backend may launch with (each is AOT-compiled in tests, for every n tile)
-CONFIG_SPACE = {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}
+#: every config this backend may launch with, declared with the op's autotune registration in
+#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
+CONFIG_SPACE = autotune.get("cema_kernel").space["triton"]
+DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 #: exponents must stay exact in fp32 (e < 2**24)
 MAX_LENGTH = 1 << 24
@@ -316,8 +318,9 @@ def cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True
     return dp, dlq, dgamma, dhx
 
 
-def aot_variants():
+def aot_variants(space=None):
     """Every (kernel x config x n tile) this backend can launch, for ahead-of-time compilation (fp32 only)."""
+    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
     from itertools import product
 
     from .._triton_aot import Variant
@@ -326,8 +329,8 @@ def aot_variants():
               ("hx_ptr", "*fp32"), ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"))
     div16 = frozenset({"D", "N", "L"})
     variants = []
-    for bm, br, nw, aw, bn in product(CONFIG_SPACE["block_m"], CONFIG_SPACE["block_r"], CONFIG_SPACE["num_warps"],
-                                      CONFIG_SPACE["analysis_warps"], N_TILES):
+    for bm, br, nw, aw, bn in product(space["block_m"], space["block_r"], space["num_warps"],
+                                      space["analysis_warps"], N_TILES):
         size = f"m={bm} r={br} n={bn}"
         variants.append(Variant(
             op="cema_kernel", kernel="_cema_fwd_kernel", fn=_cema_fwd_kernel,

@@ -21,12 +21,14 @@ import math
 
 import torch
 
+from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
 from ..dropkey_rule import MIX_M1, MIX_M2, seed_key, threshold
 
-DEFAULT_CONFIG = {"block_elems": 4096, "num_warps": 8}
-#: every config this backend may launch with (the autotuner chooses among them; each is AOT-compiled in tests)
-CONFIG_SPACE = {"block_elems": [4096], "num_warps": [8]}
+#: every config this backend may launch with, declared with the op's autotune registration in
+#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
+CONFIG_SPACE = autotune.get("dropkey_softmax").space["triton"]
+DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 #: key-window widths a launch can use: the smallest one >= S runs one pass, else the widest runs multi-pass
 BLOCK_S_TIERS = (64, 512, 4096)
 
@@ -236,14 +238,15 @@ def _launch_shapes(block_elems):
     return shapes
 
 
-def aot_variants():
+def aot_variants(space=None):
     """Every (dtype x config x tiling x CAUSAL x DROP) this backend can launch, for ahead-of-time compilation."""
+    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
     from itertools import product
 
     from .._triton_aot import Variant
 
     variants = []
-    for dt, be, nw in product(("fp16", "bf16", "fp32"), CONFIG_SPACE["block_elems"], CONFIG_SPACE["num_warps"]):
+    for dt, be, nw in product(("fp16", "bf16", "fp32"), space["block_elems"], space["num_warps"]):
         for bm, bs, one in _launch_shapes(be):
             for causal, drop in product((True, False), (True, False)):
                 tag = f"{dt} m={bm} s={bs} {'1pass' if one else '2pass'} causal={causal} drop={drop} warps={nw}"

@@ -26,13 +26,15 @@ from __future__ import annotations
 
 import torch
 
+from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, triton
 from ..cema_kernel.triton_impl import MAX_LENGTH, MAX_N, N_TILES, _re, block_n, phase_fraction
 from .torch_impl import coefficient_grads
 
-DEFAULT_CONFIG = {"block_m": 32, "block_r": 32, "num_warps": 4, "analysis_warps": 8}
-#: every config this backend may launch with (each is AOT-compiled in tests)
-CONFIG_SPACE = {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}
+#: every config this backend may launch with, declared with the op's autotune registration in
+#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
+CONFIG_SPACE = autotune.get("ema_hidden").space["triton"]
+DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -167,16 +169,17 @@ def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True
     return (dx, *coefficient_grads(dh, p, log_q, hx, V, W, L, need_p, need_lq))
 
 
-def aot_variants():
+def aot_variants(space=None):
     """Every (x dtype x config x n tile) this backend can launch, for ahead-of-time compilation."""
+    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
     from itertools import product
 
     from .._triton_aot import Variant
 
     div16 = frozenset({"D", "N", "L"})
     variants = []
-    for bm, br, nw, aw, bn in product(CONFIG_SPACE["block_m"], CONFIG_SPACE["block_r"], CONFIG_SPACE["num_warps"],
-                                      CONFIG_SPACE["analysis_warps"], N_TILES):
+    for bm, br, nw, aw, bn in product(space["block_m"], space["block_r"], space["num_warps"],
+                                      space["analysis_warps"], N_TILES):
         size = f"m={bm} r={br} n={bn}"
         for dt in ("fp16", "bf16", "fp32"):
             variants.append(Variant(

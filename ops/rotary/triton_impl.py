@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import torch
 
+from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
 
-DEFAULT_CONFIG = {"block_rows": 16, "block_pairs": 64, "num_warps": 4}
-#: every config this backend may launch with (the autotuner chooses among them; each is AOT-compiled in tests)
-CONFIG_SPACE = {"block_rows": [4, 16], "block_pairs": [64, 128], "num_warps": [4]}
+#: every config this backend may launch with, declared with the op's autotune registration in
+#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
+CONFIG_SPACE = autotune.get("rotary").space["triton"]
+DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(x) -> list[str]:
@@ -71,15 +73,16 @@ def rotary_bwd(dy, cos, sin, block_rows=16, block_pairs=64, num_warps=4):
     return _launch(dy, cos, sin, -1.0, block_rows, block_pairs, num_warps)
 
 
-def aot_variants():
+def aot_variants(space=None):
     """Every (dtype x config) this backend can launch, for ahead-of-time compilation."""
+    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
     from itertools import product
 
     from .._triton_aot import Variant
 
     variants = []
-    for dt, br, bp, nw in product(("fp16", "bf16", "fp32"), CONFIG_SPACE["block_rows"], CONFIG_SPACE["block_pairs"],
-                                  CONFIG_SPACE["num_warps"]):
+    for dt, br, bp, nw in product(("fp16", "bf16", "fp32"), space["block_rows"], space["block_pairs"],
+                                  space["num_warps"]):
         variants.append(Variant(
             op="rotary", kernel="_rotary_kernel", fn=_rotary_kernel,
             arg_types=(("x_ptr", f"*{dt}"), ("cos_ptr", "*fp32"), ("sin_ptr", "*fp32"), ("out_ptr", f"*{dt}"),

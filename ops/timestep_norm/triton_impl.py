@@ -30,11 +30,13 @@ from __future__ import annotations
 
 import torch
 
+from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
 
-DEFAULT_CONFIG = {"block_elems": 4096, "num_warps": 8}
-#: every config this backend may launch with (the autotuner chooses among them; each is AOT-compiled in tests)
-CONFIG_SPACE = {"block_elems": [4096], "num_warps": [8]}
+#: every config this backend may launch with, declared with the op's autotune registration in
+#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
+CONFIG_SPACE = autotune.get("timestep_norm").space["triton"]
+DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 #: feature-tile widths: a launch takes the smallest >= Dg = D / G
 BLOCK_D_TIERS = (16, 64, 256, 1024)
 MAX_T = 64
@@ -302,14 +304,15 @@ def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, block_elems=4096, num_
     return dx, dscale, dbias, dpm, dpv
 
 
-def aot_variants():
+def aot_variants(space=None):
     """Every (dtype x config x feature tile) this backend can launch, for ahead-of-time compilation."""
+    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
     from itertools import product
 
     from .._triton_aot import Variant
 
     variants = []
-    for dt, be, nw in product(("fp16", "bf16", "fp32"), CONFIG_SPACE["block_elems"], CONFIG_SPACE["num_warps"]):
+    for dt, be, nw in product(("fp16", "bf16", "fp32"), space["block_elems"], space["num_warps"]):
         for bd in BLOCK_D_TIERS:
             T, _ = _tiling(bd, be)
             c = (("OUT_BF16", dt == "bf16"), ("BLOCK_T", T), ("BLOCK_D", bd))
