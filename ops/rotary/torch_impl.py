@@ -13,11 +13,14 @@ def not_supported_reasons(x) -> list[str]:
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
-    # [B, L, H, d/2, 2] view; compute in fp32 (fp64 for fp64) and round once on return.
-    xp = x.to(acc_dtype(x.dtype)).unflatten(-1, (-1, 2))
-    x0, x1 = xp[..., 0], xp[..., 1]
-    s = sin * sign
-    out = torch.stack((x0 * cos - x1 * s, x0 * s + x1 * cos), dim=-1)
+    # One complex multiply per pair: x[2j] + i x[2j+1] times (cos + i sign sin), in fp32 (fp64 for
+    # fp64), rounded once on return. Real-arithmetic formulations on strided (..., 2) views ran
+    # 7x slower on CPU (a pass and a temporary per product, and no vectorised inner loop).
+    xa = x.to(acc_dtype(x.dtype)).contiguous()
+    if xa.storage_offset() % 2:  # view_as_complex needs pairs aligned to a complex element
+        xa = xa.clone()
+    rot = torch.complex(cos, sin if sign > 0 else -sin)  # [P, L, 1, d/2]
+    out = torch.view_as_real(torch.view_as_complex(xa.unflatten(-1, (-1, 2))) * rot)
     return out.flatten(-2).to(x.dtype)
 
 
