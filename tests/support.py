@@ -7,6 +7,7 @@ asserting, so a failing run shows by how much.
 from __future__ import annotations
 
 import contextlib
+import importlib
 
 import numpy as np
 import torch
@@ -97,3 +98,8 @@ def knobs(backend_module, **config):
     finally:
         backend_module.DEFAULT_CONFIG.clear()
         backend_module.DEFAULT_CONFIG.update(saved)
+
+
+def backend_module(op: str, backend: str):
+    """The module of one backend of ``op`` (ops/<op>/<backend>_impl.py), e.g. for :func:`knobs`."""
+    return importlib.import_module(f"megalodon_kernels.ops.{op}.{backend}_impl")

@@ -1,7 +1,6 @@
 """cema_kernel (k and bias b): forward and every gradient against the float64 reference, the
 two-level power table at every block size, long-L fp32 accuracy against an exact float64 oracle,
 streaming (prefix / carried-state) properties and argument validation."""
-import contextlib
 import math
 
 import numpy as np
@@ -13,7 +12,7 @@ from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.cema_kernel import torch_impl as kernel_impl
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.reference import cema_kernel as ref
-from support import as_input, assert_close, to_np, tol
+from support import as_input, assert_close, backend_module, knobs, to_np, tol
 
 COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
@@ -38,33 +37,23 @@ def random_coefficients(gen, D, N, B=None, dtype=torch.float32, min_gap=1e-3):
     return out
 
 
-@contextlib.contextmanager
-def config(module, **knobs):
-    """Temporarily change a backend's DEFAULT_CONFIG (usable inside hypothesis examples)."""
-    old = dict(module.DEFAULT_CONFIG)
-    module.DEFAULT_CONFIG.update(knobs)
-    try:
-        yield
-    finally:
-        module.DEFAULT_CONFIG.clear()
-        module.DEFAULT_CONFIG.update(old)
-
-
-def _check(D, N, B, L, dtype, contiguous=True, seed=0, power_block=None, use=("k", "b")):
+def check_cema_kernel(D, N, B, L, dtype, contiguous=True, seed=0, use=("k", "b"), backend="torch", **config):
+    """Forward and every gradient of one backend (run with the knob values ``config``) vs the reference;
+    shared with tests/test_triton_cema_kernel.py and the CUDA tests."""
     gen = torch.Generator().manual_seed(seed)
     c = random_coefficients(gen, D, N, B, dtype)
     names = ["p", "log_q", "gamma"] + (["hx"] if B is not None else [])
     ins = {n: as_input(c[n], contiguous=contiguous, requires_grad=True) for n in names}
-    with config(kernel_impl, **({} if power_block is None else {"power_block": power_block})):
-        k, b = cema_kernel(ins["p"], ins["log_q"], ins["gamma"], L, ins.get("hx"), backend="torch")
+    with knobs(backend_module("cema_kernel", backend), **config):
+        k, b = cema_kernel(ins["p"], ins["log_q"], ins["gamma"], L, ins.get("hx"), backend=backend)
         assert k.shape == (D, L) and k.dtype == dtype
         assert (b is None) == (B is None)
         npin = {n: to_np(t) for n, t in ins.items()}
         k_ref, b_ref = ref.cema_kernel(npin["p"], npin["log_q"], npin["gamma"], L, npin.get("hx"))
-        assert_close("k", k, k_ref, tol("torch", dtype, "fwd"))
+        assert_close("k", k, k_ref, tol(backend, dtype, "fwd"))
         if B is not None:
             assert b.shape == (B, D, L) and b.dtype == dtype
-            assert_close("b", b, b_ref, tol("torch", dtype, "fwd"))
+            assert_close("b", b, b_ref, tol(backend, dtype, "fwd"))
         dk = torch.randn(k.shape, generator=gen, dtype=torch.float64).to(dtype)
         outs, cots = [], []
         if "k" in use:
@@ -81,37 +70,37 @@ def _check(D, N, B, L, dtype, contiguous=True, seed=0, power_block=None, use=("k
         if np.max(np.abs(exp)) == 0:  # e.g. hx gets no gradient when b is unused
             assert torch.all(got == 0), name
             continue
-        assert_close("d" + name, got, exp, tol("torch", dtype, "bwd"))
+        assert_close("d" + name, got, exp, tol(backend, dtype, "bwd"))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
 @pytest.mark.parametrize("L", [1, 31, 33, 63, 129])
 @pytest.mark.parametrize("B", [None, 2], ids=["no_hx", "hx"])
 def test_cema_kernel_matches_reference(dtype, L, B):
-    _check(3, 4, B, L, dtype)
+    check_cema_kernel(3, 4, B, L, dtype)
 
 
 def test_cema_kernel_wide_features():
-    _check(60, 2, 1, 33, torch.float32, contiguous=False)
+    check_cema_kernel(60, 2, 1, 33, torch.float32, contiguous=False)
 
 
 @pytest.mark.parametrize("power_block", [1, 3, 8, 64, 1000])
 def test_cema_kernel_every_power_block(power_block):
     # T = 1 makes every power a Q2 entry, T >= L every power a Q1 entry; 3 and 8 leave a partial
     # last block (L = 50), so the padding of both layouts is exercised.
-    _check(2, 3, 2, 50, torch.float32, power_block=power_block)
+    check_cema_kernel(2, 3, 2, 50, torch.float32, power_block=power_block)
 
 
 @pytest.mark.parametrize("use", [("k",), ("b",)], ids=["k_only", "b_only"])
 def test_cema_kernel_one_output_used(use):
-    _check(2, 3, 2, 40, torch.float64, use=use)
+    check_cema_kernel(2, 3, 2, 40, torch.float64, use=use)
 
 
 @given(D=st.integers(1, 6), N=st.integers(1, 8), B=st.sampled_from([None, 1, 3]), L=st.integers(1, 200),
        dtype=st.sampled_from([torch.float32, torch.float64]), contiguous=st.booleans(),
        power_block=st.sampled_from([None, 1, 5, 16, 33]), seed=st.integers(0, 2**31))
 def test_cema_kernel_property(D, N, B, L, dtype, contiguous, power_block, seed):
-    _check(D, N, B, L, dtype, contiguous, seed, power_block)
+    check_cema_kernel(D, N, B, L, dtype, contiguous, seed, **({} if power_block is None else {"power_block": power_block}))
 
 
 def _oracle_long(p, log_q, gamma, hx, L, dk, db, chunk=1 << 16):
@@ -180,7 +169,7 @@ def test_cema_kernel_gradcheck():
     gen = torch.Generator().manual_seed(5)
     c = random_coefficients(gen, 2, 3, 2, torch.float64)
     ins = tuple(c[n].requires_grad_() for n in ("p", "log_q", "gamma", "hx"))
-    with config(kernel_impl, power_block=3):
+    with knobs(kernel_impl, power_block=3):
         assert torch.autograd.gradcheck(lambda p, lq, g, hx: cema_kernel(p, lq, g, 7, hx), ins)
 
 

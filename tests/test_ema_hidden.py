@@ -8,8 +8,8 @@ from hypothesis import given, strategies as st
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.ema_hidden import torch_impl as hidden_impl
 from megalodon_kernels.reference import ema_hidden as ref
-from support import as_input, assert_close, to_np, tol
-from test_cema_kernel import config, random_coefficients
+from support import as_input, assert_close, backend_module, knobs, to_np, tol
+from test_cema_kernel import random_coefficients
 
 # (x dtype, coefficient dtype). With bf16/fp16 x the output h and every coefficient gradient are
 # complex64/fp32 computed from the rounded x, so they meet fp32-level error; only dx is rounded.
@@ -17,20 +17,22 @@ DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torc
           (torch.float64, torch.float64)]
 
 
-def _check(B, D, N, L, xdtype, cdtype, with_hx=True, contiguous=True, seed=0, power_block=None):
+def check_ema_hidden(B, D, N, L, xdtype, cdtype, with_hx=True, contiguous=True, seed=0, backend="torch", **config):
+    """Forward and every gradient of one backend (run with the knob values ``config``) vs the
+    reference; shared with tests/test_triton_ema_hidden.py and the CUDA tests."""
     gen = torch.Generator().manual_seed(seed)
     c = random_coefficients(gen, D, N, B if with_hx else None, cdtype)
     x0 = torch.randn(B, D, L, generator=gen, dtype=torch.float64)
     ins = {"x": as_input(x0, xdtype, contiguous, requires_grad=True)}
     for n in ("p", "log_q") + (("hx",) if with_hx else ()):
         ins[n] = as_input(c[n], contiguous=contiguous, requires_grad=True)
-    with config(hidden_impl, **({} if power_block is None else {"power_block": power_block})):
-        h = ema_hidden(ins["x"], ins["p"], ins["log_q"], ins.get("hx"), backend="torch")
+    with knobs(backend_module("ema_hidden", backend), **config):
+        h = ema_hidden(ins["x"], ins["p"], ins["log_q"], ins.get("hx"), backend=backend)
         assert h.shape == (B, D, N) and h.dtype == c["log_q"].dtype
         npin = {n: to_np(t) for n, t in ins.items()}
         # the forward tolerance follows the coefficient dtype: h is computed from the rounded x
         assert_close("h", h, ref.ema_hidden(npin["x"], npin["p"], npin["log_q"], npin.get("hx")),
-                     tol("torch", cdtype, "fwd"))
+                     tol(backend, cdtype, "fwd"))
         dh = torch.complex(torch.randn(h.shape, generator=gen, dtype=torch.float64),
                            torch.randn(h.shape, generator=gen, dtype=torch.float64)).to(h.dtype)
         grads = torch.autograd.grad(h, list(ins.values()), dh)
@@ -38,31 +40,32 @@ def _check(B, D, N, L, xdtype, cdtype, with_hx=True, contiguous=True, seed=0, po
     for name, got, exp in zip(ins, grads, want):
         assert got.dtype == ins[name].dtype and got.shape == ins[name].shape
         dt = xdtype if name == "x" else cdtype
-        assert_close("d" + name, got, exp, tol("torch", dt, "bwd"))
+        assert_close("d" + name, got, exp, tol(backend, dt, "bwd"))
 
 
 @pytest.mark.parametrize("xdtype,cdtype", DTYPES, ids=lambda d: str(d).replace("torch.", ""))
 @pytest.mark.parametrize("L", [1, 31, 33, 63, 129])
 @pytest.mark.parametrize("with_hx", [False, True], ids=["no_hx", "hx"])
 def test_ema_hidden_matches_reference(xdtype, cdtype, L, with_hx):
-    _check(2, 3, 4, L, xdtype, cdtype, with_hx)
+    check_ema_hidden(2, 3, 4, L, xdtype, cdtype, with_hx)
 
 
 def test_ema_hidden_wide_features():
-    _check(1, 60, 2, 33, torch.bfloat16, torch.float32, contiguous=False)
+    check_ema_hidden(1, 60, 2, 33, torch.bfloat16, torch.float32, contiguous=False)
 
 
 @pytest.mark.parametrize("power_block", [1, 3, 8, 1000])
 def test_ema_hidden_every_power_block(power_block):
     # the reverse layout pads at the front: L = 50 leaves a partial first block for T = 3 and 8
-    _check(2, 2, 3, 50, torch.float32, torch.float32, power_block=power_block)
+    check_ema_hidden(2, 2, 3, 50, torch.float32, torch.float32, power_block=power_block)
 
 
 @given(B=st.integers(1, 3), D=st.integers(1, 5), N=st.integers(1, 8), L=st.integers(1, 150),
        dtypes=st.sampled_from(DTYPES), with_hx=st.booleans(), contiguous=st.booleans(),
        power_block=st.sampled_from([None, 1, 7, 32]), seed=st.integers(0, 2**31))
 def test_ema_hidden_property(B, D, N, L, dtypes, with_hx, contiguous, power_block, seed):
-    _check(B, D, N, L, *dtypes, with_hx, contiguous, seed, power_block)
+    check_ema_hidden(B, D, N, L, *dtypes, with_hx, contiguous, seed,
+                     **({} if power_block is None else {"power_block": power_block}))
 
 
 @pytest.mark.parametrize("xdtype,cdtype", [(torch.float32, torch.float32), (torch.float64, torch.float64)],
@@ -85,7 +88,7 @@ def test_ema_hidden_gradcheck():
     c = random_coefficients(gen, 2, 3, 2, torch.float64)
     x = torch.randn(2, 2, 7, generator=gen, dtype=torch.float64).requires_grad_()
     ins = (x, c["p"].requires_grad_(), c["log_q"].requires_grad_(), c["hx"].requires_grad_())
-    with config(hidden_impl, power_block=3):
+    with knobs(hidden_impl, power_block=3):
         assert torch.autograd.gradcheck(lambda *a: ema_hidden(*a), ins)
 
 

@@ -59,8 +59,9 @@ def problem(B, L, D, G, seed, *, pad="none", prior=True, center=0.0, spread=1.0,
     return p, gen
 
 
-def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name=""):
-    """Run the op in ``dtype`` and compare y, count, mean, var and every gradient to the reference."""
+def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name="", backend="torch"):
+    """Run the op on ``backend`` in ``dtype`` and compare y, count, mean, var and every gradient to
+    the reference (shared with the Triton and CUDA tests); returns (y, count, mean, var)."""
     acc = acc_of(dtype)
     pdt = param_dtype or dtype
     x = as_input(p["x"], dtype, contiguous, requires_grad=True)
@@ -73,7 +74,7 @@ def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name=""
     for k in ("prev_mean", "prev_var"):
         if p.get(k) is not None:
             extra[k] = leaves[k] = as_input(p[k], pdt, contiguous, requires_grad=True)
-    y, count, mean, var = timestep_norm(x, scale, bias, p["num_groups"], **extra, backend="torch")
+    y, count, mean, var = timestep_norm(x, scale, bias, p["num_groups"], **extra, backend=backend)
     assert y.dtype == dtype and y.shape == x.shape
     assert count.dtype == torch.int64 and mean.dtype == acc and var.dtype == acc
     # The reference sees exactly the rounded inputs the op saw.
@@ -82,11 +83,11 @@ def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name=""
                                        np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"),
                                        np_in.get("padding_mask"))
     np.testing.assert_array_equal(count.numpy(), rc)
-    assert_close(f"{name}y", y, ry, tol("torch", dtype, "fwd"))
-    assert_close(f"{name}mean", mean, rm, tol("torch", acc, "fwd"))
-    assert_close(f"{name}var", var, rv, tol("torch", acc, "fwd"))
+    assert_close(f"{name}y", y, ry, tol(backend, dtype, "fwd"))
+    assert_close(f"{name}mean", mean, rm, tol(backend, acc, "fwd"))
+    assert_close(f"{name}var", var, rv, tol(backend, acc, "fwd"))
     if not grads:
-        return
+        return y, count, mean, var
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
     dm = torch.randn(mean.shape, generator=gen, dtype=torch.float64).to(acc)
     dv = torch.randn(var.shape, generator=gen, dtype=torch.float64).to(acc)
@@ -97,8 +98,9 @@ def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name=""
     for k, g in got.items():
         assert g.dtype == leaves[k].dtype and g.shape == leaves[k].shape
         # A gradient is rounded to its leaf's dtype: allow the coarser of the two precisions.
-        t = max(tol("torch", dtype, "bwd"), tol("torch", g.dtype, "bwd"))
+        t = max(tol(backend, dtype, "bwd"), tol(backend, g.dtype, "bwd"))
         assert_close(f"{name}d{k}", g, want[k], t)
+    return y, count, mean, var
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float64]

@@ -3,51 +3,17 @@ reference at odd sizes, one-output-used cases, and the fp32 long-length accuracy
 (L = 2**18, 1-|q| = 1e-5) against the exact float64 oracle, with few large programs."""
 import math
 
-import numpy as np
 import pytest
 import torch
 
 from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.cema_kernel import triton_impl
-from megalodon_kernels.reference import cema_kernel as ref
-from support import as_input, assert_close, to_np, tol
-from test_cema_kernel import _oracle_long, config, random_coefficients
+from support import assert_close, knobs
+from test_cema_kernel import _oracle_long, check_cema_kernel, random_coefficients
 
 
-def _check(D, N, B, L, contiguous=True, seed=0, use=("k", "b"), **knobs):
-    dtype = torch.float32
-    gen = torch.Generator().manual_seed(seed)
-    c = random_coefficients(gen, D, N, B, dtype)
-    names = ["p", "log_q", "gamma"] + (["hx"] if B is not None else [])
-    ins = {n: as_input(c[n], contiguous=contiguous, requires_grad=True) for n in names}
-    with config(triton_impl, **knobs):
-        k, b = cema_kernel(ins["p"], ins["log_q"], ins["gamma"], L, ins.get("hx"), backend="triton")
-        assert k.shape == (D, L) and k.dtype == dtype
-        npin = {n: to_np(t) for n, t in ins.items()}
-        k_ref, b_ref = ref.cema_kernel(npin["p"], npin["log_q"], npin["gamma"], L, npin.get("hx"))
-        assert_close("k", k, k_ref, tol("triton", dtype, "fwd"))
-        if B is not None:
-            assert b.shape == (B, D, L) and b.dtype == dtype
-            assert_close("b", b, b_ref, tol("triton", dtype, "fwd"))
-        else:
-            assert b is None
-        outs, cots = [], []
-        dk = torch.randn(k.shape, generator=gen, dtype=torch.float64).to(dtype)
-        if "k" in use:
-            outs.append(k), cots.append(dk)
-        db = None
-        if B is not None and "b" in use:
-            db = torch.randn(b.shape, generator=gen, dtype=torch.float64).to(dtype)
-            outs.append(b), cots.append(db)
-        grads = torch.autograd.grad(outs, list(ins.values()), cots, allow_unused=True)
-    want = ref.cema_kernel_bwd(to_np(dk) if "k" in use else None, None if db is None else to_np(db),
-                               npin["p"], npin["log_q"], npin["gamma"], L, npin.get("hx"))
-    for name, got, exp in zip(names, grads, want):
-        assert got.dtype == ins[name].dtype and got.shape == ins[name].shape
-        if np.max(np.abs(exp)) == 0:
-            assert torch.all(got == 0), name
-            continue
-        assert_close("d" + name, got, exp, tol("triton", dtype, "bwd"))
+def _check(D, N, B, L, contiguous=True, seed=0, use=("k", "b"), **config):
+    check_cema_kernel(D, N, B, L, torch.float32, contiguous, seed, use, backend="triton", **config)
 
 
 @pytest.mark.parametrize("L", [1, 31, 129])
@@ -82,7 +48,7 @@ def test_triton_cema_kernel_fp32_accuracy_at_long_length():
     c["log_q"] = torch.complex(torch.full((D, N), math.log1p(-gap), dtype=torch.float64),
                                c["log_q"].imag.double()).to(torch.complex64)
     ins = [c[n].requires_grad_() for n in ("p", "log_q", "gamma", "hx")]
-    with config(triton_impl, block_m=256, block_r=256):
+    with knobs(triton_impl, block_m=256, block_r=256):
         k, b = cema_kernel(*ins[:3], L, ins[3], backend="triton")
         dk = torch.randn(k.shape, generator=gen)
         db = torch.randn(b.shape, generator=gen)

@@ -8,32 +8,13 @@ import torch
 
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.ema_hidden import triton_impl
-from megalodon_kernels.reference import ema_hidden as ref
-from support import as_input, assert_close, to_np, tol
-from test_cema_kernel import config, random_coefficients
+from support import assert_close, knobs, to_np, tol
+from test_cema_kernel import random_coefficients
+from test_ema_hidden import check_ema_hidden
 
-def _check(B, D, N, L, xdtype, with_hx=True, contiguous=True, seed=0, **knobs):
-    cdtype = torch.float32
-    gen = torch.Generator().manual_seed(seed)
-    c = random_coefficients(gen, D, N, B if with_hx else None, cdtype)
-    x0 = torch.randn(B, D, L, generator=gen, dtype=torch.float64)
-    ins = {"x": as_input(x0, xdtype, contiguous, requires_grad=True)}
-    for n in ("p", "log_q") + (("hx",) if with_hx else ()):
-        ins[n] = as_input(c[n], contiguous=contiguous, requires_grad=True)
-    with config(triton_impl, **knobs):
-        h = ema_hidden(ins["x"], ins["p"], ins["log_q"], ins.get("hx"), backend="triton")
-        assert h.shape == (B, D, N) and h.dtype == c["log_q"].dtype
-        npin = {n: to_np(t) for n, t in ins.items()}
-        assert_close("h", h, ref.ema_hidden(npin["x"], npin["p"], npin["log_q"], npin.get("hx")),
-                     tol("triton", cdtype, "fwd"))
-        dh = torch.complex(torch.randn(h.shape, generator=gen, dtype=torch.float64),
-                           torch.randn(h.shape, generator=gen, dtype=torch.float64)).to(h.dtype)
-        grads = torch.autograd.grad(h, list(ins.values()), dh)
-    want = ref.ema_hidden_bwd(to_np(dh), npin["x"], npin["p"], npin["log_q"], npin.get("hx"))
-    for name, got, exp in zip(ins, grads, want):
-        assert got.dtype == ins[name].dtype and got.shape == ins[name].shape
-        dt = xdtype if name == "x" else cdtype
-        assert_close("d" + name, got, exp, tol("triton", dt, "bwd"))
+
+def _check(B, D, N, L, xdtype, with_hx=True, contiguous=True, seed=0, **config):
+    check_ema_hidden(B, D, N, L, xdtype, torch.float32, with_hx, contiguous, seed, backend="triton", **config)
 
 
 # every x dtype, both hx cases and L in {1, 33, 129}, without the full cross product (interpreter time)
@@ -73,7 +54,7 @@ def test_triton_ema_hidden_fp32_accuracy_at_long_length():
                           c["log_q"].imag.double()).to(torch.complex64)
     x = torch.randn(B, D, L, generator=gen)
     ins = [x.requires_grad_(), c["p"].requires_grad_(), log_q.requires_grad_(), c["hx"].requires_grad_()]
-    with config(triton_impl, block_m=256, block_r=256):
+    with knobs(triton_impl, block_m=256, block_r=256):
         h = ema_hidden(*ins, backend="triton")
         dh = torch.complex(torch.randn(h.shape, generator=gen), torch.randn(h.shape, generator=gen))
         grads = torch.autograd.grad(h, ins, dh)

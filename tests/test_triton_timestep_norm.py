@@ -1,51 +1,19 @@
 """TimestepNorm, Triton backend (interpreter) against the float64 loop reference: y, count, mean,
 var and every gradient (x, scale, bias, prev_mean, prev_var), fp32 and bf16, padding with NaN/inf
 in padded rows, priors with prev_count = 0, several chunks, odd D / G, streaming."""
-import numpy as np
 import pytest
 import torch
 
 from megalodon_kernels.ops.timestep_norm import timestep_norm, triton_impl
-from megalodon_kernels.reference import timestep_norm as ref
-from support import as_input, assert_close, to_np, tol
+from support import assert_close, to_np
 from test_timestep_norm import problem
+from test_timestep_norm import run as check_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/inf lanes the kernels mask away
 
 
 def run(p, dtype, *, gen, contiguous=True, name=""):
-    x = as_input(p["x"], dtype, contiguous, requires_grad=True)
-    scale = as_input(p["scale"], dtype, contiguous, requires_grad=True)
-    bias = as_input(p["bias"], dtype, contiguous, requires_grad=True)
-    extra, leaves = {}, {"x": x, "scale": scale, "bias": bias}
-    for k in ("prev_count", "padding_mask"):
-        if p.get(k) is not None:
-            extra[k] = as_input(p[k], None, contiguous)
-    for k in ("prev_mean", "prev_var"):
-        if p.get(k) is not None:
-            extra[k] = leaves[k] = as_input(p[k], dtype, contiguous, requires_grad=True)
-    y, count, mean, var = timestep_norm(x, scale, bias, p["num_groups"], **extra, backend="triton")
-    assert y.dtype == dtype and y.shape == x.shape
-    assert count.dtype == torch.int64 and mean.dtype == torch.float32 and var.dtype == torch.float32
-    np_in = {k: to_np(v.detach()) for k, v in {**leaves, **extra}.items()}
-    ry, rc, rm, rv = ref.timestep_norm(np_in["x"], np_in["scale"], np_in["bias"], p["num_groups"],
-                                       np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"),
-                                       np_in.get("padding_mask"))
-    np.testing.assert_array_equal(count.numpy(), rc)
-    assert_close(f"{name}y", y, ry, tol("triton", dtype, "fwd"))
-    assert_close(f"{name}mean", mean, rm, tol("triton", torch.float32, "fwd"))
-    assert_close(f"{name}var", var, rv, tol("triton", torch.float32, "fwd"))
-    dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
-    dm = torch.randn(mean.shape, generator=gen, dtype=torch.float64).to(torch.float32)
-    dv = torch.randn(var.shape, generator=gen, dtype=torch.float64).to(torch.float32)
-    got = dict(zip(leaves, torch.autograd.grad((y, mean, var), list(leaves.values()), (dy, dm, dv))))
-    want = dict(zip(["x", "scale", "bias", "prev_mean", "prev_var"], ref.timestep_norm_bwd(
-        to_np(dy), to_np(dm), to_np(dv), np_in["x"], np_in["scale"], np_in["bias"], p["num_groups"],
-        np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"), np_in.get("padding_mask"))))
-    for k, g in got.items():
-        assert g.dtype == leaves[k].dtype and g.shape == leaves[k].shape
-        assert_close(f"{name}d{k}", g, want[k], tol("triton", dtype, "bwd"))
-    return y, count, mean, var
+    return check_backend(p, dtype, gen=gen, contiguous=contiguous, name=name, backend="triton")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
