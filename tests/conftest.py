@@ -19,7 +19,26 @@ from hypothesis import settings  # noqa: E402
 
 settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
+settings.register_profile("stress", max_examples=300, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
+
+
+def pytest_addoption(parser):
+    parser.addoption("--stress", action="store_true", default=False,
+                     help="run the stress tests at full size and hypothesis with 300 examples per property "
+                          "(default: the bounded form CI runs)")
+
+
+def pytest_configure(config):
+    if config.getoption("--stress"):
+        settings.load_profile("stress")
+
+
+@pytest.fixture
+def stress(request) -> bool:
+    """True under ``--stress``: tests marked ``stress`` then run their full-size cases; by default
+    (and in CI) they run a bounded form of the same check."""
+    return request.config.getoption("--stress")
 
 _POISON = {
     "empty": torch.empty,
