@@ -62,13 +62,24 @@ def _cuda_extension():
     ext = CUDAExtension(
         name="megalodon_kernels.cuda._C",
         sources=sources,
-        include_dirs=[os.path.join(HERE, "cuda")],
+        include_dirs=[os.path.join(HERE, "cuda"), *_cute_include_dirs()],
         extra_compile_args={
             "cxx": ["-O3", "-std=c++20", "-DMK_EXT_NAME=_C"],
             "nvcc": ["-O3", "-std=c++20", "-lineinfo"],  # no --use_fast_math: the kernels rely on IEEE fp32
         },
     )
     return [ext], {"build_ext": BuildExtension}
+
+
+def _cute_include_dirs():
+    """--- attention --- CuTe/CUTLASS headers for cuda/flash_attention*.cu, from the PyPI package
+    nvidia-cutlass (cutlass_library/source/include); nothing is vendored."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError("building the CUDA extension needs the CuTe headers: pip install nvidia-cutlass")
+    return [os.path.join(list(spec.submodule_search_locations)[0], "source", "include")]
 
 
 _ext_modules, _cmdclass = _cuda_extension()
@@ -80,7 +91,7 @@ setup(
         # Autotune tables are data files of the autotune package (one JSON per measured device).
         "megalodon_kernels.autotune": ["tables/*.json"],
         # Kernel sources ship with the package: the CPU emulator extension builds from them on demand.
-        "megalodon_kernels.cuda": ["*.cu", "*.cuh", "*.h", "*.cpp", "*.md", "emu/*"],
+        "megalodon_kernels.cuda": ["*.cu", "*.cuh", "*.h", "*.cpp", "*.md", "emu/*", "cute_host/*"],
     },
     ext_modules=_ext_modules,
     cmdclass=_cmdclass,

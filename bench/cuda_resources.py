@@ -64,11 +64,25 @@ def emulator_times():
         timed(f"timestep_norm fwd {tag}", f"({B},{L},{D}) G={G}", lambda: K.timestep_norm_fwd(ext, x, *args))
         timed(f"timestep_norm bwd {tag}", f"({B},{L},{D}) G={G}",
               lambda: K.timestep_norm_bwd(ext, x, torch.zeros(B, G), torch.zeros(B, G), res[4], G))
-        for L in (1024, 16384):
+        for L in (1024, 16384, 65536):  # one block up to 16384, the multi-pass FFT above
             x = torch.randn(1, 1, L, generator=g).to(dt)
             k = torch.randn(1, L, generator=g)
             timed(f"fftconv fwd {tag}", f"(1,1,{L})", lambda: K.fftconv_fwd(ext, x, k))
             timed(f"fftconv bwd {tag}", f"(1,1,{L})", lambda: K.fftconv_bwd(ext, x, x, k))
+        B, D, N, L = 2, 16, 16, 4096
+        x = torch.randn(B, D, L, generator=g).to(dt)
+        p = torch.rand(D, N, generator=g)
+        log_q = torch.complex(-torch.rand(D, N, generator=g) * 0.01, torch.rand(D, N, generator=g) * 3.0)
+        gamma = torch.randn(D, N, dtype=torch.complex64, generator=g)
+        hx = torch.randn(B, D, N, dtype=torch.complex64, generator=g)
+        h, V, W = K.ema_hidden_fwd(ext, x, p, log_q, hx, weighted=True)
+        timed(f"ema_hidden fwd {tag}", f"({B},{D},{L}) N={N}", lambda: K.ema_hidden_fwd(ext, x, p, log_q, hx, True))
+        timed(f"ema_hidden bwd {tag}", f"({B},{D},{L}) N={N}",
+              lambda: K.ema_hidden_bwd(ext, torch.ones_like(h), p, log_q, hx, V, W, L))
+    k, b = K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx)
+    timed("cema_kernel fwd float32", f"({B},{D},{L}) N={N}", lambda: K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx))
+    timed("cema_kernel bwd float32", f"({B},{D},{L}) N={N}",
+          lambda: K.cema_kernel_bwd(ext, torch.ones_like(k), torch.ones_like(b), p, log_q, gamma, L, hx))
     return out
 
 

@@ -95,7 +95,8 @@ class TimestepNormBackend(_Backend):
 
 
 class FftconvBackend(_Backend):
-    #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex64 product spectra of dk.
+    #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex64 product spectra of dk,
+    #: and of the multi-pass FFT's row workspace for L > 16384 (at least one row either way).
     DEFAULT_CONFIG: dict = {"max_workspace_bytes": 256 << 20}
 
     def not_supported_reasons(self, x, k, **_other_inputs) -> list[str]:
@@ -104,19 +105,161 @@ class FftconvBackend(_Backend):
             reasons.append(f"k must be float32, bfloat16 or float16 for the CUDA kernels, got {k.dtype}")
         L = x.shape[-1]
         if L > K.FFTCONV_MAX_LEN:
-            reasons.append(f"the CUDA fftconv handles L <= {K.FFTCONV_MAX_LEN} in one block per row, got L = {L} "
-                           f"(use backend='torch'; the multi-pass FFT is not implemented)")
+            # one block per row up to 16384, the multi-pass four-step FFT above, up to 2^27
+            reasons.append(f"the CUDA fftconv handles L <= {K.FFTCONV_MAX_LEN} (2^27), got L = {L} "
+                           f"(use backend='torch')")
         return reasons
 
-    def fftconv_fwd(self, x, k, max_workspace_bytes=None):
-        return K.fftconv_fwd(self.ext, x, k)
+    def fftconv_fwd(self, x, k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
+        return K.fftconv_fwd(self.ext, x, k, max_workspace_bytes=max_workspace_bytes)
 
     def fftconv_bwd(self, dy, x, k, need_x, need_k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
         return K.fftconv_bwd(self.ext, dy, x, k, need_x, need_k, max_workspace_bytes=max_workspace_bytes)
 
+
+
+# --- attention ---
+class AttentionBackend(_Backend):
+    """attention on the CUDA kernels, two paths.
+
+    * "flash" (cuda/flash_attention.cuh, CuTe): fused forward (online softmax, saved lse) and
+      backward (dv, dk, dq kernels, no atomics), every mask mode, DropKey, Laplace; q/k are
+      zero-padded to head dim 64, 128 or 256 and v to the kernel's dv tile. bf16/fp16 on the GPU
+      (mma.sync), also fp32 in the emulator.
+    * "matmul": scores = scale * q k^T per (b, h) by torch.matmul (cuBLAS on a GPU) in fp32,
+      the chunk / block_causal visibility as -inf, then the fused causal + DropKey + softmax
+      kernel (cuda/dropkey_softmax.cuh; the package's DropKey rule with (b, h, i, j) = the
+      score indices) and P v; the backward recomputes P with that kernel and uses its softmax
+      backward. It materialises the L x S fp32 scores and has no Laplace. Used where the flash
+      kernel has no compiled configuration (fp32 on the GPU, head dim > 256, dv = 0).
+    """
+
+    _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+    #: path: "auto" (flash where it supports the inputs, else matmul), "flash" or "matmul".
+    DEFAULT_CONFIG: dict = {"path": "auto"}
+
+    def flash_reasons(self, q, v) -> list[str]:
+        """Why the flash kernel cannot run these inputs ([] if it can)."""
+        if q.dtype not in K.ATTN_DTYPE_CODES:
+            return [f"the flash kernel takes float32/bfloat16/float16, got {q.dtype}"]
+        if K.flash_head_dim(q.shape[-1]) is None:
+            return [f"the flash kernel handles head dims <= {K.FLASH_HEAD_DIMS[-1]}, got {q.shape[-1]}"]
+        if v.shape[-1] == 0:
+            return ["the flash kernel needs dv > 0"]
+        if q.shape[0] * q.shape[2] > 65535:  # B * H is the grid's y dimension
+            return [f"the flash kernel handles B * H <= 65535, got {q.shape[0] * q.shape[2]}"]
+        try:
+            tile = K.flash_dv_tile(self.ext, q.dtype, q.shape[-1])
+        except Exception as exc:  # extension not built
+            return [str(exc)]
+        if tile == 0:
+            return [f"no flash kernel is compiled for {q.dtype} at head dim {K.flash_head_dim(q.shape[-1])} "
+                    f"(float32 runs on the matmul path on a GPU)"]
+        return []
+
+    def _path(self, q, v, attn_fn, path):
+        path = path or self.DEFAULT_CONFIG.get("path", "auto")
+        if path not in ("auto", "flash", "matmul"):
+            raise ValueError(f"path must be 'auto', 'flash' or 'matmul', got {path!r}")
+        if path == "auto":
+            path = "matmul" if self.flash_reasons(q, v) else "flash"
+        if path == "flash" and self.flash_reasons(q, v):
+            raise ValueError("; ".join(self.flash_reasons(q, v)) + " (use path='matmul' or backend='torch')")
+        if path == "matmul" and attn_fn != "softmax":
+            raise ValueError(f"attn_fn={attn_fn!r} is not supported by the CUDA matmul path (use backend='torch')")
+        return path
+
+    def not_supported_reasons(self, q, k=None, v=None, *, attn_fn="softmax", **_other_inputs) -> list[str]:
+        named = {n: t for n, t in (("q", q), ("k", k), ("v", v)) if t is not None}
+        reasons = self._available()
+        if any(t.device.type != self.device_type for t in named.values()):
+            bad = next(n for n, t in named.items() if t.device.type != self.device_type)
+            reasons.append(f"needs {self.device_type} tensors, got {bad} on {named[bad].device} (use backend='torch')")
+        if q.dtype not in self._INPUT_DTYPES:
+            reasons.append(f"the CUDA attention takes float32, bfloat16 or float16 q/k/v, got {q.dtype} "
+                           f"(use backend='torch')")
+        if reasons or attn_fn == "softmax":
+            return reasons
+        path = self.DEFAULT_CONFIG.get("path", "auto")
+        flash = self.flash_reasons(q, q if v is None else v) if path != "matmul" else ["path='matmul'"]
+        if flash:
+            reasons.append(f"attn_fn={attn_fn!r} needs the flash kernel ({'; '.join(flash)}); the CUDA matmul + "
+                           f"dropkey_softmax path has no laplace (use backend='torch')")
+        return reasons
+
+    def attention_fwd(self, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                      path=None, **_config):
+        kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                  seed=seed)
+        if self._path(q, v, attn_fn, path) == "flash":
+            return K.attention_flash_fwd(self.ext, q, k, v, attn_fn=attn_fn, **kw)
+        return K.attention_matmul_fwd(self.ext, q, k, v, **kw)
+
+    def attention_bwd(self, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+                      attn_fn, path=None, **_config):
+        kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                  seed=seed)
+        if self._path(q, v, attn_fn, path) == "flash":
+            return K.attention_flash_bwd(self.ext, do, q, k, v, o, lse, attn_fn=attn_fn, **kw)
+        return K.attention_matmul_bwd(self.ext, do, q, k, v, **kw)
+# --- end attention ---
 
 # The product backends (CUDA tensors, megalodon_kernels.cuda._C): ops/<op>/cuda_impl.py re-exports these.
 rotary = RotaryBackend()
 dropkey_softmax = DropKeySoftmaxBackend()
 timestep_norm = TimestepNormBackend()
 fftconv = FftconvBackend()
+attention = AttentionBackend()
+
+
+# --- cema_kernel / ema_hidden ---
+class _CemaBackend(_Backend):
+    def _cema_reasons(self, named: dict, p, N: int, L: int | None) -> list[str]:
+        reasons = self._available()
+        for name, t in named.items():
+            if t is not None and t.device.type != self.device_type:
+                reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} (use backend='torch')")
+                break
+        if p.dtype != torch.float32:
+            reasons.append(f"the CUDA CEMA kernels take float32 p and complex64 log_q/gamma/hx, got p {p.dtype} "
+                           f"(use backend='torch' for float64)")
+        if N > K.CEMA_MAX_N:
+            reasons.append(f"N = {N} > {K.CEMA_MAX_N} (the CUDA n tile is 16, 32 or 64; use backend='torch')")
+        if L is not None and L + 1 >= K.CEMA_MAX_LENGTH:
+            reasons.append(f"L = {L}: L + 1 >= 2**24, exponents would not be exact in fp32 (use backend='torch')")
+        return reasons
+
+
+class CemaKernelBackend(_CemaBackend):
+    """cema_kernel on cuda/cema.cuh: k and b by tiled synthesis, the gradients by tiled analysis."""
+
+    def not_supported_reasons(self, p, log_q=None, gamma=None, length=None, hx=None, **_other_inputs) -> list[str]:
+        named = {"p": p, "log_q": log_q, "gamma": gamma, "hx": hx}
+        return self._cema_reasons(named, p, p.shape[-1], length)
+
+    def cema_kernel_fwd(self, p, log_q, gamma, length, hx):
+        return K.cema_kernel_fwd(self.ext, p, log_q, gamma, length, hx)
+
+    def cema_kernel_bwd(self, dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
+        return K.cema_kernel_bwd(self.ext, dk, db, p, log_q, gamma, length, hx, needs)
+
+
+class EmaHiddenBackend(_CemaBackend):
+    """ema_hidden on cuda/cema.cuh: V, W by tiled analysis of x (fp32 or bf16), dx by tiled synthesis."""
+
+    def not_supported_reasons(self, x, p, log_q=None, hx=None, **_other_inputs) -> list[str]:
+        reasons = self._cema_reasons({"x": x, "p": p, "log_q": log_q, "hx": hx}, p, p.shape[-1], x.shape[-1])
+        if x.dtype not in _KERNEL_DTYPES:
+            reasons.append(f"the CUDA ema_hidden takes float32 or bfloat16 x, got {x.dtype} (use backend='torch')")
+        return reasons
+
+    def ema_hidden_fwd(self, x, p, log_q, hx, weighted=False):
+        return K.ema_hidden_fwd(self.ext, x, p, log_q, hx, weighted)
+
+    def ema_hidden_bwd(self, dh, p, log_q, hx, V, W, length, needs=(True, True, True, True)):
+        return K.ema_hidden_bwd(self.ext, dh, p, log_q, hx, V, W, length, needs)
+
+
+cema_kernel = CemaKernelBackend()
+ema_hidden = EmaHiddenBackend()
+# --- end cema_kernel / ema_hidden ---

@@ -77,29 +77,92 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
         nogil);
   m.def("fftconv_fft_size", &mk::fftconv_fft_size);
   m.def("fftconv_max_length", &mk::fftconv_max_length);
+  m.def("fftconv_one_block_max_length", &mk::fftconv_one_block_max_length);
+  m.def("fftconv_workspace_row_floats", &mk::fftconv_workspace_row_floats);
   m.def("fftconv_kernel_spectrum",
-        [](uptr k, uptr kf, std::int64_t D, std::int64_t L, uptr stream) {
-          mk::fftconv_kernel_spectrum(P<const float>(k), P<float>(kf), D, L, P(stream));
+        [](uptr k, uptr kf, std::int64_t D, std::int64_t L, uptr ws, std::int64_t ws_rows, uptr stream) {
+          mk::fftconv_kernel_spectrum(P<const float>(k), P<float>(kf), D, L, P<float>(ws), ws_rows, P(stream));
         },
         nogil);
   m.def("fftconv_fwd",
-        [](int dtype, uptr x, uptr kf, uptr y, std::int64_t B, std::int64_t D, std::int64_t L, uptr stream) {
-          mk::fftconv_fwd(dtype, P(x), P<const float>(kf), P(y), B, D, L, P(stream));
+        [](int dtype, uptr x, uptr kf, uptr y, std::int64_t B, std::int64_t D, std::int64_t L, uptr ws,
+           std::int64_t ws_rows, uptr stream) {
+          mk::fftconv_fwd(dtype, P(x), P<const float>(kf), P(y), B, D, L, P<float>(ws), ws_rows, P(stream));
         },
         nogil);
   m.def("fftconv_bwd_dx",
         [](int dtype, uptr dy, uptr x, uptr kf, uptr dx, uptr prod, std::int64_t B, std::int64_t D, std::int64_t L,
-           uptr stream) {
-          mk::fftconv_bwd_dx(dtype, P(dy), P(x), P<const float>(kf), P(dx), P<float>(prod), B, D, L, P(stream));
+           uptr ws, std::int64_t ws_rows, uptr stream) {
+          mk::fftconv_bwd_dx(dtype, P(dy), P(x), P<const float>(kf), P(dx), P<float>(prod), B, D, L, P<float>(ws),
+                             ws_rows, P(stream));
         },
         nogil);
   m.def("fftconv_bwd_dk",
         [](uptr prod, uptr acc, uptr dk, std::int64_t nb, std::int64_t D, std::int64_t L, bool accumulate,
-           bool finalize, uptr stream) {
+           bool finalize, uptr ws, std::int64_t ws_rows, uptr stream) {
           mk::fftconv_bwd_dk(P<const float>(prod), P<float>(acc), P<float>(dk), nb, D, L, accumulate, finalize,
-                             P(stream));
+                             P<float>(ws), ws_rows, P(stream));
         },
         nogil);
+  m.def("fftconv_long_twiddle_probe",
+        [](uptr a, uptr out, std::int64_t n, int s, float sign, uptr stream) {
+          mk::fftconv_long_twiddle_probe(P<const std::uint32_t>(a), P<float>(out), n, s, sign, P(stream));
+        },
+        nogil);
+  // --- cema_kernel / ema_hidden ---
+  m.def("cema_workspace_floats", &mk::cema_workspace_floats);
+  m.def("cema_kernel_fwd",
+        [](uptr p, uptr log_q, uptr gamma, uptr hx, uptr k, uptr b, std::int64_t B, std::int64_t D, std::int64_t N,
+           std::int64_t L, uptr stream) {
+          mk::cema_kernel_fwd(P<const float>(p), P<const float>(log_q), P<const float>(gamma), P<const float>(hx),
+                              P<float>(k), P<float>(b), B, D, N, L, P(stream));
+        },
+        nogil);
+  m.def("cema_kernel_bwd",
+        [](uptr dk, uptr db, uptr p, uptr log_q, uptr gamma, uptr hx, uptr dp, uptr dlog_q, uptr dgamma, uptr dhx,
+           uptr ws, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool weighted, uptr stream) {
+          mk::cema_kernel_bwd(P<const float>(dk), P<const float>(db), P<const float>(p), P<const float>(log_q),
+                              P<const float>(gamma), P<const float>(hx), P<float>(dp), P<float>(dlog_q),
+                              P<float>(dgamma), P<float>(dhx), P<float>(ws), B, D, N, L, weighted, P(stream));
+        },
+        nogil);
+  m.def("ema_hidden_fwd",
+        [](int dtype, uptr x, uptr p, uptr log_q, uptr hx, uptr h, uptr v, uptr w, uptr ws, std::int64_t B,
+           std::int64_t D, std::int64_t N, std::int64_t L, uptr stream) {
+          mk::ema_hidden_fwd(dtype, P(x), P<const float>(p), P<const float>(log_q), P<const float>(hx), P<float>(h),
+                             P<float>(v), P<float>(w), P<float>(ws), B, D, N, L, P(stream));
+        },
+        nogil);
+  m.def("ema_hidden_bwd",
+        [](uptr dh, uptr p, uptr log_q, uptr hx, uptr v, uptr w, uptr dx, uptr dp, uptr dlog_q, uptr dhx,
+           std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool need_p, bool need_lq, uptr stream) {
+          mk::ema_hidden_bwd(P<const float>(dh), P<const float>(p), P<const float>(log_q), P<const float>(hx),
+                             P<const float>(v), P<const float>(w), P<float>(dx), P<float>(dp), P<float>(dlog_q),
+                             P<float>(dhx), B, D, N, L, need_p, need_lq, P(stream));
+        },
+        nogil);
+  // --- end cema_kernel / ema_hidden ---
+  // --- attention ---
+  m.def("flash_attention_dv_tile", &mk::flash_attention_dv_tile);
+  m.def("flash_attention_fwd",
+        [](int dtype, uptr q, uptr k, uptr v, uptr o, uptr lse, std::int64_t B, std::int64_t L, std::int64_t S,
+           std::int64_t H, std::int64_t D, std::int64_t ldv, double scale, bool causal, std::int64_t chunk,
+           bool block_causal, bool laplace, double p, std::uint64_t seed, uptr stream) {
+          mk::flash_attention_fwd(dtype, P(q), P(k), P(v), P(o), P<float>(lse), B, L, S, H, D, ldv, scale, causal,
+                                  chunk, block_causal, laplace, p, seed, P(stream));
+        },
+        nogil);
+  m.def("flash_attention_bwd",
+        [](int dtype, uptr q, uptr k, uptr v, uptr dout, uptr lse, uptr delta, uptr dq, uptr dk, uptr dv,
+           std::int64_t B, std::int64_t L, std::int64_t S, std::int64_t H, std::int64_t D, std::int64_t ldv,
+           double scale, bool causal, std::int64_t chunk, bool block_causal, bool laplace, double p,
+           std::uint64_t seed, uptr stream) {
+          mk::flash_attention_bwd(dtype, P(q), P(k), P(v), P(dout), P<const float>(lse), P<const float>(delta), P(dq),
+                                  P(dk), P(dv), B, L, S, H, D, ldv, scale, causal, chunk, block_causal, laplace, p,
+                                  seed, P(stream));
+        },
+        nogil);
+  // --- end attention ---
   m.def("dynamic_smem_table", &mk::dynamic_smem_table);
 
 #ifdef MK_EMULATOR_BUILD

@@ -42,6 +42,39 @@ BINDING_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden"]
 NVCC_FLAGS = ["-std=c++20", "-cubin", "-Xptxas", "-v", "-lineinfo"]
 
 
+# --- attention (CuTe include dirs) ---
+def cute_include_dirs() -> list[str]:
+    """CUTLASS/CuTe headers of the PyPI package nvidia-cutlass (cutlass_library/source/include),
+    [] when it is not installed. Found without importing cutlass_library (its import is heavy)."""
+    import importlib.util
+
+    spec = importlib.util.find_spec("cutlass_library")
+    if spec is None or not spec.submodule_search_locations:
+        return []
+    inc = Path(list(spec.submodule_search_locations)[0]) / "source" / "include"
+    return [str(inc)] if (inc / "cute" / "tensor.hpp").exists() else []
+
+
+def _emulator_cute_flags() -> list[str]:
+    """Flags that let the flash attention sources include CuTe on the host compiler: the CUTLASS
+    headers, CCCL's libcu++ (cuda/std/*, from the CUDA toolkit) and cute_host/ (stand-ins for the
+    CUDA headers CuTe names; emu/emu.cuh defines the CUDA types). Without either, those sources
+    compile to launchers that raise (MK_HAVE_CUTE undefined)."""
+    cute = cute_include_dirs()
+    nvcc = nvcc_path()
+    roots = [Path(nvcc).resolve().parent.parent / "include" / "cccl"] if nvcc else []
+    roots.append(Path("/usr/local/cuda/include/cccl"))
+    cccl = next((r for r in roots if (r / "cuda" / "std" / "utility").exists()), None)
+    if not cute or cccl is None:
+        return []
+    return ["-DMK_HAVE_CUTE=1", f"-I{CUDA_DIR / 'cute_host'}", *(f"-isystem{d}" for d in cute), f"-isystem{cccl}"]
+
+
+def _uses_cute(src: Path) -> bool:
+    return b"MK_HAVE_CUTE" in Path(src).read_bytes()
+# --- end attention ---
+
+
 def product_sources() -> list[Path]:
     """The kernel sources the product extension is built from (one per instantiation group)."""
     return sorted(CUDA_DIR.glob("*.cu"))
@@ -148,7 +181,9 @@ def _compile_jobs(objdir: Path) -> list[tuple[Path, list[str], Path]]:
     cxx = _tool_version(CXX)
     jobs = []
     for src in emulator_sources():
-        flags = [*CXXFLAGS, "-x", "c++", f"-I{CUDA_DIR}"]
+        # Only the CuTe sources get the CuTe flags: the other objects keep their cache keys.
+        cute = _emulator_cute_flags() if _uses_cute(src) else []
+        flags = [*CXXFLAGS, "-x", "c++", f"-I{CUDA_DIR}", *cute]
         key = _digest(src.read_bytes(), headers, flags, cxx)
         obj = objdir / f"{src.stem}-{key}.o"
         jobs.append((src, [CXX, *flags, "-c", str(src), "-o"], obj))
@@ -281,7 +316,8 @@ def nvcc_resources(src: Path, arch: int) -> list[KernelResources]:
     if nvcc is None:
         raise RuntimeError("nvcc not found (set NVCC or put the CUDA toolkit's bin on PATH)")
     src = Path(src)
-    flags = [*NVCC_FLAGS, f"-arch=sm_{arch}", f"-I{CUDA_DIR}"]
+    cute = [a for d in cute_include_dirs() for a in ("-isystem", d)] if _uses_cute(src) else []
+    flags = [*NVCC_FLAGS, f"-arch=sm_{arch}", f"-I{CUDA_DIR}", *cute]
     key = _digest(src.read_bytes(), _headers_digest(), flags, _tool_version(nvcc))
     root = cache_dir() / "nvcc"
     root.mkdir(parents=True, exist_ok=True)

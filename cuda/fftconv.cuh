@@ -12,6 +12,8 @@
 //     X[k] = E + W^k O, the spectral product, and the inverse merge Z'[k] = E' + i O'; then an
 //     in-place bit-reversal permutation feeds the inverse DIT FFT (scale 1/N).
 // Arithmetic is fp32 whatever the input dtype; one rounding on store.
+// Longer L (N > 16384, up to 2^27): the launchers route to the multi-pass four-step FFT of
+// fftconv_long.cuh, which reuses fft_dit (batched) for its column and row transforms.
 #pragma once
 
 #include "common.cuh"
@@ -21,6 +23,7 @@ namespace mk {
 constexpr int kFftMinLog2 = 5;        // the warp stages need N >= 32
 constexpr int kFftMaxLog2 = 14;       // N <= 16384 complex points: L <= 16384
 constexpr int kFftMaxThreads = 1024;
+constexpr int kFft4MaxLog2 = 27;      // multi-pass path (fftconv_long.cuh): N1 <= 2^14, N2 <= 2^13
 
 __host__ __device__ __forceinline__ int fft_threads(int log2n) {
   const int half = 1 << (log2n - 1);
@@ -58,9 +61,13 @@ __device__ __forceinline__ void fft_load_real(float2* a, const T* __restrict__ s
 
 // In-place radix-2 DIT FFT of n = 2^log2n points held in bit-reversed order; natural order out.
 // Forward uses e^{-i pi r/m}, INVERSE e^{+i pi r/m} (unnormalised). Barriers at entry and exit.
+// 2^log2batch independent transforms stored back to back (a[j * n + i]) run together: every
+// butterfly span m < n pairs elements inside one aligned 2m-block, so the stages over the whole
+// concatenation are exactly the stages of each transform (the four-step passes in
+// fftconv_long.cuh batch columns and row pairs this way).
 template <bool INVERSE>
-__device__ void fft_dit(float2* a, int log2n) {
-  const int n = 1 << log2n;
+__device__ void fft_dit(float2* a, int log2n, int log2batch = 0) {
+  const int n = 1 << (log2n + log2batch);  // elements over the batch
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const float sign = INVERSE ? 1.0f : -1.0f;
@@ -274,5 +281,20 @@ __global__ void __launch_bounds__(kFftMaxThreads) fftconv_bwd_dk_kernel(const fl
     fft_store_real<TK, true>(dk + d * L, a, L, log2n);
   }
 }
+
+// Host launchers (fftconv_long.cu), called by the public fftconv launchers for log2n > kFftMaxLog2;
+// ws holds ws_rows rows of N complex64 (rows are processed in chunks of ws_rows).
+void fftconv_long_kernel_spectrum(const float* k, float* kf, std::int64_t D, std::int64_t L, int log2n, float* ws,
+                                  std::int64_t ws_rows, void* stream);
+void fftconv_long_fwd(int dtype, const void* x, const float* kf, void* y, std::int64_t B, std::int64_t D,
+                      std::int64_t L, int log2n, float* ws, std::int64_t ws_rows, void* stream);
+void fftconv_long_bwd_dx(int dtype, const void* dy, const void* x, const float* kf, void* dx, float* prod,
+                         std::int64_t B, std::int64_t D, std::int64_t L, int log2n, float* ws, std::int64_t ws_rows,
+                         void* stream);
+// Worst-case dynamic smem over every multi-pass plan: column-pass kernels (rows = false) or
+// row-pass kernels (rows = true); for resources.cu.
+std::int64_t fftconv_long_max_smem_bytes(bool rows);
+void fftconv_long_bwd_dk(const float* prod, float* acc, float* dk, std::int64_t nb, std::int64_t D, std::int64_t L,
+                         int log2n, bool accumulate, bool finalize, float* ws, std::int64_t ws_rows, void* stream);
 
 }  // namespace mk

@@ -20,8 +20,10 @@ import torch
 
 #: Element types the kernels take (codes of mk::DType in common.cuh).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
-#: fftconv: longest L handled in one block per row (N = 16384 complex points, 128 KiB smem).
-FFTCONV_MAX_LEN = 16384
+#: fftconv: longest L handled in one block per row (N = 16384 complex points, 128 KiB smem);
+#: longer L runs the multi-pass four-step FFT (cuda/fftconv_long.cuh) up to FFTCONV_MAX_LEN.
+FFTCONV_ONE_BLOCK_MAX_LEN = 16384
+FFTCONV_MAX_LEN = 1 << 27
 
 
 def dtype_code(t: torch.Tensor, name: str) -> int:
@@ -189,28 +191,44 @@ def _timestep_norm_bwd(ext, dy, dmean, dvar, saved, num_groups):
 # fftconv
 # ------------------------------------------------------------------------------------------------
 
+def _fftconv_workspace(ext, L: int, rows: int, max_workspace_bytes: int, device):
+    """(ws, ws_rows): the multi-pass FFT's workspace, ws_rows rows of N complex64 (the launchers
+    walk the rows in chunks of ws_rows), capped at max_workspace_bytes but at least one row;
+    (None, 0) for L <= FFTCONV_ONE_BLOCK_MAX_LEN (one block per row, no workspace)."""
+    row_floats = ext.fftconv_workspace_row_floats(L)
+    if row_floats == 0 or rows == 0:
+        return None, 0
+    ws_rows = max(1, min(rows, max_workspace_bytes // (4 * row_floats)))
+    return torch.empty(ws_rows, row_floats, dtype=torch.float32, device=device), ws_rows
+
+
 @_on_device_of_first_tensor
-def fftconv_spectrum(ext, k: torch.Tensor) -> torch.Tensor:
-    """rfft of each kernel row, zero-padded to 2N: (D, N + 1) complex64."""
+def fftconv_spectrum(ext, k: torch.Tensor, max_workspace_bytes: int = 256 << 20) -> torch.Tensor:
+    """rfft of each kernel row, zero-padded to 2N: (D, N + 1) complex64 (for L > 16384 the bins
+    are in the multi-pass layout of cuda/fftconv_long.cuh, which only these kernels read)."""
     D, L = k.shape
     N = ext.fftconv_fft_size(L)
     kc = _f32(k)
     kf = torch.empty(D, N + 1, dtype=torch.complex64, device=k.device)
-    ext.fftconv_kernel_spectrum(_ptr(kc), _ptr(kf), D, L, _stream(kc))
+    ws, ws_rows = _fftconv_workspace(ext, L, D, max_workspace_bytes, k.device)
+    ext.fftconv_kernel_spectrum(_ptr(kc), _ptr(kf), D, L, _ptr(ws), ws_rows, _stream(kc))
     return kf
 
 
 @_on_device_of_first_tensor
-def fftconv_fwd(ext, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+def fftconv_fwd(ext, x: torch.Tensor, k: torch.Tensor, max_workspace_bytes: int = 256 << 20) -> torch.Tensor:
+    """y (x's dtype). L > 16384 uses a workspace of at most ``max_workspace_bytes`` (at least one
+    row of N complex64), walked in row chunks."""
     code = dtype_code(x, "x")
     _check_device(ext, x, k)
     B, D, L = x.shape
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xc = x.contiguous()
-    kf = fftconv_spectrum(ext, k)
+    kf = fftconv_spectrum(ext, k, max_workspace_bytes)
     y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
-    ext.fftconv_fwd(code, _ptr(xc), _ptr(kf), _ptr(y), B, D, L, _stream(xc))
+    ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, x.device)
+    ext.fftconv_fwd(code, _ptr(xc), _ptr(kf), _ptr(y), B, D, L, _ptr(ws), ws_rows, _stream(xc))
     return y
 
 
@@ -218,7 +236,8 @@ def fftconv_fwd(ext, x: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
 def fftconv_bwd(ext, dy, x, k, need_x: bool = True, need_k: bool = True,
                 max_workspace_bytes: int = 256 << 20):
     """(dx in x's dtype or None, dk float32 or None). The dk product spectra are summed over
-    batch slices so the workspace stays under ``max_workspace_bytes``."""
+    batch slices so the workspace stays under ``max_workspace_bytes`` (at least one slice; for
+    L > 16384 the multi-pass FFT's row workspace is capped by the same figure)."""
     code = dtype_code(x, "x")
     _check_device(ext, dy, x, k)
     B, D, L = x.shape
@@ -228,19 +247,282 @@ def fftconv_bwd(ext, dy, x, k, need_x: bool = True, need_k: bool = True,
                 torch.zeros(D, L, dtype=torch.float32, device=dev) if need_k else None)
     N = ext.fftconv_fft_size(L)
     xc, dyc = x.contiguous(), dy.to(x.dtype).contiguous()
-    kf = fftconv_spectrum(ext, k)
+    kf = fftconv_spectrum(ext, k, max_workspace_bytes)
     dx = torch.empty(xc.shape, dtype=x.dtype, device=dev) if need_x else None
     dk = torch.empty(D, L, dtype=torch.float32, device=dev) if need_k else None
     if not need_k:
-        ext.fftconv_bwd_dx(code, _ptr(dyc), _ptr(xc), _ptr(kf), _ptr(dx), 0, B, D, L, _stream(xc))
+        ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, dev)
+        ext.fftconv_bwd_dx(code, _ptr(dyc), _ptr(xc), _ptr(kf), _ptr(dx), 0, B, D, L, _ptr(ws), ws_rows, _stream(xc))
         return dx, None
     row_bytes = D * (N + 1) * 8
     nb = max(1, min(B, max_workspace_bytes // max(1, row_bytes)))
     prod = torch.empty(nb, D, N + 1, dtype=torch.complex64, device=dev)
     acc = torch.empty(D, N + 1, dtype=torch.complex64, device=dev) if nb < B else None
+    ws, ws_rows = _fftconv_workspace(ext, L, max(nb * D, D), max_workspace_bytes, dev)
     for b0 in range(0, B, nb):
         b1 = min(B, b0 + nb)
         ext.fftconv_bwd_dx(code, _ptr(dyc[b0:b1]), _ptr(xc[b0:b1]), _ptr(kf), _ptr(dx[b0:b1]) if dx is not None else 0,
-                           _ptr(prod), b1 - b0, D, L, _stream(xc))
-        ext.fftconv_bwd_dk(_ptr(prod), _ptr(acc), _ptr(dk), b1 - b0, D, L, b0 > 0, b1 == B, _stream(xc))
+                           _ptr(prod), b1 - b0, D, L, _ptr(ws), ws_rows, _stream(xc))
+        ext.fftconv_bwd_dk(_ptr(prod), _ptr(acc), _ptr(dk), b1 - b0, D, L, b0 > 0, b1 == B, _ptr(ws), ws_rows,
+                           _stream(xc))
     return dx, dk
+
+
+# ------------------------------------------------------------------------------------------------
+# --- attention ---
+# ------------------------------------------------------------------------------------------------
+
+def _attn_visible(L: int, S: int, chunk_size, block_causal: bool, device) -> torch.Tensor | None:
+    """(L, S) bool of the chunk / block_causal visibility (None without chunk_size); the causal
+    part is left to the dropkey_softmax kernel. Query i sits at key position i + S - L."""
+    if chunk_size is None:
+        return None
+    pos = torch.arange(L, device=device).view(L, 1) + (S - L)
+    cp = torch.div(pos, chunk_size, rounding_mode="floor")
+    cj = torch.div(torch.arange(S, device=device).view(1, S), chunk_size, rounding_mode="floor")
+    return (cj == cp) | (cj == cp - 1) if block_causal else cj == cp
+
+
+def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed):
+    """(P fp32 (B, H, L, S), s fp32 (B, H, L, S)) of the matmul path (scores masked with -inf)."""
+    B, L, H, _ = q.shape
+    S = k.shape[1]
+    s = torch.matmul(q.transpose(1, 2).to(torch.float32), k.transpose(1, 2).to(torch.float32).transpose(-1, -2))
+    s.mul_(scale)
+    vis = _attn_visible(L, S, chunk_size, block_causal, q.device)
+    if vis is not None:
+        s.masked_fill_(~vis, float("-inf"))
+    # The kernel's (flat batch, head, row, column) of a (B, H, L, S) tensor are the attention's (b, h, i, j).
+    p = dropkey_softmax_fwd(ext, s, causal=causal, dropkey_p=dropkey_p, seed=seed)
+    return p, s
+
+
+def attention_matmul_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed):
+    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32; -inf for rows with no visible kept key)."""
+    _check_device(ext, q, k, v)
+    B, L, H, _ = q.shape
+    S = k.shape[1]
+    if B * H * L * S == 0:
+        o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
+        return o, torch.full((B, H, L), float("-inf"), dtype=torch.float32, device=q.device)
+    p, s = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
+    o = torch.matmul(p, v.transpose(1, 2).to(torch.float32)).transpose(1, 2).to(q.dtype).contiguous()
+    # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
+    pmax, idx = p.max(dim=-1, keepdim=True)
+    lse = (s.gather(-1, idx) - pmax.log()).squeeze(-1)
+    lse = lse.masked_fill(pmax.squeeze(-1) == 0, float("-inf"))
+    return o, lse
+
+
+def attention_matmul_bwd(ext, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed):
+    """(dq, dk, dv) in the input dtypes; P is recomputed by the forward kernel (same DropKey mask)."""
+    _check_device(ext, do, q, k, v)
+    B, L, H, _ = q.shape
+    S = k.shape[1]
+    if B * H * L * S == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    p, _ = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
+    f32 = lambda x: x.transpose(1, 2).to(torch.float32)  # noqa: E731  (B, H, T, d)
+    dot, qt, kt, vt = f32(do), f32(q), f32(k), f32(v)
+    dv = torch.matmul(p.transpose(-1, -2), dot)
+    dp = torch.matmul(dot, vt.transpose(-1, -2)).contiguous()
+    ds = dropkey_softmax_bwd(ext, dp, p, causal=causal)  # P (dP - rowsum(P dP)); 0 where P = 0
+    dq = torch.matmul(ds, kt).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), qt).mul_(scale)
+    back = lambda x, like: x.transpose(1, 2).to(like.dtype).contiguous()  # noqa: E731
+    return back(dq, q), back(dk, k), back(dv, v)
+#: Element type codes of the flash attention launchers (float32 runs in the emulator only).
+ATTN_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+#: Padded head dims the flash kernels are compiled for.
+FLASH_HEAD_DIMS = (64, 128, 256)
+
+
+def flash_head_dim(dh: int) -> int | None:
+    """The compiled head dim q/k are zero-padded to (None: dh > 256)."""
+    return next((d for d in FLASH_HEAD_DIMS if dh <= d), None)
+
+
+def flash_dv_tile(ext, dtype: torch.dtype, dh: int) -> int:
+    """Columns of v per forward CTA for (dtype, dh); 0 when no flash kernel is compiled for them."""
+    D = flash_head_dim(dh)
+    if D is None or dtype not in ATTN_DTYPE_CODES:
+        return 0
+    return int(ext.flash_attention_dv_tile(ATTN_DTYPE_CODES[dtype], D))
+
+
+def _pad_last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Contiguous x with the last dim zero-padded to n (zeros change no dot product)."""
+    if x.shape[-1] == n:
+        return x.contiguous()
+    return torch.nn.functional.pad(x, (0, n - x.shape[-1])).contiguous()
+
+
+def _flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed):
+    return (bool(causal), int(chunk_size or 0), bool(block_causal), attn_fn == "laplace", float(dropkey_p), int(seed))
+
+
+@_on_device_of_first_tensor
+def attention_flash_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn):
+    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 or None for Laplace) by the flash kernel."""
+    _check_device(ext, q, k, v)
+    B, L, H, dh = q.shape
+    S, dv = k.shape[1], v.shape[-1]
+    D = flash_head_dim(dh)
+    tile = flash_dv_tile(ext, q.dtype, dh)
+    ldv = -(-dv // tile) * tile
+    qp, kp, vp = _pad_last(q, D), _pad_last(k, D), _pad_last(v, ldv)
+    o = torch.empty(B, L, H, ldv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    ext.flash_attention_fwd(ATTN_DTYPE_CODES[q.dtype], _ptr(qp), _ptr(kp), _ptr(vp), _ptr(o), _ptr(lse), B, L, S, H,
+                            D, ldv, float(scale),
+                            *_flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed), _stream(qp))
+    o = o if ldv == dv else o[..., :dv].contiguous()
+    return o, (None if attn_fn == "laplace" else lse)
+
+
+@_on_device_of_first_tensor
+def attention_flash_bwd(ext, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+                        attn_fn):
+    """(dq, dk, dv) in the input dtypes by the flash backward kernels (P regenerated from lse)."""
+    _check_device(ext, do, q, k, v, o)
+    B, L, H, dh = q.shape
+    S, dv = k.shape[1], v.shape[-1]
+    D = flash_head_dim(dh)
+    tile = flash_dv_tile(ext, q.dtype, dh)
+    ldv = -(-dv // tile) * tile
+    laplace = attn_fn == "laplace"
+    qp, kp, vp = _pad_last(q, D), _pad_last(k, D), _pad_last(v, ldv)
+    dop = _pad_last(do.to(q.dtype), ldv)
+    if laplace:
+        lse_f = delta = torch.zeros(1, dtype=torch.float32, device=q.device)  # unused by the kernels
+    else:
+        lse_f = lse.to(torch.float32).contiguous()
+        # delta = rowsum(dO * O) in fp32 (B, H, L): one elementwise pass, as the torch backend.
+        delta = (do.to(torch.float32) * o.to(torch.float32)).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.empty(B, L, H, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device)
+    dvp = torch.empty(B, S, H, ldv, dtype=q.dtype, device=q.device)
+    ext.flash_attention_bwd(ATTN_DTYPE_CODES[q.dtype], _ptr(qp), _ptr(kp), _ptr(vp), _ptr(dop), _ptr(lse_f),
+                            _ptr(delta), _ptr(dq), _ptr(dk), _ptr(dvp), B, L, S, H, D, ldv, float(scale),
+                            *_flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed), _stream(qp))
+    cut = lambda x, n: x if x.shape[-1] == n else x[..., :n].contiguous()  # noqa: E731
+    return cut(dq, dh), cut(dk, dh), cut(dvp, dv)
+# --- end attention ---
+
+
+# ------------------------------------------------------------------------------------------------
+# --- cema_kernel / ema_hidden ---
+# ------------------------------------------------------------------------------------------------
+#: The CUDA CEMA kernels (cuda/cema.cuh): fp32 coefficients, N <= CEMA_MAX_N (the n tile is padded
+#: to 16, 32 or 64), and L + 1 < CEMA_MAX_LENGTH so every exponent is exact in fp32.
+CEMA_MAX_N = 64
+CEMA_MAX_LENGTH = 1 << 24
+
+
+def _cplx(t: torch.Tensor | None) -> torch.Tensor | None:
+    """complex64 -> contiguous interleaved (re, im) float32 view (a conj view is resolved first)."""
+    if t is None:
+        return None
+    if t.dtype != torch.complex64:
+        raise TypeError(f"the CUDA CEMA kernels take complex64 coefficients, got {t.dtype}")
+    return torch.view_as_real(t.resolve_conj().contiguous())
+
+
+def _coef_p(p: torch.Tensor) -> torch.Tensor:
+    if p.dtype != torch.float32:
+        raise TypeError(f"the CUDA CEMA kernels take float32 p, got {p.dtype}")
+    return p.contiguous()
+
+
+def _cema_length(N: int, L: int) -> None:
+    if N > CEMA_MAX_N:
+        raise ValueError(f"the CUDA CEMA kernels take N <= {CEMA_MAX_N}, got N = {N}")
+    if not 1 <= L < CEMA_MAX_LENGTH - 1:
+        raise ValueError(f"the CUDA CEMA kernels take 1 <= length < 2**24 - 1, got {L}")
+
+
+@_on_device_of_first_tensor
+def cema_kernel_fwd(ext, p, log_q, gamma, length, hx):
+    """(k r(D L), b r(B D L) or None), float32; same contract as ops/cema_kernel/torch_impl.py."""
+    _check_device(ext, p, log_q, gamma, hx)
+    D, N = p.shape
+    L = int(length)
+    _cema_length(N, L)
+    pc, lq, g, h = _coef_p(p), _cplx(log_q), _cplx(gamma), _cplx(hx)
+    B = 0 if hx is None else hx.shape[0]
+    k = torch.empty(D, L, dtype=torch.float32, device=p.device)
+    b = torch.empty(B, D, L, dtype=torch.float32, device=p.device) if hx is not None else None
+    ext.cema_kernel_fwd(_ptr(pc), _ptr(lq), _ptr(g), _ptr(h), _ptr(k), _ptr(b), B, D, N, L, _stream(pc))
+    return k, b
+
+
+@_on_device_of_first_tensor
+def cema_kernel_bwd(ext, dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
+    """(dp r(D N), dlog_q c(D N), dgamma c(D N), dhx c(B D N) or None); dk/db may be None."""
+    _check_device(ext, dk, db, p, log_q, gamma, hx)
+    D, N = p.shape
+    L = int(length)
+    _cema_length(N, L)
+    pc, lq, g, h = _coef_p(p), _cplx(log_q), _cplx(gamma), _cplx(hx)
+    B = 0 if hx is None else hx.shape[0]
+    has_db = db is not None and hx is not None
+    dkc = _f32(dk) if dk is not None else None    # an expanded (stride-0) gradient becomes contiguous
+    dbc = _f32(db) if has_db else None
+    rows = int(dk is not None) + (B if has_db else 0)
+    dev = p.device
+    ws = torch.empty(max(1, ext.cema_workspace_floats(rows, D, N, L)), dtype=torch.float32, device=dev)
+    dp = torch.empty(D, N, dtype=torch.float32, device=dev)
+    dlq = torch.empty(D, N, dtype=torch.complex64, device=dev)
+    dgamma = torch.empty(D, N, dtype=torch.complex64, device=dev)
+    dhx = torch.empty(B, D, N, dtype=torch.complex64, device=dev) if hx is not None else None
+    ext.cema_kernel_bwd(_ptr(dkc), _ptr(dbc), _ptr(pc), _ptr(lq), _ptr(g), _ptr(h), _ptr(dp),
+                        _ptr(torch.view_as_real(dlq)), _ptr(torch.view_as_real(dgamma)),
+                        _ptr(torch.view_as_real(dhx)) if dhx is not None else 0, _ptr(ws), B, D, N, L,
+                        bool(needs[1]), _stream(pc))
+    return dp, dlq, dgamma, dhx
+
+
+@_on_device_of_first_tensor
+def ema_hidden_fwd(ext, x, p, log_q, hx, weighted=False):
+    """(h c(B D N), V c(B D N), W c(B D N) or None); x float32 or bfloat16, sums in fp32."""
+    code = dtype_code(x, "x")
+    _check_device(ext, x, p, log_q, hx)
+    B, D, L = x.shape
+    N = p.shape[1]
+    _cema_length(N, L)
+    xc, pc, lq, h0 = x.contiguous(), _coef_p(p), _cplx(log_q), _cplx(hx)
+    dev = x.device
+    h = torch.empty(B, D, N, dtype=torch.complex64, device=dev)
+    V = torch.empty(B, D, N, dtype=torch.complex64, device=dev)
+    W = torch.empty(B, D, N, dtype=torch.complex64, device=dev) if weighted else None
+    ws = torch.empty(max(1, ext.cema_workspace_floats(B, D, N, L)), dtype=torch.float32, device=dev)
+    ext.ema_hidden_fwd(code, _ptr(xc), _ptr(pc), _ptr(lq), _ptr(h0), _ptr(torch.view_as_real(h)),
+                       _ptr(torch.view_as_real(V)), _ptr(torch.view_as_real(W)) if W is not None else 0, _ptr(ws),
+                       B, D, N, L, _stream(xc))
+    return h, V, W
+
+
+@_on_device_of_first_tensor
+def ema_hidden_bwd(ext, dh, p, log_q, hx, V, W, length, needs=(True, True, True, True)):
+    """(dx r(B D L) float32 or None, dp r(D N), dlog_q c(D N), dhx c(B D N) or None) from the saved V, W."""
+    need_x, need_p, need_lq, _ = needs
+    _check_device(ext, dh, p, log_q, hx, V, W)
+    B, D, N = dh.shape
+    L = int(length)
+    _cema_length(N, L)
+    dhc, pc, lq, h0 = _cplx(dh), _coef_p(p), _cplx(log_q), _cplx(hx)
+    v = _cplx(V) if need_p else None
+    w = _cplx(W) if need_lq else None
+    if need_lq and w is None:
+        raise ValueError("ema_hidden_bwd: dlog_q needs the forward's weighted sums W "
+                         "(run the forward with weighted=True)")
+    dev = dh.device
+    dx = torch.empty(B, D, L, dtype=torch.float32, device=dev) if need_x else None
+    dp = torch.empty(D, N, dtype=torch.float32, device=dev)
+    dlq = torch.empty(D, N, dtype=torch.complex64, device=dev)
+    dhx = torch.empty(B, D, N, dtype=torch.complex64, device=dev) if hx is not None else None
+    ext.ema_hidden_bwd(_ptr(dhc), _ptr(pc), _ptr(lq), _ptr(h0), _ptr(v), _ptr(w), _ptr(dx), _ptr(dp),
+                       _ptr(torch.view_as_real(dlq)), _ptr(torch.view_as_real(dhx)) if dhx is not None else 0,
+                       B, D, N, L, bool(need_p), bool(need_lq), _stream(dhc))
+    return dx, dp, dlq, dhx
+# --- end cema_kernel / ema_hidden ---

@@ -7,7 +7,10 @@ provides:
 * ``not_supported_reasons(**inputs) -> list[str]``: empty when it can run these inputs, else one
   sentence per obstacle, each with a hint how to fix it;
 * ``DEFAULT_CONFIG: dict``: its tuning knobs (the autotune registry enumerates alternatives);
-* the op's ``fwd``/``bwd`` functions, with the same signature in every backend.
+* the op's ``fwd``/``bwd`` functions, with the same signature in every backend;
+* optionally ``AUTO_PRIORITY = False``: the priority list skips it (a backend that is correct but
+  known to be slow, e.g. Triton kernels that spill registers); it still runs when named, forced by
+  the environment variable or chosen by a tuned table entry.
 
 ``backend="auto"`` resolves as: explicit argument > ``MEGALODON_KERNELS_BACKEND`` > autotune
 table entry for (op, device, dtype, key) > first supported backend in :data:`PRIORITY`. ``auto``
@@ -125,6 +128,8 @@ class OpBackends:
         for name in PRIORITY:
             if name == "triton" and device.type == "cpu":
                 continue  # the Triton interpreter is a test vehicle, never a performance choice
+            if getattr(self._load(name), "AUTO_PRIORITY", True) is False:
+                continue  # a backend that is correct but known slow: named, env or tuned use only
             if not self.reasons(name, inputs):
                 return self._finish(name, "priority list", device, dtype, None, key)
         raise self._error(inputs, f"{self.op}: no backend can run these inputs:")

@@ -67,3 +67,11 @@ def _seed_and_poison(monkeypatch):
     orig_new_empty = torch.Tensor.new_empty
     monkeypatch.setattr(torch.Tensor, "new_empty", _poisoned(orig_new_empty))
     yield
+
+
+#: tests that check something over the whole session and so must run last
+RUN_LAST = ("test_every_kernel_ran_in_the_emulator",)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    items.sort(key=lambda item: item.originalname in RUN_LAST)  # stable: everything else keeps its order

@@ -11,8 +11,8 @@ from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.fftconv import fftconv
 from megalodon_kernels.reference import cema as ref
-from support import as_input, assert_close, to_np, tol
-from test_cema_kernel import config, random_coefficients
+from support import as_input, assert_close, knobs as config, to_np, tol
+from test_cema_kernel import random_coefficients
 
 # (x dtype, coefficient dtype). y is rounded once to x's dtype; h and the coefficient gradients are
 # fp32 computations on the rounded x, so they take the coefficient dtype's tolerance.

@@ -6,7 +6,6 @@ both fiber orders (a missing __syncthreads shows in one of them; shared memory i
 per block). The DropKey mask must be bit-identical to ops.dropkey_rule. Shapes are small:
 the emulator runs every CUDA thread as a fiber.
 """
-import math
 import os
 import shutil
 
@@ -283,20 +282,22 @@ def test_fftconv_dk_over_batch_slices(ext, kernels):
     assert_close("dx only", dx_only, dxr, 5e-5)
 
 
-def test_fftconv_rejects_l_above_16k(ext, kernels):
-    with pytest.raises(ValueError, match="L <= 16384"):
-        kernels.fftconv_fwd(ext, torch.zeros(1, 1, 16385), torch.zeros(1, 16385))
-
-
 # ------------------------------------------------------------------------------------------------
 # coverage: every kernel defined in cuda/*.cuh was launched by the tests above
 # ------------------------------------------------------------------------------------------------
 
-def test_every_kernel_ran_in_the_emulator(ext):
+def test_every_kernel_ran_in_the_emulator(ext, request):
+    # conftest.py moves this test to the end of the session: the launches of every CUDA test
+    # file accumulate in the emulator extension.
     import re
     from pathlib import Path
 
     from megalodon_kernels.cuda import build
+
+    files = {Path(str(item.fspath)).name for item in request.session.items}
+    needed = {p.name for p in Path(__file__).parent.glob("test_cuda_*.py")} - {"test_cuda_nvcc.py"}
+    if not needed <= files:
+        pytest.skip(f"kernel coverage needs every CUDA test file in the run; missing {sorted(needed - files)}")
 
     defined = set()
     for p in build.CUDA_DIR.glob("*.cuh"):
@@ -305,6 +306,4 @@ def test_every_kernel_ran_in_the_emulator(ext):
     assert defined, "no kernels found"
     launched = set(ext.emulator_launched_kernels())  # MK_LAUNCH names: <base> or <base>_fwd/_bwd
     missing = sorted(d for d in defined if not any(n == d or n.startswith(d + "_") for n in launched))
-    if missing and len(launched) < 5:
-        pytest.skip("run the whole file: the kernel tests launch them")
     assert not missing, f"kernels never executed in the emulator: {missing}"

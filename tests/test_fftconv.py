@@ -8,8 +8,7 @@ from hypothesis import given, strategies as st
 from megalodon_kernels.ops.fftconv import fftconv
 from megalodon_kernels.ops.fftconv import torch_impl as conv_impl
 from megalodon_kernels.reference import fftconv as ref
-from support import as_input, assert_close, to_np, tol
-from test_cema_kernel import config
+from support import as_input, assert_close, knobs as config, to_np, tol
 
 # (x dtype, k dtype); arithmetic is fp32 unless one of them is fp64.
 DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),

@@ -4,7 +4,7 @@ import torch
 from ...ops.cema import cema
 from ...reference import cema as ref
 from .. import registry
-from . import TOLERANCE, cema_coefficients, grads, part, random, sample_rows, take, to_np
+from . import TOLERANCE, cema_coefficients, grads, part, random, sample_rows, take, to_np, triton_prune
 
 
 def make_case(shape, dtype, device, seed):
@@ -38,4 +38,5 @@ def reference(case):
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
-                           check_shape=lambda s: {**s, "B": 1})
+                           check_shape=lambda s: {**s, "B": 1},
+                           prune=triton_prune("cema"))

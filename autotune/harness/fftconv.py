@@ -4,7 +4,7 @@ import torch
 from ...ops.fftconv import fftconv
 from ...reference import fftconv as ref
 from .. import registry
-from . import TOLERANCE, grads, part, random, real_dtype, sample_rows, take, to_np
+from . import TOLERANCE, grads, part, random, real_dtype, sample_rows, take, to_np, triton_prune
 
 
 def make_case(shape, dtype, device, seed):
@@ -33,4 +33,5 @@ def reference(case):
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
-                           check_shape=lambda s: {**s, "B": 1})
+                           check_shape=lambda s: {**s, "B": 1},
+                           prune=triton_prune("fftconv"))

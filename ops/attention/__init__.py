@@ -36,7 +36,9 @@ autotune.register(
         "H": q.shape[2], "dh": q.shape[3], "dv": v.shape[3], "L": autotune.pow2_bucket(q.shape[1]),
         "S": autotune.pow2_bucket(k.shape[1]), "C": chunk_size or 0, "causal": causal,
         "block_causal": block_causal, "dropkey": dropkey},
-    space={"torch": {"block_q": [128, 64, 256], "chunks_per_step": [64, 0, 4, 16], "max_block_elems": [1 << 22]}},
+    # cuda: "auto" = the CuTe flash kernel where it supports the inputs, else cuBLAS + dropkey_softmax
+    space={"cuda": {"path": ["auto", "matmul"]},
+           "torch": {"block_q": [128, 64, 256], "chunks_per_step": [64, 0, 4, 16], "max_block_elems": [1 << 22]}},
     harness="megalodon_kernels.autotune.harness.attention",
 )
 ATTN_FNS = ("softmax", "laplace")

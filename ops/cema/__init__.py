@@ -19,6 +19,7 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends
 from ..cema_kernel import check_coefficients
 from ..ema_hidden import check_sequence
+from ..fftconv import fftconv as _fftconv  # noqa: F401  (registers fftconv, whose Triton space ours extends)
 
 __all__ = ["cema"]
 
@@ -31,7 +32,11 @@ autotune.register(
     "cema",
     key=lambda x, p, log_q, gamma, omega, hx: {"D": x.shape[1], "N": p.shape[1], "L": autotune.pow2_bucket(x.shape[2]),
                                                "hx": hx is not None},
-    space={"torch": {"power_block": [64, 32, 128], "direct_max_len": [16, 0, 256]}},
+    space={"torch": {"power_block": [64, 32, 128], "direct_max_len": [16, 0, 256]},
+           # Triton: the stage kernels' knobs (cema_kernel's, and fftconv's with its num_warps as conv_warps)
+           "triton": {**autotune.get("cema_kernel").space["triton"],
+                      **{("conv_warps" if k == "num_warps" else k): v
+                         for k, v in autotune.get("fftconv").space["triton"].items()}}},
     harness="megalodon_kernels.autotune.harness.cema",
 )
 

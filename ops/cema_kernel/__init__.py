@@ -35,7 +35,7 @@ autotune.register(
     "cema_kernel",
     key=lambda p, log_q, gamma, length, hx: {"D": p.shape[0], "N": p.shape[1], "L": autotune.pow2_bucket(length),
                                              "hx": hx is not None},
-    space={"torch": {"power_block": [64, 16, 32, 128, 256]},
+    space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]},
            "triton": {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}},
     harness="megalodon_kernels.autotune.harness.cema_kernel",
 )

@@ -27,7 +27,7 @@ BACKENDS = OpBackends("dropkey_softmax", {
 autotune.register(
     "dropkey_softmax",
     key=lambda scores: {"L": autotune.pow2_bucket(scores.shape[-2]), "S": autotune.pow2_bucket(scores.shape[-1])},
-    space={"torch": {"block_q": [256, 64, 128, 512], "max_block_elems": [1 << 22]},
+    space={"cuda": {}, "torch": {"block_q": [256, 64, 128, 512], "max_block_elems": [1 << 22]},
            "triton": {"block_elems": [4096], "num_warps": [8]}},
     harness="megalodon_kernels.autotune.harness.dropkey_softmax",
 )

@@ -30,7 +30,7 @@ autotune.register(
     "ema_hidden",
     key=lambda x, p, log_q, hx: {"D": x.shape[1], "N": p.shape[1], "L": autotune.pow2_bucket(x.shape[2]),
                                  "hx": hx is not None},
-    space={"torch": {"power_block": [64, 16, 32, 128, 256]},
+    space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]},
            "triton": {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}},
     harness="megalodon_kernels.autotune.harness.ema_hidden",
 )

@@ -28,7 +28,12 @@ autotune.register(
     "fftconv",
     key=lambda x, k: {"D": x.shape[1], "L": autotune.pow2_bucket(x.shape[2]), "k": str(k.dtype).replace("torch.", "")},
     # direct (Toeplitz) path for L <= direct_max_len, FFT above; 0 = always FFT.
-    space={"torch": {"direct_max_len": [16, 0, 64, 256, 1024]}},
+    space={"cuda": {"max_workspace_bytes": [256 << 20]},  # the multi-pass FFT's workspace cap (L > 16384)
+           "torch": {"direct_max_len": [16, 0, 64, 256, 1024]},
+           # Triton: direct path up to direct_max_len; warps of the tile, workspace and direct
+           # kernels; work_bc columns per workspace-pass program
+           "triton": {"direct_max_len": [64, 32, 0], "num_warps": [8], "work_warps": [8], "work_bc": [64],
+                      "direct_warps": [4]}},
     harness="megalodon_kernels.autotune.harness.fftconv",
 )
 

@@ -1,4 +1,5 @@
-"""CUDA backend of fftconv: cuda/fftconv.cuh (one block per row, L <= 16384) through
+"""CUDA backend of fftconv: cuda/fftconv.cuh (one block per row, L <= 16384) and, for longer L
+up to 2^27, the multi-pass four-step FFT of cuda/fftconv_long.cuh, through
 megalodon_kernels.cuda._C (see cuda/backend.py)."""
 from ...cuda.backend import fftconv as _backend
 

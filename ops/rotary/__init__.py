@@ -32,7 +32,7 @@ BACKENDS = OpBackends("rotary", {
 autotune.register(
     "rotary",
     key=lambda x: {"H": x.shape[2], "d": x.shape[3], "L": autotune.pow2_bucket(x.shape[1])},
-    space={"torch": {},
+    space={"cuda": {}, "torch": {},
            "triton": {"block_rows": [16, 4], "block_pairs": [64, 128], "num_warps": [4]}},
     harness="megalodon_kernels.autotune.harness.rotary",
 )

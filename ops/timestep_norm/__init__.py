@@ -36,7 +36,7 @@ BACKENDS = OpBackends("timestep_norm", {
 autotune.register(
     "timestep_norm",
     key=lambda x, num_groups: {"D": x.shape[2], "G": num_groups, "L": autotune.pow2_bucket(x.shape[1])},
-    space={"torch": {"chunk": [64, 16, 32, 128, 256]},
+    space={"cuda": {}, "torch": {"chunk": [64, 16, 32, 128, 256]},
            "triton": {"block_elems": [4096], "num_warps": [8]}},
     harness="megalodon_kernels.autotune.harness.timestep_norm",
 )

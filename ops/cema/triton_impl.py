@@ -1,0 +1,153 @@
+"""Triton backend of cema: the Triton stage kernels composed, bias and skip fused into the convolution.
+
+Forward: (k, b) = cema_kernel (Triton, fp32), then ONE fftconv launch whose epilogue adds the bias
+rows b[b, d] and omega[d] x[b, d] (x is the tile the transform just read, still in registers on the
+tile/direct paths) to the fp32 convolution before the single rounding of y to x's dtype; h, V, W from
+the Triton ema_hidden when the state is returned. Nothing of size B D L is written besides y (and b,
+which cema_kernel produces).
+
+Backward (dy the gradient of y, dh that of h): ONE fftconv backward launch computes
+dx = corr(dy, k) + omega dy (the dy tile is in registers), dk = sum_b corr(dy_b, x_b) and
+domega[d] = sum_{b,t} dy x (both tiles are loaded for dk anyway) per feature program, deterministic;
+then cema_kernel's backward takes (dk, db = dy) and ema_hidden's backward adds the dh terms:
+
+    dx = fftconv_x(dy) + omega dy (+ ema_hidden_x(dh)),  domega = sum_{b,t} dy x
+    (dp, dlog_q, dgamma, dhx) = cema_kernel_bwd(dk, db = dy) (+ ema_hidden's terms)
+
+Saved for the backward: the inputs, k r(D L) and ema_hidden's sums V, W (as the torch backend).
+"""
+from __future__ import annotations
+
+import torch
+
+from ...autotune import registry as autotune
+from .._triton_common import dtype_reasons
+from ..cema_kernel import triton_impl as kernel_impl
+from ..ema_hidden import triton_impl as hidden_impl
+from ..fftconv import triton_impl as conv_impl
+
+#: the stage knobs: block_m/block_r/num_warps/analysis_warps for cema_kernel and ema_hidden, and the
+#: fftconv knobs (its num_warps as conv_warps)
+#: every config this backend may launch with: the stages' spaces, declared with the op's autotune
+#: registration in __init__.py (the first values are the default)
+CONFIG_SPACE = autotune.get("cema").space["triton"]
+DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: its convolution is fftconv's Triton path, whose large FFT tiles spill on sm_80/sm_90 (see there)
+AUTO_PRIORITY = conv_impl.AUTO_PRIORITY
+
+_STAGE = ("block_m", "block_r", "num_warps", "analysis_warps")
+_CONV = ("direct_max_len", "work_warps", "work_bc", "direct_warps")
+
+
+def _split(config):
+    stage = {k: config[k] for k in _STAGE}
+    conv = {k: config[k] for k in _CONV}
+    conv["num_warps"] = config["conv_warps"]
+    return stage, conv
+
+
+def not_supported_reasons(x=None, p=None, log_q=None, gamma=None, omega=None, hx=None, **_) -> list[str]:
+    why = conv_impl.not_supported_reasons(x=x)
+    why += [r for r in kernel_impl.not_supported_reasons(p=p, log_q=log_q, gamma=gamma, length=x.shape[-1], hx=hx)
+            if r not in why]
+    why += [r for r in hidden_impl.not_supported_reasons(x=x, p=p, log_q=log_q, hx=hx) if r not in why]
+    if omega is not None:
+        why += dtype_reasons("omega", omega, (torch.float16, torch.bfloat16, torch.float32))
+    return why
+
+
+def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, **config):
+    """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W))."""
+    stage, conv = _split(config)
+    L = x.shape[-1]
+    k, b = kernel_impl.cema_kernel_fwd(p, log_q, gamma, L, hx, **stage)
+    y = conv_impl.conv_fwd(x, k, bias=b, omega=omega.to(torch.float32), **conv)
+    h = V = W = None
+    if return_state:
+        h, V, W = hidden_impl.ema_hidden_fwd(x, p, log_q, hx, weighted, **stage)
+    return y, h, (k, V, W)
+
+
+def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **config):
+    """-> (dx, dp, dlog_q, dgamma, domega, dhx), any of them None when not needed; dy/dh may be None."""
+    stage, conv = _split(config)
+    need_x, need_p, need_lq, need_gamma, need_omega, need_hx = needs
+    k, V, W = saved
+    L = x.shape[-1]
+    dx = dp = dlq = dgamma = domega = dhx = None
+    if dy is not None:
+        need_k = need_p or need_lq or need_gamma
+        with_omega = need_x or need_omega
+        dx, dk, domega = conv_impl.conv_bwd(dy, x, k, need_x, need_k,
+                                            omega.to(torch.float32) if with_omega else None, **conv)
+        if not need_x:
+            dx = None
+        if not need_omega:
+            domega = None
+        if need_k or (need_hx and hx is not None):
+            dp, dlq, dgamma, dhx = kernel_impl.cema_kernel_bwd(
+                dk, None if hx is None else dy, p, log_q, gamma, L, hx, (need_p, need_lq, need_gamma, need_hx),
+                **stage)
+    if dh is not None:
+        dxh, dph, dlqh, dhxh = hidden_impl.ema_hidden_bwd(dh, p, log_q, hx, V, W, L,
+                                                          (need_x, need_p, need_lq, need_hx), **stage)
+        dx = _add(dx, dxh)
+        dp = _add(dp, dph)
+        dlq = _add(dlq, dlqh)
+        dhx = _add(dhx, dhxh)
+    return dx, dp, dlq, dgamma, domega, dhx
+
+
+def _add(a, b):
+    if a is None:
+        return b
+    if b is None:
+        return a
+    return a + b
+
+
+def aot_variants(space=None):
+    """cema launches only the stage kernels (cema_kernel, ema_hidden, fftconv, each AOT-compiled under
+    its own op with every config of this CONFIG_SPACE); the fused bias/skip epilogue and the domega
+    reduction are the fftconv kernels' runtime HAS_BIAS / HAS_SKIP flags, so no extra variants exist.
+    Listed again here (the bf16 N = 4096 tile kernels, Megalodon's chunk case) so the cema row of the
+    resource report shows what the composed op runs."""
+    from .._triton_aot import Variant
+
+    space = CONFIG_SPACE if space is None else space
+    conv_space = {"num_warps": space["conv_warps"], "work_warps": space["work_warps"], "work_bc": space["work_bc"],
+                  "direct_warps": space["direct_warps"], "direct_max_len": space["direct_max_len"]}
+    out = []
+    for v in conv_impl.aot_variants(conv_space):
+        if v.kernel.startswith("_tile") and "N=64x64" in v.label and "x=bf16" in v.label:
+            out.append(Variant(op="cema", kernel=v.kernel, fn=v.fn, arg_types=v.arg_types, constexprs=v.constexprs,
+                               div16=v.div16, num_warps=v.num_warps, num_stages=v.num_stages,
+                               label="fused " + v.label))
+    return out
+
+
+def bytes_cases():
+    """The fused convolution launches of cema at a medium shape (bench/triton_bytes.py). Ideal:
+    forward reads x, k, b, omega (and the twiddle table) once and writes y once; backward reads dy, x,
+    k, omega (and the table) once and writes dx, dk, domega once (the bias and the skip term cost no
+    pass of their own)."""
+    from ...bench.triton_bytes import nbytes
+
+    cfg = _split(DEFAULT_CONFIG)[1]
+    gen = torch.Generator().manual_seed(0)
+    B, D, L = 4, 2, 2048
+    x = torch.randn(B, D, L, generator=gen)
+    k = torch.randn(D, L, generator=gen)
+    b = torch.randn(B, D, L, generator=gen)
+    om = torch.randn(D, generator=gen)
+    dy = torch.randn(B, D, L, generator=gen)
+    table = conv_impl.table_bytes(64)             # the twiddle-table entries the 64 x 64 tile reads
+
+    def fwd():
+        return nbytes(x, k, b, om, conv_impl.conv_fwd(x, k, bias=b, omega=om, **cfg)) + table
+
+    def bwd():
+        return nbytes(dy, x, k, om, *conv_impl.conv_bwd(dy, x, k, True, True, om, **cfg)) + table
+
+    yield "cema fused conv fwd", f"B={B} D={D} L={L} fp32", fwd
+    yield "cema fused conv bwd", f"B={B} D={D} L={L} fp32", bwd
