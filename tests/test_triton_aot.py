@@ -2,8 +2,8 @@
 time, fits the per-block shared memory and does not spill (no GPU needed).
 
 Compiling every variant takes tens of minutes on 2 cores (the FFT tiles alone take ~30 s each),
-so the default run (and CI) compiles the bounded set ``_triton_aot.representative`` (the first and
-the last variant of every kernel); ``--stress`` compiles all of them, as does
+so the default run (and CI) compiles the bounded set ``_triton_aot.representative`` (the last,
+largest variant of every kernel); ``--stress`` compiles all of them, as does
 ``python -m megalodon_kernels.bench.resources``."""
 import pytest
 
@@ -17,6 +17,8 @@ KNOWN_SPILLS = {
     "fftconv": "FFT tiles of 32x32 and more hold four full-width dot operands per complex product "
                "(issue 3: stage one operand through shared memory in K chunks)",
     "cema": "its convolution is fftconv's Triton kernels",
+    "attention": "8-24 B in 14 of 252 backward variants (dq at dh=256, dk/dv with Laplace at dh=64): ptxas "
+                 "caps them at 128 registers; needs maxnreg or less live state in the backward",
 }
 
 
@@ -34,7 +36,7 @@ def test_every_chosen_variant_compiled_for_both_archs(compiled, stress):
 
 @pytest.mark.stress
 @pytest.mark.parametrize("op", TRITON_OPS)
-def test_variants_fit_shared_memory_and_do_not_spill(compiled, op):
+def test_variants_fit_shared_memory_and_do_not_spill(compiled, op, stress):
     rows = [r for r in compiled if r.variant.op == op]
     assert rows, f"no AOT variants declared for {op}"
     spills = []
@@ -44,8 +46,8 @@ def test_variants_fit_shared_memory_and_do_not_spill(compiled, op):
         assert r.shared <= SMEM_LIMIT[r.cc], f"{r.variant.label}: {r.shared} B smem > {SMEM_LIMIT[r.cc]} on sm_{r.cc}"
         if r.spills:
             spills.append(f"{r.variant.label}: {r.local} B of local memory (spills) on sm_{r.cc}")
-    if op in KNOWN_SPILLS:
-        if not spills:
-            pytest.fail(f"{op} no longer spills: remove it from KNOWN_SPILLS and set AUTO_PRIORITY back")
+    if op in KNOWN_SPILLS and spills:
         pytest.xfail(f"{len(spills)} spilling variant(s), known: {KNOWN_SPILLS[op]}")
+    if op in KNOWN_SPILLS and stress:  # every variant compiled and none spills
+        pytest.fail(f"{op} no longer spills: remove it from KNOWN_SPILLS (and AUTO_PRIORITY = False if set)")
     assert not spills, spills

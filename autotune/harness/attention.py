@@ -12,7 +12,7 @@ import torch
 from ...ops.attention import attention
 from ...reference import attention as ref
 from .. import registry
-from . import TOLERANCE, grads, random, to_np
+from . import TOLERANCE, grads, random, to_np, triton_prune
 
 
 def make_case(shape, dtype, device, seed):
@@ -54,4 +54,5 @@ def reference(case):
 
 
 HARNESS = registry.Harness(make_case=make_case, run=run, reference=reference, tolerance=TOLERANCE,
-                           check_shape=lambda s: {**s, "B": 1})
+                           check_shape=lambda s: {**s, "B": 1},
+                           prune=triton_prune("attention"))

@@ -1,0 +1,656 @@
+"""Triton backend of attention: flash-style forward and backward, no L x S matrix anywhere.
+
+Layouts: q (B L H dh), k (B S H dh), v (B S H dv) are read in place (made contiguous first);
+one program owns one (batch, head) plane and one block of rows.
+
+* Forward ``_attn_fwd_kernel``: a program takes BLOCK_M query rows and walks the key blocks
+  they can see at all (the visible key range of the block: causal end, chunk start/end, the
+  previous chunk with block_causal; blocks outside it are never loaded). Per key block: the
+  BLOCK_M x BLOCK_N scores by ``tl.dot`` (fp32 accumulation), the visibility mask and the
+  DropKey rule (``ops.dropkey_rule``, regenerated from (seed, b, h, i, j) in uint32, the same
+  bits as the torch backend), then an online softmax (running max and sum, fp32) or Laplace
+  (no normalisation), and ``acc += P v``. Softmax saves lse = m + log(l) per row ([B, H, L]
+  fp32, -inf for a row with no visible kept key, whose output is 0).
+* Backward: ``_attn_bwd_delta_kernel`` computes delta = rowsum(dO * O) (softmax only);
+  ``_attn_bwd_dkdv_kernel`` owns BLOCK_N keys and walks the query blocks that can see them,
+  recomputing P = exp(s - lse) (Laplace: P and its derivative), accumulating dV = P^T dO and
+  dK = dS^T (scale q); ``_attn_bwd_dq_kernel`` owns BLOCK_M queries and walks their key blocks
+  accumulating dQ = scale dS K. Every program writes only its own rows: no atomics, results
+  do not depend on scheduling.
+* Wide values (dv > ``max_block_dv``, e.g. the 7B config's dv = 2048 with dh = 256) are tiled
+  over dv by the LAUNCHER: the forward grid gets a third axis of dv tiles (each recomputes the
+  scores of its rows; lse is written by tile 0 only), dV is a separate launch of the dk/dv kernel
+  with one program per (key block, dv tile) and dK off, and dK/dQ sum dP = dO V^T over dv
+  tiles in a loop inside the kernel. The extra cost is the QK^T recomputation per dv tile.
+
+Numerics: inputs are converted to fp32 right after loading (the interpreter cannot compute on
+bf16, NO-GPU.md), every product is accumulated in fp32, and each output is rounded once on
+store (bf16 by integer round-to-nearest-even). The dots use TF32 on the GPU (exact fp32 in
+the interpreter): for fp16/bf16 inputs its 10-bit mantissa holds q, k, v and dO exactly (q is
+multiplied by ``scale`` after the dot, not before, for that reason), so only P and dS are
+rounded (to 10 bits). For fp32 inputs the GPU result is TF32-accurate (~1e-3 relative), not
+fp32: ``input_precision="ieee"`` (and "tf32x3") compile to FMA loops that spill kilobytes of
+local memory at these tile sizes (measured with the AOT check), so they are not offered. Keeping the operands
+in fp32 doubles their registers and shared memory compared with bf16 operands: the tiles are
+sized for that (``_tiles``), which makes the backward tiles small (16-32 rows/keys).
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...autotune import registry as autotune
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
+from ..dropkey_rule import seed_key, threshold
+
+#: Every config this backend may launch with, declared with the op's autotune registration in
+#: __init__.py (each AOT-compiled in tests); the first values are the default. BLOCK_M: query rows
+#: per program (forward, dq) and per inner step (dk/dv); BLOCK_N: keys per inner step (forward, dq)
+#: and per program (dk/dv); num_stages: forward; num_stages_bwd: backward kernels. num_warps = 4
+#: spilled 8-24 B in several backward and dh=128 forward variants; num_stages_bwd = 2 in dq at dh=256.
+CONFIG_SPACE = autotune.get("attention").space["triton"]
+DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+
+#: head dims up to this are one register tile; q / k rows are never split
+MAX_HEAD_DIM = 256
+#: value dims up to this are one tile; wider v is tiled over dv by the launcher (see module doc)
+MAX_BLOCK_DV = 128
+#: score tiles and [rows, d] tiles are shrunk so that rows * max(d tile) stays under this (registers)
+MAX_TILE_ELEMS = 64 * 128
+
+LAPLACE_MU = math.sqrt(0.5)
+LAPLACE_SIGMA = math.sqrt(1.0 / (4.0 * math.pi))
+
+
+def not_supported_reasons(q, k, v, **_) -> list[str]:
+    why = device_reasons(q) + dtype_reasons("q", q)
+    if q.dim() == 4 and q.shape[-1] > MAX_HEAD_DIM:
+        why.append(f"head dim dh = {q.shape[-1]} > {MAX_HEAD_DIM} (one register tile); use backend='torch'")
+    return why
+
+
+if HAVE_TRITON:
+    from ..dropkey_softmax.triton_impl import _mix32, _row_keys  # the DropKey rule in uint32 (shared)
+
+    MU_C = tl.constexpr(LAPLACE_MU)
+    INV_C = tl.constexpr(1.0 / (LAPLACE_SIGMA * math.sqrt(2.0)))  # erf argument scale
+    PDF_C = tl.constexpr(1.0 / (LAPLACE_SIGMA * math.sqrt(2.0 * math.pi)))
+    HALF_INV_VAR_C = tl.constexpr(0.5 / LAPLACE_SIGMA**2)
+
+    @triton.jit
+    def _floor_div(x, c):
+        """floor(x / c) for c > 0 (Triton's // truncates toward 0; positions can be negative when S < L)."""
+        return tl.where(x >= 0, x // c, -((c - 1 - x) // c))
+
+    @triton.jit
+    def _allowed(o_i, o_j, L, S, shift, causal, chunk, bc):
+        """Visibility of (query i, key j) on broadcast index tensors (see ops/attention/__init__)."""
+        pos = o_i + shift  # bottom-right alignment: query i sits at key position i + S - L
+        ok = (o_i < L) & (o_j < S)
+        ok = ok & ((causal == 0) | (o_j <= pos))
+        c = tl.maximum(chunk, 1)
+        cp = _floor_div(pos, c)
+        cj = o_j // c  # j >= 0
+        ok = ok & ((chunk == 0) | (cj == cp) | ((bc != 0) & (cj == cp - 1)))
+        return ok
+
+    @triton.jit
+    def _keep(row_key, o_j, thr):
+        """DropKey keep-mask from per-row keys and key indices, broadcast like them (dropkey_rule)."""
+        return _mix32(row_key ^ o_j.to(tl.uint32)) >= thr
+
+    @triton.jit
+    def _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Keys [lo, hi) that query rows [i0, i0 + BLOCK_M) can see at all; lo aligned down to BLOCK_N."""
+        p0 = i0 + shift
+        p1 = tl.minimum(i0 + BLOCK_M, L) - 1 + shift
+        hi = tl.where(causal != 0, tl.minimum(S, p1 + 1), S)
+        c = tl.maximum(chunk, 1)
+        lo = tl.where(chunk != 0, (_floor_div(p0, c) - bc) * c, 0)
+        hi = tl.where(chunk != 0, tl.minimum(hi, (_floor_div(p1, c) + 1) * c), hi)
+        lo = tl.maximum(lo, 0)
+        return (lo // BLOCK_N) * BLOCK_N, hi
+
+    @triton.jit
+    def _query_range(j0, L, S, shift, causal, chunk, bc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+        """Queries [lo, hi) that can see any of keys [j0, j0 + BLOCK_N); lo aligned down to BLOCK_M."""
+        j1 = tl.minimum(j0 + BLOCK_N, S)  # last key + 1
+        lo = tl.where(causal != 0, j0 - shift, 0)  # pos_i >= j0
+        c = tl.maximum(chunk, 1)
+        lo = tl.where(chunk != 0, tl.maximum(lo, (j0 // c) * c - shift), lo)
+        hi = tl.where(chunk != 0, ((j1 - 1) // c + 1 + bc) * c - shift, L)
+        hi = tl.minimum(hi, L)
+        lo = tl.maximum(lo, 0)
+        return (lo // BLOCK_M) * BLOCK_M, hi
+
+    @triton.jit
+    def _erfc_pos(x):
+        """erfc(x) for x >= 0 with ~1e-7 relative error everywhere (Chebyshev-fitted exponent,
+        Numerical Recipes' erfcc): keeps the Laplace tail's relative accuracy where
+        0.5 * (1 + erf(z)) would cancel to 0 (tl.math has no erfc)."""
+        t = 1.0 / (1.0 + 0.5 * x)
+        y = -x * x - 1.26551223 + t * (1.00002368 + t * (0.37409196 + t * (0.09678418 + t * (
+            -0.18628806 + t * (0.27886807 + t * (-1.13520398 + t * (1.48851587 + t * (
+                -0.82215223 + t * 0.17087277))))))))
+        return t * tl.exp(y)
+
+    @triton.jit
+    def _laplace(s):
+        """0.5 * (1 + erf(z)), z = (s - mu) / (sigma sqrt 2), as 0.5 erfc(-z) for z < 0."""
+        z = (s - MU_C) * INV_C
+        e = _erfc_pos(tl.abs(z))
+        return tl.where(z < 0, 0.5 * e, 1.0 - 0.5 * e)
+
+    @triton.jit
+    def _laplace_grad(s):
+        x = s - MU_C
+        return PDF_C * tl.exp(-x * x * HALF_INV_VAR_C)
+
+    @triton.jit
+    def _attn_fwd_kernel(
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
+        OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        pid_m, bh, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // H, bh % H
+        i0 = pid_m * BLOCK_M
+        o_i = i0 + tl.arange(0, BLOCK_M)
+        m_i = o_i < L
+        o_dh = tl.arange(0, BLOCK_DH)
+        m_dh = o_dh < DH
+        o_dv = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
+        m_dv = o_dv < DV
+        rq, rv = H * DH, H * DV  # row strides of (B, T, H, d)
+        p_q = q_ptr + (b.to(tl.int64) * L * rq + h * DH) + o_i[:, None].to(tl.int64) * rq + o_dh[None, :]
+        b_q = tl.load(p_q, mask=m_i[:, None] & m_dh[None, :], other=0.0).to(tl.float32)  # [BM, BDH]
+        k_base = k_ptr + (b.to(tl.int64) * S * rq + h * DH)
+        v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
+        if DROP:
+            row_key = _row_keys(seed_k, bh, H, o_i)
+            thr = thr_i.to(tl.uint32, bitcast=True)
+        lo, hi = _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
+        b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        b_l = tl.zeros([BLOCK_M], tl.float32)
+        b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
+        for j0 in range(lo, hi, BLOCK_N):
+            o_j = j0 + tl.arange(0, BLOCK_N)
+            m_j = o_j < S
+            b_kt = tl.load(k_base + o_j[None, :].to(tl.int64) * rq + o_dh[:, None],
+                           mask=m_j[None, :] & m_dh[:, None], other=0.0).to(tl.float32)  # [BDH, BN]
+            b_s = tl.dot(b_q, b_kt, input_precision=PREC) * scale  # [BM, BN]
+            ok = _allowed(o_i[:, None], o_j[None, :], L, S, shift, causal, chunk, bc)
+            if DROP:
+                ok = ok & _keep(row_key[:, None], o_j[None, :], thr)
+            b_v = tl.load(v_base + o_j[:, None].to(tl.int64) * rv + o_dv[None, :],
+                          mask=m_j[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BN, BDV]
+            if LAPLACE:
+                b_p = tl.where(ok, _laplace(b_s), 0.0)
+            else:
+                b_s = tl.where(ok, b_s, float("-inf"))
+                m_new = tl.maximum(b_m, tl.max(b_s, axis=1))
+                m_use = tl.where(m_new == float("-inf"), 0.0, m_new)  # nothing allowed yet: exp(-inf) = 0
+                b_p = tl.exp(b_s - m_use[:, None])
+                alpha = tl.exp(b_m - m_use)
+                b_l = b_l * alpha + tl.sum(b_p, axis=1)
+                b_acc = b_acc * alpha[:, None]
+                b_m = m_new
+            b_acc += tl.dot(b_p, b_v, input_precision=PREC)
+        if not LAPLACE:
+            has = b_l > 0.0  # a row with no visible kept key outputs 0 and has lse = -inf
+            b_acc = b_acc * tl.where(has, 1.0 / tl.where(has, b_l, 1.0), 0.0)[:, None]
+            lse = tl.where(has, b_m + tl.log(tl.where(has, b_l, 1.0)), float("-inf"))
+            n_lse = tl.where(pid_d == 0, L, 0)  # one dv tile writes lse (all compute the same)
+            tl.store(lse_ptr + bh.to(tl.int64) * L + o_i, lse, mask=o_i < n_lse)
+        p_o = o_ptr + (b.to(tl.int64) * L * rv + h * DV) + o_i[:, None].to(tl.int64) * rv + o_dv[None, :]
+        store_rounded(p_o, b_acc, m_i[:, None] & m_dv[None, :], OUT_BF16)
+
+    @triton.jit
+    def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, L, H, DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+        """delta[b, h, i] = sum_d dO * O (fp32), the softmax backward's row term."""
+        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        o_i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        m_i = o_i < L
+        rv = H * DV
+        base = (b.to(tl.int64) * L * rv + h * DV) + o_i[:, None].to(tl.int64) * rv
+        b_d = tl.zeros([BLOCK_M], tl.float32)
+        for d0 in range(0, DV, BLOCK_DV):
+            o_d = d0 + tl.arange(0, BLOCK_DV)
+            msk = m_i[:, None] & (o_d[None, :] < DV)
+            b_o = tl.load(o_ptr + base + o_d[None, :], mask=msk, other=0.0).to(tl.float32)
+            b_g = tl.load(do_ptr + base + o_d[None, :], mask=msk, other=0.0).to(tl.float32)
+            b_d += tl.sum(b_o * b_g, axis=1)
+        tl.store(delta_ptr + bh.to(tl.int64) * L + o_i, b_d, mask=m_i)
+
+    @triton.jit
+    def _attn_bwd_dkdv_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
+        OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
+        COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ONE_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        """One program: BLOCK_N keys of one (b, h) [and one dv tile]; scores held transposed
+        ([BN, BM]) so dV = P^T dO and dK = dS^T q are plain dots."""
+        pid_n, bh, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        b, h = bh // H, bh % H
+        j0 = pid_n * BLOCK_N
+        o_j = j0 + tl.arange(0, BLOCK_N)
+        m_j = o_j < S
+        o_dh = tl.arange(0, BLOCK_DH)
+        m_dh = o_dh < DH
+        o_dv = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this program's dv tile (dV output)
+        m_dv = o_dv < DV
+        rq, rv = H * DH, H * DV
+        q_base = q_ptr + (b.to(tl.int64) * L * rq + h * DH)
+        do_base = do_ptr + (b.to(tl.int64) * L * rv + h * DV)
+        v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
+        b_k = tl.load(k_ptr + (b.to(tl.int64) * S * rq + h * DH) + o_j[:, None].to(tl.int64) * rq + o_dh[None, :],
+                      mask=m_j[:, None] & m_dh[None, :], other=0.0).to(tl.float32)  # [BN, BDH]
+        if COMPUTE_DK and ONE_DV:
+            b_v = tl.load(v_base + o_j[:, None].to(tl.int64) * rv + o_dv[None, :],
+                          mask=m_j[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BN, BDV]
+        if DROP:
+            thr = thr_i.to(tl.uint32, bitcast=True)
+        b_dk = tl.zeros([BLOCK_N, BLOCK_DH], tl.float32)
+        b_dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
+        lo, hi = _query_range(j0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
+        for i0 in range(lo, hi, BLOCK_M):
+            o_i = i0 + tl.arange(0, BLOCK_M)
+            m_i = o_i < L
+            b_qt = tl.load(q_base + o_i[None, :].to(tl.int64) * rq + o_dh[:, None],
+                           mask=m_i[None, :] & m_dh[:, None], other=0.0).to(tl.float32)  # [BDH, BM]
+            b_st = tl.dot(b_k, b_qt, input_precision=PREC) * scale  # [BN, BM] scores, transposed
+            ok = _allowed(o_i[None, :], o_j[:, None], L, S, shift, causal, chunk, bc)
+            if DROP:
+                ok = ok & _keep(_row_keys(seed_k, bh, H, o_i)[None, :], o_j[:, None], thr)
+            if LAPLACE:
+                b_pt = tl.where(ok, _laplace(b_st), 0.0)
+                b_gt = tl.where(ok, _laplace_grad(b_st), 0.0)
+            else:
+                lse = tl.load(lse_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+                lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty row: P = exp(-inf) = 0
+                b_pt = tl.where(ok, tl.exp(b_st - lse[None, :]), 0.0)
+            if COMPUTE_DV or ONE_DV:
+                b_do = tl.load(do_base + o_i[:, None].to(tl.int64) * rv + o_dv[None, :],
+                               mask=m_i[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BM, BDV]
+            if COMPUTE_DV:
+                b_dv += tl.dot(b_pt, b_do, input_precision=PREC)
+            if COMPUTE_DK:
+                if ONE_DV:
+                    b_dpt = tl.dot(b_v, tl.trans(b_do), input_precision=PREC)  # [BN, BM]
+                else:
+                    b_dpt = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+                    for d0 in range(0, DV, BLOCK_DV):
+                        o_d = d0 + tl.arange(0, BLOCK_DV)
+                        m_d = o_d < DV
+                        b_vc = tl.load(v_base + o_j[:, None].to(tl.int64) * rv + o_d[None, :],
+                                       mask=m_j[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BN, BDV]
+                        b_dot = tl.load(do_base + o_i[None, :].to(tl.int64) * rv + o_d[:, None],
+                                        mask=m_i[None, :] & m_d[:, None], other=0.0).to(tl.float32)  # [BDV, BM]
+                        b_dpt += tl.dot(b_vc, b_dot, input_precision=PREC)
+                if LAPLACE:
+                    b_dst = b_dpt * b_gt
+                else:
+                    delta = tl.load(delta_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+                    b_dst = b_pt * (b_dpt - delta[None, :])
+                b_dk += tl.dot(b_dst, tl.trans(b_qt), input_precision=PREC)  # dS^T q (scaled on store)
+        if COMPUTE_DK:
+            p_dk = dk_ptr + (b.to(tl.int64) * S * rq + h * DH) + o_j[:, None].to(tl.int64) * rq + o_dh[None, :]
+            store_rounded(p_dk, b_dk * scale, m_j[:, None] & m_dh[None, :], OUT_BF16)
+        if COMPUTE_DV:
+            p_dv = dv_ptr + (b.to(tl.int64) * S * rv + h * DV) + o_j[:, None].to(tl.int64) * rv + o_dv[None, :]
+            store_rounded(p_dv, b_dv, m_j[:, None] & m_dv[None, :], OUT_BF16)
+
+    @triton.jit
+    def _attn_bwd_dq_kernel(
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
+        OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
+        ONE_DV: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
+    ):
+        """One program: BLOCK_M queries of one (b, h); dQ = scale dS K over their visible key blocks."""
+        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        b, h = bh // H, bh % H
+        i0 = pid_m * BLOCK_M
+        o_i = i0 + tl.arange(0, BLOCK_M)
+        m_i = o_i < L
+        o_dh = tl.arange(0, BLOCK_DH)
+        m_dh = o_dh < DH
+        o_dv = tl.arange(0, BLOCK_DV)
+        m_dv = o_dv < DV
+        rq, rv = H * DH, H * DV
+        q_off = (b.to(tl.int64) * L * rq + h * DH) + o_i[:, None].to(tl.int64) * rq + o_dh[None, :]
+        b_q = tl.load(q_ptr + q_off, mask=m_i[:, None] & m_dh[None, :], other=0.0).to(tl.float32)
+        k_base = k_ptr + (b.to(tl.int64) * S * rq + h * DH)
+        v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
+        do_base = do_ptr + (b.to(tl.int64) * L * rv + h * DV)
+        if ONE_DV:
+            b_do = tl.load(do_base + o_i[:, None].to(tl.int64) * rv + o_dv[None, :],
+                           mask=m_i[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BM, BDV]
+        if DROP:
+            row_key = _row_keys(seed_k, bh, H, o_i)
+            thr = thr_i.to(tl.uint32, bitcast=True)
+        if not LAPLACE:
+            lse = tl.load(lse_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+            lse = tl.where(lse == float("-inf"), float("inf"), lse)
+            delta = tl.load(delta_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+        b_dq = tl.zeros([BLOCK_M, BLOCK_DH], tl.float32)
+        lo, hi = _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
+        for j0 in range(lo, hi, BLOCK_N):
+            o_j = j0 + tl.arange(0, BLOCK_N)
+            m_j = o_j < S
+            b_kt = tl.load(k_base + o_j[None, :].to(tl.int64) * rq + o_dh[:, None],
+                           mask=m_j[None, :] & m_dh[:, None], other=0.0).to(tl.float32)  # [BDH, BN]
+            b_s = tl.dot(b_q, b_kt, input_precision=PREC) * scale  # [BM, BN]
+            ok = _allowed(o_i[:, None], o_j[None, :], L, S, shift, causal, chunk, bc)
+            if DROP:
+                ok = ok & _keep(row_key[:, None], o_j[None, :], thr)
+            if ONE_DV:
+                b_vt = tl.load(v_base + o_j[None, :].to(tl.int64) * rv + o_dv[:, None],
+                               mask=m_j[None, :] & m_dv[:, None], other=0.0).to(tl.float32)  # [BDV, BN]
+                b_dp = tl.dot(b_do, b_vt, input_precision=PREC)
+            else:
+                b_dp = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+                for d0 in range(0, DV, BLOCK_DV):
+                    o_d = d0 + tl.arange(0, BLOCK_DV)
+                    m_d = o_d < DV
+                    b_doc = tl.load(do_base + o_i[:, None].to(tl.int64) * rv + o_d[None, :],
+                                    mask=m_i[:, None] & m_d[None, :], other=0.0).to(tl.float32)  # [BM, BDV]
+                    b_vt = tl.load(v_base + o_j[None, :].to(tl.int64) * rv + o_d[:, None],
+                                   mask=m_j[None, :] & m_d[:, None], other=0.0).to(tl.float32)  # [BDV, BN]
+                    b_dp += tl.dot(b_doc, b_vt, input_precision=PREC)
+            if LAPLACE:
+                b_ds = tl.where(ok, b_dp * _laplace_grad(b_s), 0.0)
+            else:
+                b_p = tl.where(ok, tl.exp(b_s - lse[:, None]), 0.0)
+                b_ds = b_p * (b_dp - delta[:, None])
+            b_dq += tl.dot(b_ds, tl.trans(b_kt), input_precision=PREC)  # [BM, BDH]
+        store_rounded(dq_ptr + q_off, b_dq * scale, m_i[:, None] & m_dh[None, :], OUT_BF16)
+
+
+# ---------------------------------------------------------------------------------------------
+# Launchers
+
+
+def _pow2(n, least=16):
+    """Smallest power of two >= n and >= ``least`` (tl.dot needs every dimension >= 16)."""
+    return max(least, 1 << max(0, int(n) - 1).bit_length())
+
+
+def _shrink(rows, width, budget):
+    """Halve ``rows`` (not below 16) until rows x width <= budget."""
+    while rows > 16 and rows * width > budget:
+        rows //= 2
+    return max(16, rows)
+
+
+def _tiles(dh, dv, BLOCK_M, BLOCK_N):
+    """Tiles a launch uses for head dims (dh, dv): a dict with BLOCK_DH, BLOCK_DV, ONE_DV and
+    (rows, keys) per kernel: "fwd", "dq" (rows per program, keys per step) and "dkdv" (queries per
+    step, keys per program).
+
+    BLOCK_DH covers dh in one tile; BLOCK_DV covers dv in one tile up to MAX_BLOCK_DV, else dv is
+    tiled (ONE_DV False). Everything is fp32 in registers (operands included, see the module
+    doc), so the row counts shrink with the head dims: the forward holds [rows, max(d)] tiles,
+    the backward kernels hold four [rows, d] tiles (q/k, do/v, and two accumulators) per program,
+    hence the smaller budget, 16 query rows and the halved key step (the largest sizes measured
+    not to spill on sm_80/sm_90, test_triton_aot; ptxas caps these kernels at 128 registers)."""
+    bdh = _pow2(dh)
+    one = _pow2(dv) <= MAX_BLOCK_DV
+    bdv = _pow2(dv) if one else MAX_BLOCK_DV
+    fwd = (_shrink(BLOCK_M, max(bdh, bdv), MAX_TILE_ELEMS), _shrink(BLOCK_N, max(bdh, bdv), MAX_TILE_ELEMS))
+    dq = (max(16, BLOCK_M // 4), max(16, BLOCK_N // 2))
+    dkdv = (max(16, BLOCK_M // 4), _shrink(BLOCK_N, bdh + bdv, MAX_TILE_ELEMS // 2))
+    return {"BLOCK_DH": bdh, "BLOCK_DV": bdv, "ONE_DV": one, "fwd": fwd, "dq": dq, "dkdv": dkdv}
+
+
+def _i32(u):
+    """A uint32 value as the int32 with the same bits (kernels bitcast it back)."""
+    return u - (1 << 32) if u >= (1 << 31) else u
+
+
+def _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed):
+    """Runtime scalars shared by every kernel, and the DROP flag."""
+    L, S = q.shape[1], k.shape[1]
+    thr = threshold(dropkey_p) if dropkey_p > 0.0 else 0
+    args = (S - L, int(bool(causal)), int(chunk_size or 0), int(bool(block_causal and chunk_size)),
+            _i32(seed_key(seed)), _i32(thr), float(scale))
+    return args, thr > 0
+
+
+def _prec(dtype):
+    """Dot precision on the GPU: TF32 for every input dtype (see the module doc)."""
+    return "tf32"
+
+
+def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1):
+    """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32, or None for laplace)."""
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, L, H, dh = q.shape
+    S, dv = k.shape[1], v.shape[-1]
+    o = torch.empty((B, L, H, dv), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device) if attn_fn == "softmax" else None
+    if o.numel() == 0 and (lse is None or lse.numel() == 0):
+        return o, lse
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    (bm, bn), bdh, bdv = t["fwd"], t["BLOCK_DH"], t["BLOCK_DV"]
+    args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
+    grid = (triton.cdiv(L, bm), B * H, max(1, triton.cdiv(dv, bdv)))
+    _attn_fwd_kernel[grid](
+        q, k, v, o, lse if lse is not None else o, L, S, H, dh, dv, *args,
+        OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=attn_fn == "laplace", PREC=_prec(q.dtype),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages,
+    )
+    return o, lse
+
+
+def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1):
+    """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile."""
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    B, L, H, dh = q.shape
+    S, dv = k.shape[1], v.shape[-1]
+    dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    if B * H == 0 or (L == 0 and S == 0):
+        return dq, dk, dvv
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    bdh, bdv, one = t["BLOCK_DH"], t["BLOCK_DV"], t["ONE_DV"]
+    args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
+    laplace = attn_fn == "laplace"
+    flags = dict(OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=laplace, PREC=_prec(q.dtype),
+                 BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages_bwd)
+    bm_q, bn_q = t["dq"]
+    bm_k, bn_k = t["dkdv"]
+    delta = None
+    if not laplace and L > 0:
+        delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
+        _attn_bwd_delta_kernel[(triton.cdiv(L, bm_q), B * H)](o.contiguous(), do, delta, L, H, dv, BLOCK_M=bm_q,
+                                                              BLOCK_DV=bdv, num_warps=num_warps,
+                                                              num_stages=num_stages_bwd)
+    # Softmax needs lse/delta pointers; Laplace passes q as a never-read placeholder.
+    lse_p = lse if lse is not None else q
+    delta_p = delta if delta is not None else q
+    ptrs = (q, k, v, do, lse_p, delta_p)
+    if S > 0:
+        nb = triton.cdiv(S, bn_k)
+        kv = dict(BLOCK_M=bm_k, BLOCK_N=bn_k, **flags)
+        if one:  # dk and dv together, one dv tile
+            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, L, S, H, dh, dv, *args,
+                                                  COMPUTE_DK=True, COMPUTE_DV=True, ONE_DV=True, **kv)
+        else:  # dk with dP summed over dv tiles in-kernel, then dv: one program per (key block, dv tile)
+            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, L, S, H, dh, dv, *args,
+                                                  COMPUTE_DK=True, COMPUTE_DV=False, ONE_DV=False, **kv)
+            _attn_bwd_dkdv_kernel[(nb, B * H, triton.cdiv(dv, bdv))](*ptrs, dk, dvv, L, S, H, dh, dv, *args,
+                                                                     COMPUTE_DK=False, COMPUTE_DV=True,
+                                                                     ONE_DV=False, **kv)
+    if L > 0:
+        _attn_bwd_dq_kernel[(triton.cdiv(L, bm_q), B * H)](*ptrs, dq, L, S, H, dh, dv, *args, ONE_DV=one,
+                                                           BLOCK_M=bm_q, BLOCK_N=bn_q, **flags)
+    return dq, dk, dvv
+
+
+# ---------------------------------------------------------------------------------------------
+# Ahead-of-time variants and byte counts
+
+#: (dh, dv) pairs compiled ahead of time: realistic head dims, and the 7B config (z_dim 256, value 2048)
+AOT_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (256, 2048))
+
+_SCALARS = (("L", "i32"), ("S", "i32"), ("H", "i32"), ("DH", "i32"), ("DV", "i32"), ("shift", "i32"),
+            ("causal", "i32"), ("chunk", "i32"), ("bc", "i32"), ("seed_k", "i32"), ("thr_i", "i32"),
+            ("scale", "fp32"))
+
+
+def _launches(dh, dv, BLOCK_M, BLOCK_N):
+    """Every (kernel, fn, pointer names, extra constexprs, tile constexprs) a forward + backward
+    launches for head dims (dh, dv), and the delta kernel's (rows, BLOCK_DV)."""
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    d = (("BLOCK_DH", t["BLOCK_DH"]), ("BLOCK_DV", t["BLOCK_DV"]))
+    tiles = {name: (("BLOCK_M", t[name][0]), ("BLOCK_N", t[name][1])) + d for name in ("fwd", "dq", "dkdv")}
+    out = [("_attn_fwd_kernel", _attn_fwd_kernel, ("q_ptr", "k_ptr", "v_ptr", "o_ptr"), (), tiles["fwd"])]
+    ptrs = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")
+    if t["ONE_DV"]:
+        out.append(("_attn_bwd_dkdv_kernel", _attn_bwd_dkdv_kernel, ptrs,
+                    (("COMPUTE_DK", True), ("COMPUTE_DV", True), ("ONE_DV", True)), tiles["dkdv"]))
+    else:
+        for dk_, dv_ in ((True, False), (False, True)):
+            out.append(("_attn_bwd_dkdv_kernel", _attn_bwd_dkdv_kernel, ptrs,
+                        (("COMPUTE_DK", dk_), ("COMPUTE_DV", dv_), ("ONE_DV", False)), tiles["dkdv"]))
+    out.append(("_attn_bwd_dq_kernel", _attn_bwd_dq_kernel, ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr"),
+                (("ONE_DV", t["ONE_DV"]),), tiles["dq"]))
+    return out, (t["dq"][0], t["BLOCK_DV"])
+
+
+def aot_variants(space=None):
+    """Every kernel x config x dtype x (DROP, LAPLACE) x tiling this backend launches for the head
+    dims in AOT_HEAD_DIMS (identical specialisations are compiled once)."""
+    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
+    from itertools import product
+
+    from .._triton_aot import Variant
+
+    variants, seen = [], set()
+    for dt, bm0, bn0, nw, ns_f, ns_b in product(("fp16", "bf16", "fp32"), space["BLOCK_M"], space["BLOCK_N"],
+                                              space["num_warps"], space["num_stages"],
+                                              space.get("num_stages_bwd", [1])):
+        prec = _prec(dt)
+        for dh, dv in AOT_HEAD_DIMS:
+            launches, (bm, bdv) = _launches(dh, dv, bm0, bn0)
+            key = ("delta", dt, bm, bdv, nw, ns_b)
+            if key not in seen:
+                seen.add(key)
+                variants.append(Variant(
+                    op="attention", kernel="_attn_bwd_delta_kernel", fn=_attn_bwd_delta_kernel,
+                    arg_types=(("o_ptr", f"*{dt}"), ("do_ptr", f"*{dt}"), ("delta_ptr", "*fp32"), ("L", "i32"),
+                               ("H", "i32"), ("DV", "i32")),
+                    constexprs=(("BLOCK_M", bm), ("BLOCK_DV", bdv)), div16=frozenset({"L", "DV"}),
+                    num_warps=nw, num_stages=ns_b, label=f"bwd delta {dt} m={bm} dv={bdv} warps={nw}"))
+            for (name, fn, ptrs, extra, tiles), drop, lap in product(launches, (False, True), (False, True)):
+                consts = (("OUT_BF16", dt == "bf16"), ("DROP", drop), ("LAPLACE", lap), ("PREC", prec)) + extra + tiles
+                ns = ns_f if name == "_attn_fwd_kernel" else ns_b
+                key = (name, dt, consts, nw, ns)
+                if key in seen:
+                    continue
+                seen.add(key)
+                types = tuple((n, f"*{dt}") for n in ptrs) + (("lse_ptr", "*fp32"), ("delta_ptr", "*fp32"))
+                tag = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts[1:])
+                variants.append(Variant(
+                    op="attention", kernel=name, fn=fn, arg_types=types + _SCALARS, constexprs=consts,
+                    div16=frozenset({"L", "S", "DH", "DV"}), num_warps=nw, num_stages=ns,
+                    label=f"{name} {dt} (dh={dh} dv={dv}) {tag} warps={nw} stages={ns}"))
+    return variants
+
+
+def _visited_tiles(L, S, causal, chunk, bc, rows, keys, by_keys=False):
+    """Number of (rows x keys) score tiles the kernels visit: the Python twin of _key_range /
+    _query_range (``by_keys``: programs own key blocks and walk query blocks, as dk/dv does)."""
+    shift, n = S - L, 0
+    if not by_keys:
+        for i0 in range(0, L, rows):
+            p0, p1 = i0 + shift, min(i0 + rows, L) - 1 + shift
+            lo, hi = 0, (min(S, p1 + 1) if causal else S)
+            if chunk:
+                lo, hi = (p0 // chunk - bc) * chunk, min(hi, (p1 // chunk + 1) * chunk)
+            lo = max(lo, 0) // keys * keys
+            n += max(0, -(-(hi - lo) // keys))
+        return n
+    for j0 in range(0, S, keys):
+        j1 = min(j0 + keys, S)
+        lo = j0 - shift if causal else 0
+        hi = L
+        if chunk:
+            lo, hi = max(lo, j0 // chunk * chunk - shift), min(L, ((j1 - 1) // chunk + 1 + bc) * chunk - shift)
+        lo = max(lo, 0) // rows * rows
+        n += max(0, -(-(hi - lo) // rows))
+    return n
+
+
+def flop_counts(B, L, S, H, dh, dv, causal=True, chunk_size=None, block_causal=False, BLOCK_M=64, BLOCK_N=64):
+    """{"fwd"|"bwd": (ideal FLOPs, executed tile FLOPs)} of the matmuls.
+
+    Ideal (bench/roofline.py's convention without the elementwise 5 P): fwd 2 P (dh + dv), bwd
+    2 P (3 dh + 2 dv) with P the visible (i, j) pairs. Executed: every visited tile at its padded
+    size (BLOCK_DH, BLOCK_DV), including the QK^T recomputed per dv tile when dv is tiled."""
+    vis = 0
+    for i in range(L):
+        pos = i + S - L
+        for j in range(S):
+            ok = (not causal) or j <= pos
+            if chunk_size:
+                ok = ok and (j // chunk_size == pos // chunk_size
+                             or (block_causal and j // chunk_size == pos // chunk_size - 1))
+            vis += ok
+    P = B * H * vis
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    bdh, bdv, nt = t["BLOCK_DH"], t["BLOCK_DV"], -(-dv // t["BLOCK_DV"])
+    m = (causal, chunk_size or 0, int(bool(block_causal and chunk_size)))
+    bh = B * H
+    fm, fn = t["fwd"]
+    fwd = bh * _visited_tiles(L, S, *m, fm, fn) * nt * 2 * fm * fn * (bdh + bdv)
+    qm, qn = t["dq"]
+    dq = bh * _visited_tiles(L, S, *m, qm, qn) * 2 * qm * qn * (2 * bdh + nt * bdv)
+    km, kn = t["dkdv"]
+    kt = bh * _visited_tiles(L, S, *m, km, kn, by_keys=True)
+    if t["ONE_DV"]:
+        dkdv = kt * 2 * km * kn * (2 * bdh + 2 * bdv)
+    else:  # dk launch (dP over all dv tiles) + dv launch (scores recomputed per dv tile)
+        dkdv = kt * 2 * km * kn * (2 * bdh + nt * bdv) + kt * nt * 2 * km * kn * (bdh + bdv)
+    return {"fwd": (2 * P * (dh + dv), fwd), "bwd": (2 * P * (3 * dh + 2 * dv), dq + dkdv)}
+
+
+def bytes_cases():
+    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py).
+
+    Ideal forward: q, k, v read once, o and lse written once. Ideal backward: q, k, v, o, dO and
+    lse read once, dq, dk, dv written once, plus the [B, H, L] fp32 delta (written by the
+    preprocess kernel, read back) that the flash backward needs. The shape text carries the
+    matmul FLOPs: ideal (visible pairs) and executed (visited tiles, see flop_counts)."""
+    B, H, L, dh, dv = 1, 2, 256, 64, 64
+    f = 4
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(B, L, H, d, generator=gen) for d in (dh, dh, dv))
+    lse_bytes = B * H * L * f
+    for label, kw in (("causal", dict(causal=True, chunk_size=None, block_causal=False)),
+                      ("chunk64 block_causal p=0.1", dict(causal=True, chunk_size=64, block_causal=True))):
+        kw = dict(scale=dh ** -0.5, dropkey_p=0.1 if "p=0.1" in label else 0.0, seed=3, attn_fn="softmax", **kw)
+        fl = flop_counts(B, L, L, H, dh, dv, kw["causal"], kw["chunk_size"], kw["block_causal"])
+        shape = f"B={B} H={H} L=S={L} dh={dh} dv={dv} {label} fp32"
+
+        def fwd(kw=kw):
+            attention_fwd(q, k, v, **kw)
+            return (2 * q.numel() + 2 * v.numel()) * f + lse_bytes
+
+        yield "attention fwd", f"{shape}; GFLOP ideal {fl['fwd'][0] / 1e9:.3f} kernel {fl['fwd'][1] / 1e9:.3f}", fwd
+        o, lse = attention_fwd(q, k, v, **kw)
+        do = torch.randn(o.shape, generator=gen)
+
+        def bwd(kw=kw, o=o, lse=lse, do=do):
+            attention_bwd(do, q, k, v, o, lse, **kw)
+            return (2 * (q.numel() + k.numel() + v.numel()) + 2 * o.numel()) * f + lse_bytes + 2 * lse_bytes
+
+        yield "attention bwd", f"{shape}; GFLOP ideal {fl['bwd'][0] / 1e9:.3f} kernel {fl['bwd'][1] / 1e9:.3f}", bwd
