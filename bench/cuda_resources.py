@@ -83,6 +83,12 @@ def emulator_times():
     timed("cema_kernel fwd float32", f"({B},{D},{L}) N={N}", lambda: K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx))
     timed("cema_kernel bwd float32", f"({B},{D},{L}) N={N}",
           lambda: K.cema_kernel_bwd(ext, torch.ones_like(k), torch.ones_like(b), p, log_q, gamma, L, hx))
+    q, k_, v = (torch.randn(1, 128, 2, 64, generator=g) for _ in range(3))
+    kw = dict(scale=0.125, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.1, seed=1, attn_fn="softmax")
+    o, lse = K.attention_flash_fwd(ext, q, k_, v, **kw)
+    timed("attention flash fwd float32", "(1,128,2,64)", lambda: K.attention_flash_fwd(ext, q, k_, v, **kw))
+    timed("attention flash bwd float32", "(1,128,2,64)",
+          lambda: K.attention_flash_bwd(ext, torch.ones_like(o), q, k_, v, o, lse, **kw))
     return out
 
 
