@@ -75,3 +75,31 @@ RUN_LAST = ("test_every_kernel_ran_in_the_emulator",)
 
 def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.originalname in RUN_LAST)  # stable: everything else keeps its order
+
+
+# --- the CPU SIMT emulator of the CUDA kernels (tests/test_cuda_*.py) ---------------------------
+
+@pytest.fixture(scope="module")
+def ext():
+    """The emulator extension (built from cuda/*.cu on first use, cached); fiber order reset after."""
+    from megalodon_kernels.cuda import build
+
+    mod = build.load_emulator()
+    yield mod
+    mod.emulator_set_reverse(-1)
+
+
+@pytest.fixture(params=[0, 1], ids=["natural", "reversed"])
+def order(request, ext):
+    """Run a test in both fiber orders: a missing barrier shows in one of them (NO-GPU.md)."""
+    ext.emulator_set_reverse(request.param)
+    yield request.param
+    ext.emulator_set_reverse(-1)
+
+
+@pytest.fixture(scope="module")
+def kernels():
+    """cuda/kernels.py: the tensor API over the launchers."""
+    from megalodon_kernels.cuda import kernels as k
+
+    return k

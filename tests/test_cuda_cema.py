@@ -35,22 +35,6 @@ BWD = tol("cuda", torch.float32, "bwd")
 
 
 @pytest.fixture(scope="module")
-def ext():
-    from megalodon_kernels.cuda import build
-
-    mod = build.load_emulator()
-    yield mod
-    mod.emulator_set_reverse(-1)
-
-
-@pytest.fixture(params=[0, 1], ids=["natural", "reversed"])
-def order(request, ext):
-    ext.emulator_set_reverse(request.param)
-    yield request.param
-    ext.emulator_set_reverse(-1)
-
-
-@pytest.fixture(scope="module")
 def K():
     from megalodon_kernels.cuda import kernels
 

@@ -27,13 +27,6 @@ def ext():
     mod.emulator_set_threads(-1)
 
 
-@pytest.fixture(params=[0, 1], ids=["natural", "reversed"])
-def order(request, ext):
-    ext.emulator_set_reverse(request.param)
-    yield request.param
-    ext.emulator_set_reverse(-1)
-
-
 def run(ext, name, inp, out_len, grid=1, block=32, smem=0, init=float("nan")):
     inp = torch.as_tensor(inp, dtype=torch.float32).contiguous()
     out = torch.full((out_len,), init, dtype=torch.float32)

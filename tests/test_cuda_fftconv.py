@@ -25,29 +25,6 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is No
 TOL = {torch.float32: {"fwd": 2e-5, "bwd": 5e-5}, torch.bfloat16: {"fwd": 2e-2, "bwd": 4e-2}}
 
 
-@pytest.fixture(scope="module")
-def ext():
-    from megalodon_kernels.cuda import build
-
-    mod = build.load_emulator()
-    yield mod
-    mod.emulator_set_reverse(-1)
-
-
-@pytest.fixture(params=[0, 1], ids=["natural", "reversed"])
-def order(request, ext):
-    ext.emulator_set_reverse(request.param)
-    yield request.param
-    ext.emulator_set_reverse(-1)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    from megalodon_kernels.cuda import kernels as k
-
-    return k
-
-
 def _inputs(seed, B, D, L, dtype):
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(B, D, L, generator=g).to(dtype)

@@ -28,29 +28,6 @@ TOL = {torch.float32: {"fwd": 2e-5, "bwd": 5e-5}, torch.bfloat16: {"fwd": 2e-2, 
 DTYPES = [torch.float32, torch.bfloat16]
 
 
-@pytest.fixture(scope="module")
-def ext():
-    from megalodon_kernels.cuda import build
-
-    mod = build.load_emulator()
-    yield mod
-    mod.emulator_set_reverse(-1)
-
-
-@pytest.fixture(params=[0, 1], ids=["natural", "reversed"])
-def order(request, ext):
-    ext.emulator_set_reverse(request.param)
-    yield request.param
-    ext.emulator_set_reverse(-1)
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    from megalodon_kernels.cuda import kernels as k
-
-    return k
-
-
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
 
