@@ -40,26 +40,34 @@ def close(name, actual, expected, tolerance, floor=0.0):
     assert max_err <= tolerance * norm
 
 
-def run_case(B, L, S, H, dh, dv, dtype=torch.float32, *, causal=True, chunk_size=None, block_causal=False,
-             dropkey_p=0.0, seed=1234, attn_fn="softmax", scale=None, contiguous=True, data_seed=0, floor=0.0):
-    """Run the op forward and backward and compare both with the reference. Returns (o, grads)."""
+def make_qkv(B, L, S, H, dh, dv, dtype, contiguous=True, data_seed=0):
+    """q, k, v (leaves) and an upstream gradient do, drawn in float64 from one seeded generator."""
     gen = torch.Generator().manual_seed(data_seed)
-    scale = max(dh, 1) ** -0.5 if scale is None else scale
     q = as_input(torch.randn(B, L, H, dh, generator=gen, dtype=torch.float64), dtype, contiguous, True)
     k = as_input(torch.randn(B, S, H, dh, generator=gen, dtype=torch.float64), dtype, contiguous, True)
     v = as_input(torch.randn(B, S, H, dv, generator=gen, dtype=torch.float64), dtype, contiguous, True)
+    do = torch.randn(B, L, H, dv, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v, do
+
+
+def run_case(B, L, S, H, dh, dv, dtype=torch.float32, *, causal=True, chunk_size=None, block_causal=False,
+             dropkey_p=0.0, seed=1234, attn_fn="softmax", scale=None, contiguous=True, data_seed=0, floor=0.0,
+             backend="torch"):
+    """Run the op on ``backend`` forward and backward and compare both with the reference (shared
+    with tests/test_triton_attention.py). Returns (o, grads)."""
+    scale = max(dh, 1) ** -0.5 if scale is None else scale
+    q, k, v, do = make_qkv(B, L, S, H, dh, dv, dtype, contiguous, data_seed)
     kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, attn_fn=attn_fn)
-    o = attention(q, k, v, dropkey_p=dropkey_p, seed=seed, backend="torch", **kw)
+    o = attention(q, k, v, dropkey_p=dropkey_p, seed=seed, backend=backend, **kw)
     assert o.dtype == dtype and o.shape == (B, L, H, dv) and o.is_contiguous()
     keep = dropkey_mask(seed, dropkey_p, B, H, L, S).numpy() if dropkey_p > 0 else None
     qn, kn, vn = to_np(q), to_np(k), to_np(v)  # the reference sees the rounded inputs
-    close("o", o, ref.attention(qn, kn, vn, keep_mask=keep, **kw), tol("torch", dtype, "fwd"), floor)
-    do = torch.randn(o.shape, generator=gen, dtype=torch.float64).to(dtype)
+    close("o", o, ref.attention(qn, kn, vn, keep_mask=keep, **kw), tol(backend, dtype, "fwd"), floor)
     grads = torch.autograd.grad(o, (q, k, v), do)
     expected = ref.attention_bwd(to_np(do), qn, kn, vn, keep_mask=keep, **kw)
     for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
         assert g.dtype == dtype and g.shape == x.shape
-        close(name, g, e, tol("torch", dtype, "bwd"), floor)
+        close(name, g, e, tol(backend, dtype, "bwd"), floor)
     return o, grads
 
 

@@ -11,7 +11,7 @@ from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.fftconv import fftconv
 from megalodon_kernels.reference import cema as ref
-from support import as_input, assert_close, knobs as config, to_np, tol
+from support import as_input, assert_close, backend_module, knobs as config, to_np, tol
 from test_cema_kernel import random_coefficients
 
 # (x dtype, coefficient dtype). y is rounded once to x's dtype; h and the coefficient gradients are
@@ -32,18 +32,20 @@ def _inputs(gen, B, D, N, L, xdtype, cdtype, with_hx, contiguous):
 
 
 def _check(B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguous=True, seed=0, knobs=None,
-           use=("y", "h")):
+           use=("y", "h"), backend="torch"):
+    """y, h and every gradient of ``backend`` (run with the knob values ``knobs``) vs the reference
+    recurrence; shared with tests/test_triton_cema.py."""
     gen = torch.Generator().manual_seed(seed)
     ins = _inputs(gen, B, D, N, L, xdtype, cdtype, with_hx, contiguous)
-    with config(cema_impl, **(knobs or {})):
-        y, h = cema(*(ins.get(n) for n in NAMES), return_state=return_state, backend="torch")
+    with config(backend_module("cema", backend), **(knobs or {})):
+        y, h = cema(*(ins.get(n) for n in NAMES), return_state=return_state, backend=backend)
         assert y.shape == (B, D, L) and y.dtype == xdtype
         npin = {n: to_np(t) for n, t in ins.items()}
         y_ref, h_ref = ref.cema(*(npin.get(n) for n in NAMES), return_state=return_state)
-        assert_close("y", y, y_ref, tol("torch", xdtype, "fwd"))
+        assert_close("y", y, y_ref, tol(backend, xdtype, "fwd"))
         if return_state:
             assert h.shape == (B, D, N) and h.dtype == ins["log_q"].dtype
-            assert_close("h", h, h_ref, tol("torch", cdtype, "fwd"))
+            assert_close("h", h, h_ref, tol(backend, cdtype, "fwd"))
         else:
             assert h is None
         dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(xdtype)
@@ -64,7 +66,7 @@ def _check(B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguo
             assert got is None or torch.all(got == 0), name
             continue
         assert got.dtype == ins[name].dtype and got.shape == ins[name].shape
-        assert_close("d" + name, got, want[name], tol("torch", dt, "bwd"))
+        assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"))
 
 
 @pytest.mark.parametrize("xdtype,cdtype", DTYPES, ids=_ids)

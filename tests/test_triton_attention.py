@@ -13,7 +13,9 @@ from megalodon_kernels.ops.attention import triton_impl
 from megalodon_kernels.ops.dropkey_rule import dropkey_mask
 from megalodon_kernels.reference import attention as ref
 from support import knobs as support_knobs
-from support import as_input, assert_close, err_ratio, to_np, tol
+from support import as_input, assert_close, to_np, tol
+from test_attention import make_qkv
+from test_attention import run_case as check_backend
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # masked lanes the kernels discard
 
@@ -22,45 +24,9 @@ def knobs(**config):
     return support_knobs(triton_impl, **config)
 
 
-def close(name, actual, expected, tolerance, floor=0.0):
-    """assert_close normalised by max(max|expected|, floor) (see tests/test_attention.py: a gradient
-    that cancels to ~0, e.g. one visible key, is compared in absolute terms)."""
-    max_abs = float(np.max(np.abs(expected), initial=0.0))
-    if max_abs >= floor and max_abs > 0.0:
-        assert_close(name, actual, expected, tolerance)
-        return
-    max_err, _ = err_ratio(actual, expected)
-    norm = max(floor, 1.0) if max_abs == 0.0 else floor
-    print(f"{name}: max|ref| {max_abs:.3e} below floor {norm:.1e}, max abs err {max_err:.3e} (tol {tolerance:.1e})")
-    assert max_err <= tolerance * norm
-
-
-def make_qkv(B, L, S, H, dh, dv, dtype, contiguous=True, data_seed=0):
-    gen = torch.Generator().manual_seed(data_seed)
-    q = as_input(torch.randn(B, L, H, dh, generator=gen, dtype=torch.float64), dtype, contiguous, True)
-    k = as_input(torch.randn(B, S, H, dh, generator=gen, dtype=torch.float64), dtype, contiguous, True)
-    v = as_input(torch.randn(B, S, H, dv, generator=gen, dtype=torch.float64), dtype, contiguous, True)
-    do = torch.randn(B, L, H, dv, generator=gen, dtype=torch.float64).to(dtype)
-    return q, k, v, do
-
-
-def run_case(B, L, S, H, dh, dv, dtype=torch.float32, *, causal=True, chunk_size=None, block_causal=False,
-             dropkey_p=0.0, seed=1234, attn_fn="softmax", scale=None, contiguous=True, data_seed=0, floor=0.0):
+def run_case(*args, **kwargs):
     """Triton forward and backward vs the float64 reference. Returns (o, grads)."""
-    scale = max(dh, 1) ** -0.5 if scale is None else scale
-    q, k, v, do = make_qkv(B, L, S, H, dh, dv, dtype, contiguous, data_seed)
-    kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, attn_fn=attn_fn)
-    o = attention(q, k, v, dropkey_p=dropkey_p, seed=seed, backend="triton", **kw)
-    assert o.dtype == dtype and o.shape == (B, L, H, dv) and o.is_contiguous()
-    keep = dropkey_mask(seed, dropkey_p, B, H, L, S).numpy() if dropkey_p > 0 else None
-    qn, kn, vn = to_np(q), to_np(k), to_np(v)
-    close("o", o, ref.attention(qn, kn, vn, keep_mask=keep, **kw), tol("triton", dtype, "fwd"), floor)
-    grads = torch.autograd.grad(o, (q, k, v), do)
-    expected = ref.attention_bwd(to_np(do), qn, kn, vn, keep_mask=keep, **kw)
-    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
-        assert g.dtype == dtype and g.shape == x.shape
-        close(name, g, e, tol("triton", dtype, "bwd"), floor)
-    return o, grads
+    return check_backend(*args, backend="triton", **kwargs)
 
 
 # id: (B, L, S, H, dh, dv, options). Default tiles are 64 x 64: most cases are one program per (b, h).

@@ -2,17 +2,13 @@
 into the convolution; y, h and every gradient (through y and h) against the float64 reference
 recurrence, fp32 and bf16 x, direct / register-tile / workspace convolution paths, with and without
 hx, state not returned, one output used, non-contiguous inputs; inputs the backend must refuse."""
-import numpy as np
 import pytest
 import torch
 
 from megalodon_kernels.ops.cema import cema
-from megalodon_kernels.ops.cema import triton_impl as cema_impl
-from megalodon_kernels.reference import cema as ref
-from support import as_input, assert_close, knobs as config, to_np, tol
+from test_cema import _check as check_backend
 from test_cema_kernel import random_coefficients
 
-NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 PATHS = {"direct": dict(direct_max_len=64), "fft": dict(direct_max_len=0)}
 
 
@@ -21,43 +17,8 @@ def _ids(d):
 
 
 def _check(B, D, N, L, xdtype, knobs, with_hx=True, return_state=True, contiguous=True, seed=0, use=("y", "h")):
-    cdtype = torch.float32
-    gen = torch.Generator().manual_seed(seed)
-    c = random_coefficients(gen, D, N, B if with_hx else None, cdtype)
-    c["x"] = torch.randn(B, D, L, generator=gen, dtype=torch.float64).to(xdtype)
-    c["omega"] = (0.5 * torch.randn(D, generator=gen, dtype=torch.float64)).to(cdtype)
-    ins = {n: as_input(c[n], contiguous=contiguous, requires_grad=True) for n in NAMES if c[n] is not None}
-    with config(cema_impl, **knobs):
-        y, h = cema(*(ins.get(n) for n in NAMES), return_state=return_state, backend="triton")
-        assert y.shape == (B, D, L) and y.dtype == xdtype
-        npin = {n: to_np(t) for n, t in ins.items()}
-        y_ref, h_ref = ref.cema(*(npin.get(n) for n in NAMES), return_state=return_state)
-        assert_close("y", y, y_ref, tol("triton", xdtype, "fwd"))
-        if return_state:
-            assert h.shape == (B, D, N) and h.dtype == ins["log_q"].dtype
-            assert_close("h", h, h_ref, tol("triton", cdtype, "fwd"))
-        else:
-            assert h is None
-        dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(xdtype)
-        dh = torch.complex(torch.randn(B, D, N, generator=gen, dtype=torch.float64),
-                           torch.randn(B, D, N, generator=gen, dtype=torch.float64)).to(ins["log_q"].dtype)
-        outs, cots = [], []
-        if "y" in use:
-            outs.append(y), cots.append(dy)
-        if return_state and "h" in use:
-            outs.append(h), cots.append(dh)
-        grads = torch.autograd.grad(outs, list(ins.values()), cots, allow_unused=True)
-    want = ref.cema_bwd(to_np(dy) * ("y" in use), to_np(dh), *(npin.get(n) for n in NAMES),
-                        return_state=return_state and "h" in use)
-    want = dict(zip(NAMES, want))
-    for (name, t), got in zip(ins.items(), grads):
-        exp = want[name]
-        if np.max(np.abs(exp)) == 0:       # e.g. domega with only h used
-            assert got is None or torch.all(got == 0), name
-            continue
-        assert got.dtype == t.dtype and got.shape == t.shape, name
-        # dx is rounded to x's dtype; the others are fp32 computations on the rounded x
-        assert_close("d" + name, got, exp, tol("triton", xdtype if name == "x" else cdtype, "bwd"))
+    check_backend(B, D, N, L, xdtype, torch.float32, with_hx, return_state, contiguous, seed, knobs, use,
+                  backend="triton")
 
 
 @pytest.mark.parametrize("path", list(PATHS))
