@@ -16,7 +16,6 @@ import torch
 from . import extension, extension_error
 from . import kernels as K
 
-_KERNEL_DTYPES = tuple(K.DTYPE_CODES)  # float32, bfloat16
 
 
 def _product_ext():
@@ -28,6 +27,8 @@ def _product_ext():
 
 class _Backend:
     DEFAULT_CONFIG: dict = {}
+    #: the op's kernels also run in float64 (double accumulation; kernels.FP64_DTYPE_CODES)
+    FP64 = False
 
     def __init__(self, get_ext=_product_ext, device_type: str = "cuda"):
         self._get_ext = get_ext
@@ -52,8 +53,9 @@ class _Backend:
                                f"(use backend='torch')")
                 break
         t = named[dtype_of]
-        if t.dtype not in _KERNEL_DTYPES:
-            reasons.append(f"the CUDA kernels take float32 or bfloat16 {dtype_of}, got {t.dtype} (use backend='torch')")
+        if t.dtype not in (K.FP64_DTYPE_CODES if self.FP64 else K.DTYPE_CODES):
+            reasons.append(f"the CUDA kernels take {K._dtype_names(self.FP64)} {dtype_of}, got {t.dtype} "
+                           f"(use backend='torch')")
         return reasons
 
 
@@ -249,8 +251,9 @@ class EmaHiddenBackend(_CemaBackend):
 
     def not_supported_reasons(self, x, p, log_q=None, hx=None, **_other_inputs) -> list[str]:
         reasons = self._cema_reasons({"x": x, "p": p, "log_q": log_q, "hx": hx}, p, p.shape[-1], x.shape[-1])
-        if x.dtype not in _KERNEL_DTYPES:
-            reasons.append(f"the CUDA ema_hidden takes float32 or bfloat16 x, got {x.dtype} (use backend='torch')")
+        if x.dtype not in (K.FP64_DTYPE_CODES if self.FP64 else K.DTYPE_CODES):
+            reasons.append(f"the CUDA ema_hidden takes {K._dtype_names(self.FP64)} x, got {x.dtype} "
+                           f"(use backend='torch')")
         return reasons
 
     def ema_hidden_fwd(self, x, p, log_q, hx, weighted=False):

@@ -13,8 +13,10 @@ namespace mk {
 
 using bf16 = __nv_bfloat16;
 
-// Element types the launchers accept (the Python side passes these codes).
-enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
+// Element types the launchers accept (the Python side passes these codes; cuda/kernels.py
+// DTYPE_CODES). 2 is float16 and 3 an emulator-only bf16 configuration, both attention-only
+// (flash_attention_launch.h).
+enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat64 = 4 };
 
 // Runtime dtype -> compile-time element type T.
 #define MK_DISPATCH_FLOAT_BF16(dtype, T, ...)                                                    \
@@ -25,6 +27,43 @@ enum DType : int { kFloat32 = 0, kBFloat16 = 1 };
       default: throw std::invalid_argument("unsupported dtype code " + std::to_string(dtype)); \
     }                                                                                            \
   }()
+
+// The same, for the ops that also run in double: T = double accumulates in double (acc_t<T>).
+#define MK_DISPATCH_FLOAT_BF16_DOUBLE(dtype, T, ...)                                             \
+  [&] {                                                                                          \
+    switch (dtype) {                                                                             \
+      case ::mk::kFloat32: { using T = float; return __VA_ARGS__(); }                            \
+      case ::mk::kBFloat16: { using T = ::mk::bf16; return __VA_ARGS__(); }                      \
+      case ::mk::kFloat64: { using T = double; return __VA_ARGS__(); }                           \
+      default: throw std::invalid_argument("unsupported dtype code " + std::to_string(dtype)); \
+    }                                                                                            \
+  }()
+
+// Accumulation type of an element type: fp32 for float and bf16 storage, fp64 for double
+// (an fp64 input accumulated in fp32 would throw away what the caller asked fp64 for).
+template <class T>
+struct Acc {
+  using type = float;
+};
+template <>
+struct Acc<double> {
+  using type = double;
+};
+template <class T>
+using acc_t = typename Acc<T>::type;
+
+// Element <-> accumulation type: to_acc(x) widens once on load, from_acc<T>(a) rounds once on store.
+__host__ __device__ __forceinline__ float to_acc(float v) { return v; }
+__host__ __device__ __forceinline__ double to_acc(double v) { return v; }
+__host__ __device__ __forceinline__ float to_acc(bf16 v) { return __bfloat162float(v); }
+template <class T>
+__host__ __device__ __forceinline__ T from_acc(acc_t<T> v);
+template <>
+__host__ __device__ __forceinline__ float from_acc<float>(float v) { return v; }
+template <>
+__host__ __device__ __forceinline__ double from_acc<double>(double v) { return v; }
+template <>
+__host__ __device__ __forceinline__ bf16 from_acc<bf16>(float v) { return __float2bfloat16_rn(v); }
 
 template <class T>
 __host__ __device__ __forceinline__ float to_f32(T v);
@@ -110,6 +149,25 @@ __device__ __forceinline__ float block_sum(float v, float* scratch) {
   const int nwarps = blockDim.x >> 5;
   for (int w = 0; w < nwarps; ++w) s += scratch[w];  // same order in every thread: identical results
   __syncthreads();  // scratch may be reused right after
+  return s;
+}
+
+__device__ __forceinline__ double warp_sum(double v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
+  return v;
+}
+
+// block_sum in double (`scratch` holds 32 doubles); same contract as the float version.
+__device__ __forceinline__ double block_sum(double v, double* scratch) {
+  v = warp_sum(v);
+  const int warp = threadIdx.x >> 5;
+  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
+  __syncthreads();
+  double s = 0.0;
+  const int nwarps = blockDim.x >> 5;
+  for (int w = 0; w < nwarps; ++w) s += scratch[w];
+  __syncthreads();
   return s;
 }
 

@@ -20,16 +20,30 @@ import torch
 
 #: Element types the kernels take (codes of mk::DType in common.cuh).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+#: The same plus float64, for the ops whose kernels also run in double (double accumulation);
+#: an op's launcher passes ``fp64=True`` to :func:`dtype_code` once its kernels have it.
+FP64_DTYPE_CODES = {**DTYPE_CODES, torch.float64: 4}
 #: fftconv: longest L handled in one block per row (N = 16384 complex points, 128 KiB smem);
 #: longer L runs the multi-pass four-step FFT (cuda/fftconv_long.cuh) up to FFTCONV_MAX_LEN.
 FFTCONV_ONE_BLOCK_MAX_LEN = 16384
 FFTCONV_MAX_LEN = 1 << 27
 
 
-def dtype_code(t: torch.Tensor, name: str) -> int:
-    if t.dtype not in DTYPE_CODES:
-        raise TypeError(f"the CUDA kernels take float32 or bfloat16 {name}, got {t.dtype}")
-    return DTYPE_CODES[t.dtype]
+def dtype_code(t: torch.Tensor, name: str, fp64: bool = False) -> int:
+    codes = FP64_DTYPE_CODES if fp64 else DTYPE_CODES
+    if t.dtype not in codes:
+        raise TypeError(f"the CUDA kernels take {_dtype_names(fp64)} {name}, got {t.dtype}")
+    return codes[t.dtype]
+
+
+def _dtype_names(fp64: bool) -> str:
+    return "float32, bfloat16 or float64" if fp64 else "float32 or bfloat16"
+
+
+def _acc(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """A side input (parameters, tables) in the accumulation type of ``like``: float64 for a float64
+    ``like``, else float32; contiguous."""
+    return t.to(torch.float64 if like.dtype == torch.float64 else torch.float32).contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int:
