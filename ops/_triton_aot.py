@@ -45,6 +45,7 @@ class Variant:
     num_warps: int = 4
     num_stages: int = 2
     label: str = ""
+    maxnreg: int | None = None  # ptxas register cap per thread (Triton's `maxnreg` option); None: ptxas decides
 
 
 @dataclass
@@ -96,8 +97,10 @@ def compile_variant(v: Variant, cc: int) -> Resources:
     import triton
     from triton.backends.compiler import GPUTarget
 
-    k = triton.compile(_source(v), target=GPUTarget("cuda", cc, 32),
-                       options={"num_warps": v.num_warps, "num_stages": v.num_stages})
+    options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
+    if v.maxnreg is not None:
+        options["maxnreg"] = v.maxnreg
+    k = triton.compile(_source(v), target=GPUTarget("cuda", cc, 32), options=options)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
         path = f.name

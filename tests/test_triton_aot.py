@@ -17,8 +17,6 @@ KNOWN_SPILLS = {
     "fftconv": "FFT tiles of 32x32 and more hold four full-width dot operands per complex product "
                "(issue 3: stage one operand through shared memory in K chunks)",
     "cema": "its convolution is fftconv's Triton kernels",
-    "attention": "8-24 B in 14 of 252 backward variants (dq at dh=256, dk/dv with Laplace at dh=64): ptxas "
-                 "caps them at 128 registers; needs maxnreg or less live state in the backward",
 }
 
 

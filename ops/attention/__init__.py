@@ -38,7 +38,8 @@ autotune.register(
         "block_causal": block_causal, "dropkey": dropkey},
     # cuda: "auto" = the CuTe flash kernel where it supports the inputs, else cuBLAS + dropkey_softmax
     space={"cuda": {"path": ["auto", "matmul"]},
-           "triton": {"BLOCK_M": [64], "BLOCK_N": [64], "num_warps": [8], "num_stages": [2], "num_stages_bwd": [1]},
+           "triton": {"BLOCK_M": [64], "BLOCK_N": [64], "num_warps": [8], "num_stages": [2], "num_stages_bwd": [1],
+                      "maxnreg_bwd": [255]},
            "torch": {"block_q": [128, 64, 256], "chunks_per_step": [64, 0, 4, 16], "max_block_elems": [1 << 22]}},
     harness="megalodon_kernels.autotune.harness.attention",
 )

@@ -49,6 +49,9 @@ from ..dropkey_rule import seed_key, threshold
 #: per program (forward, dq) and per inner step (dk/dv); BLOCK_N: keys per inner step (forward, dq)
 #: and per program (dk/dv); num_stages: forward; num_stages_bwd: backward kernels. num_warps = 4
 #: spilled 8-24 B in several backward and dh=128 forward variants; num_stages_bwd = 2 in dq at dh=256.
+#: maxnreg_bwd: the register cap handed to ptxas for the backward kernels. Without it ptxas limits
+#: these 256-thread kernels to 128 registers on sm_80 and 14 of them spilled 8-24 B (dq at dh=256,
+#: dk/dv with Laplace at dh=64); with 255 (the hardware limit) they take 124-146 and spill nothing.
 CONFIG_SPACE = autotune.get("attention").space["triton"]
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
@@ -429,7 +432,7 @@ def _prec(dtype):
 
 
 def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1):
+                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255):
     """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32, or None for laplace)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, L, H, dh = q.shape
@@ -451,7 +454,7 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
 
 
 def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1):
+                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255):
     """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, L, H, dh = q.shape
@@ -464,7 +467,7 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
     laplace = attn_fn == "laplace"
     flags = dict(OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=laplace, PREC=_prec(q.dtype),
-                 BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages_bwd)
+                 BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
     bm_q, bn_q = t["dq"]
     bm_k, bn_k = t["dkdv"]
     delta = None
@@ -472,7 +475,7 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
         delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
         _attn_bwd_delta_kernel[(triton.cdiv(L, bm_q), B * H)](o.contiguous(), do, delta, L, H, dv, BLOCK_M=bm_q,
                                                               BLOCK_DV=bdv, num_warps=num_warps,
-                                                              num_stages=num_stages_bwd)
+                                                              num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
     # Softmax needs lse/delta pointers; Laplace passes q as a never-read placeholder.
     lse_p = lse if lse is not None else q
     delta_p = delta if delta is not None else q
@@ -535,13 +538,13 @@ def aot_variants(space=None):
     from .._triton_aot import Variant
 
     variants, seen = [], set()
-    for dt, bm0, bn0, nw, ns_f, ns_b in product(("fp16", "bf16", "fp32"), space["BLOCK_M"], space["BLOCK_N"],
-                                              space["num_warps"], space["num_stages"],
-                                              space.get("num_stages_bwd", [1])):
+    for dt, bm0, bn0, nw, ns_f, ns_b, mr in product(("fp16", "bf16", "fp32"), space["BLOCK_M"], space["BLOCK_N"],
+                                                  space["num_warps"], space["num_stages"],
+                                                  space.get("num_stages_bwd", [1]), space.get("maxnreg_bwd", [None])):
         prec = _prec(dt)
         for dh, dv in AOT_HEAD_DIMS:
             launches, (bm, bdv) = _launches(dh, dv, bm0, bn0)
-            key = ("delta", dt, bm, bdv, nw, ns_b)
+            key = ("delta", dt, bm, bdv, nw, ns_b, mr)
             if key not in seen:
                 seen.add(key)
                 variants.append(Variant(
@@ -549,11 +552,13 @@ def aot_variants(space=None):
                     arg_types=(("o_ptr", f"*{dt}"), ("do_ptr", f"*{dt}"), ("delta_ptr", "*fp32"), ("L", "i32"),
                                ("H", "i32"), ("DV", "i32")),
                     constexprs=(("BLOCK_M", bm), ("BLOCK_DV", bdv)), div16=frozenset({"L", "DV"}),
-                    num_warps=nw, num_stages=ns_b, label=f"bwd delta {dt} m={bm} dv={bdv} warps={nw}"))
+                    num_warps=nw, num_stages=ns_b, maxnreg=mr,
+                    label=f"bwd delta {dt} m={bm} dv={bdv} warps={nw} maxnreg={mr}"))
             for (name, fn, ptrs, extra, tiles), drop, lap in product(launches, (False, True), (False, True)):
                 consts = (("OUT_BF16", dt == "bf16"), ("DROP", drop), ("LAPLACE", lap), ("PREC", prec)) + extra + tiles
-                ns = ns_f if name == "_attn_fwd_kernel" else ns_b
-                key = (name, dt, consts, nw, ns)
+                fwd = name == "_attn_fwd_kernel"
+                ns, cap = (ns_f, None) if fwd else (ns_b, mr)
+                key = (name, dt, consts, nw, ns, cap)
                 if key in seen:
                     continue
                 seen.add(key)
@@ -561,8 +566,9 @@ def aot_variants(space=None):
                 tag = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts[1:])
                 variants.append(Variant(
                     op="attention", kernel=name, fn=fn, arg_types=types + _SCALARS, constexprs=consts,
-                    div16=frozenset({"L", "S", "DH", "DV"}), num_warps=nw, num_stages=ns,
-                    label=f"{name} {dt} (dh={dh} dv={dv}) {tag} warps={nw} stages={ns}"))
+                    div16=frozenset({"L", "S", "DH", "DV"}), num_warps=nw, num_stages=ns, maxnreg=cap,
+                    label=f"{name} {dt} (dh={dh} dv={dv}) {tag} warps={nw} stages={ns}"
+                          + ("" if fwd else f" maxnreg={cap}")))
     return variants
 
 
