@@ -3,6 +3,8 @@ fp32 and bf16, every mask mode, L = S and S > L (KV cache), odd lengths, DropKey
 the torch backend's rule, Laplace, empty rows, non-contiguous inputs, dh != dv including the
 dv-tiled path, tiling knobs, and no L x S allocation."""
 
+import itertools
+
 import numpy as np
 import pytest
 import torch
@@ -332,15 +334,41 @@ def test_aot_variants_cover_every_kernel_dtype_and_flag():
     for kernel in kernels - {"_attn_bwd_delta_kernel"}:
         combos = {(dict(v.constexprs)["OUT_BF16"], dict(v.constexprs)["PREC"], dict(v.constexprs)["DROP"],
                    dict(v.constexprs)["LAPLACE"]) for v in vs if v.kernel == kernel}
-        assert len(combos) == 2 * 1 * 2 * 2, kernel  # (bf16 store or not) x (TF32) x DROP x LAPLACE
+        # fp16 (TF32), bf16 (TF32, bf16 store), fp32 (tf32x3) x DROP x LAPLACE
+        assert combos == {(bf, prec, drop, lap) for bf, prec in ((False, "tf32"), (True, "tf32"), (False, "tf32x3"))
+                          for drop in (False, True) for lap in (False, True)}, kernel
         assert {dict(v.constexprs)["BLOCK_DH"] for v in vs if v.kernel == kernel} == {64, 128, 256}
-    # the launch for each AOT head-dim pair is among the variants (dk/dv split when dv is tiled)
-    for dh, dv in triton_impl.AOT_HEAD_DIMS:
-        t = triton_impl._tiles(dh, dv, triton_impl.DEFAULT_CONFIG["BLOCK_M"], triton_impl.DEFAULT_CONFIG["BLOCK_N"])
+        # fp32 on the GPU only up to MAX_EXACT_HEAD_DIM (refused above it, so never compiled)
+        assert max(dict(v.constexprs)["BLOCK_DH"] for v in vs
+                   if v.kernel == kernel and dict(v.constexprs)["PREC"] == "tf32x3") == triton_impl.MAX_EXACT_HEAD_DIM
+    # the launch for each AOT head-dim pair and dtype is among the variants (dk/dv split when dv is tiled)
+    for (dh, dv), exact in itertools.product(triton_impl.AOT_HEAD_DIMS, (False, True)):
+        if exact and dh > triton_impl.MAX_EXACT_HEAD_DIM:
+            continue
+        t = triton_impl._tiles(dh, dv, triton_impl.DEFAULT_CONFIG["BLOCK_M"], triton_impl.DEFAULT_CONFIG["BLOCK_N"],
+                               exact=exact)
+        prec = {("PREC", "tf32x3" if exact else "tf32")}
         tiles = {k: {("BLOCK_M", t[k][0]), ("BLOCK_N", t[k][1]), ("BLOCK_DH", t["BLOCK_DH"]),
-                     ("BLOCK_DV", t["BLOCK_DV"])} for k in ("fwd", "dq", "dkdv")}
+                     ("BLOCK_DV", t["BLOCK_DV"])} | prec for k in ("fwd", "dq", "dkdv")}
         assert any(tiles["fwd"] <= set(v.constexprs) and v.kernel == "_attn_fwd_kernel" for v in vs)
         assert any(tiles["dq"] <= set(v.constexprs) and v.kernel == "_attn_bwd_dq_kernel" for v in vs)
         n_dkdv = {dict(v.constexprs)["COMPUTE_DK"] + 2 * dict(v.constexprs)["COMPUTE_DV"] for v in vs
                   if v.kernel == "_attn_bwd_dkdv_kernel" and tiles["dkdv"] <= set(v.constexprs)}
         assert n_dkdv == ({3} if t["ONE_DV"] else {1, 2})
+
+
+def test_fp32_dots_are_fp32_accurate_and_tiled_for_it():
+    # fp32 inputs: tf32x3 dots (TF32 alone would be ~1e-3), with tiles that hold the head/tail split
+    assert triton_impl._prec(torch.float32) == "tf32x3"
+    assert triton_impl._prec(torch.bfloat16) == triton_impl._prec(torch.float16) == "tf32"
+    half, exact = triton_impl._tiles(64, 64, 64, 64), triton_impl._tiles(64, 64, 64, 64, exact=True)
+    assert exact["fwd"][0] * exact["fwd"][1] < half["fwd"][0] * half["fwd"][1]
+    assert exact["BLOCK_DV"] <= half["BLOCK_DV"]
+    # fp32 with dh > 128 is refused on a CUDA device (its tf32x3 backward tiles spill), with the reason;
+    # a stand-in for a CUDA tensor, since there is none here
+    from types import SimpleNamespace
+    fake = lambda dh: SimpleNamespace(device=torch.device("cuda"), is_cuda=True, dtype=torch.float32,  # noqa: E731
+                                      shape=(1, 4, 2, dh), dim=lambda: 4)
+    why = triton_impl.not_supported_reasons(fake(256), fake(256), fake(256))
+    assert len(why) == 1 and "dh = 256 > 128" in why[0] and "float32 q" in why[0]
+    assert triton_impl.not_supported_reasons(fake(128), fake(128), fake(128)) == []

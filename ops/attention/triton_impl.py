@@ -25,14 +25,17 @@ one program owns one (batch, head) plane and one block of rows.
 
 Numerics: inputs are converted to fp32 right after loading (the interpreter cannot compute on
 bf16, NO-GPU.md), every product is accumulated in fp32, and each output is rounded once on
-store (bf16 by integer round-to-nearest-even). The dots use TF32 on the GPU (exact fp32 in
-the interpreter): for fp16/bf16 inputs its 10-bit mantissa holds q, k, v and dO exactly (q is
+store (bf16 by integer round-to-nearest-even). On the GPU the dots of fp16/bf16 inputs use TF32
+(exact fp32 in the interpreter): its 10-bit mantissa holds q, k, v and dO exactly (q is
 multiplied by ``scale`` after the dot, not before, for that reason), so only P and dS are
-rounded (to 10 bits). For fp32 inputs the GPU result is TF32-accurate (~1e-3 relative), not
-fp32: ``input_precision="ieee"`` (and "tf32x3") compile to FMA loops that spill kilobytes of
-local memory at these tile sizes (measured with the AOT check), so they are not offered. Keeping the operands
-in fp32 doubles their registers and shared memory compared with bf16 operands: the tiles are
-sized for that (``_tiles``), which makes the backward tiles small (16-32 rows/keys).
+rounded (to 10 bits), below the output's own rounding. fp32 inputs use "tf32x3" (each operand a
+TF32 head and tail, three products: fp32-accurate, ~1e-6 relative, where plain TF32 would give
+~1e-3); holding head and tail doubles the operand registers, so fp32 gets smaller tiles
+(``_tiles(exact=True)``), and fp32 with dh > 128 is refused on the GPU: its backward tiles spill
+even at 16 x 16 (measured with the AOT check), so those inputs go to the cuda or torch backend.
+Keeping the operands in fp32 doubles their registers and shared memory compared with bf16
+operands: the tiles are sized for that (``_tiles``), which makes the backward tiles small (16-32
+rows/keys).
 """
 from __future__ import annotations
 
@@ -55,6 +58,8 @@ from ..dropkey_rule import seed_key, threshold
 CONFIG_SPACE = autotune.get("attention").space["triton"]
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
+#: fp32 inputs (tf32x3 dots) on the GPU: head dims up to this (AOT-verified without spills)
+MAX_EXACT_HEAD_DIM = 128
 #: head dims up to this are one register tile; q / k rows are never split
 MAX_HEAD_DIM = 256
 #: value dims up to this are one tile; wider v is tiled over dv by the launcher (see module doc)
@@ -70,6 +75,9 @@ def not_supported_reasons(q, k, v, **_) -> list[str]:
     why = device_reasons(q) + dtype_reasons("q", q)
     if q.dim() == 4 and q.shape[-1] > MAX_HEAD_DIM:
         why.append(f"head dim dh = {q.shape[-1]} > {MAX_HEAD_DIM} (one register tile); use backend='torch'")
+    elif q.dim() == 4 and q.is_cuda and _exact(q.dtype) and q.shape[-1] > MAX_EXACT_HEAD_DIM:
+        why.append(f"float32 q with head dim dh = {q.shape[-1]} > {MAX_EXACT_HEAD_DIM}: the fp32-accurate "
+                   f"(tf32x3) backward tiles spill registers there; use bfloat16/float16 or backend='cuda'/'torch'")
     return why
 
 
@@ -392,7 +400,7 @@ def _shrink(rows, width, budget):
     return max(16, rows)
 
 
-def _tiles(dh, dv, BLOCK_M, BLOCK_N):
+def _tiles(dh, dv, BLOCK_M, BLOCK_N, exact=False):
     """Tiles a launch uses for head dims (dh, dv): a dict with BLOCK_DH, BLOCK_DV, ONE_DV and
     (rows, keys) per kernel: "fwd", "dq" (rows per program, keys per step) and "dkdv" (queries per
     step, keys per program).
@@ -402,13 +410,18 @@ def _tiles(dh, dv, BLOCK_M, BLOCK_N):
     doc), so the row counts shrink with the head dims: the forward holds [rows, max(d)] tiles,
     the backward kernels hold four [rows, d] tiles (q/k, do/v, and two accumulators) per program,
     hence the smaller budget, 16 query rows and the halved key step (the largest sizes measured
-    not to spill on sm_80/sm_90, test_triton_aot; ptxas caps these kernels at 128 registers)."""
+    not to spill on sm_80/sm_90, test_triton_aot).
+
+    ``exact`` (fp32 inputs, dots in "tf32x3"): every operand is also held as a TF32 head and tail,
+    so the forward tiles get a quarter of the budget, dv tiles half the width, and the backward
+    steps 16 keys or queries."""
+    budget, max_dv, key_step = (MAX_TILE_ELEMS // 4, MAX_BLOCK_DV // 2, 4) if exact else (MAX_TILE_ELEMS, MAX_BLOCK_DV, 2)
     bdh = _pow2(dh)
-    one = _pow2(dv) <= MAX_BLOCK_DV
-    bdv = _pow2(dv) if one else MAX_BLOCK_DV
-    fwd = (_shrink(BLOCK_M, max(bdh, bdv), MAX_TILE_ELEMS), _shrink(BLOCK_N, max(bdh, bdv), MAX_TILE_ELEMS))
-    dq = (max(16, BLOCK_M // 4), max(16, BLOCK_N // 2))
-    dkdv = (max(16, BLOCK_M // 4), _shrink(BLOCK_N, bdh + bdv, MAX_TILE_ELEMS // 2))
+    one = _pow2(dv) <= max_dv
+    bdv = _pow2(dv) if one else max_dv
+    fwd = (_shrink(BLOCK_M, max(bdh, bdv), budget), _shrink(BLOCK_N, max(bdh, bdv), budget))
+    dq = (max(16, BLOCK_M // 4), max(16, BLOCK_N // key_step))
+    dkdv = (max(16, BLOCK_M // 4), _shrink(BLOCK_N, bdh + bdv, budget // 2))
     return {"BLOCK_DH": bdh, "BLOCK_DV": bdv, "ONE_DV": one, "fwd": fwd, "dq": dq, "dkdv": dkdv}
 
 
@@ -426,9 +439,14 @@ def _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed):
     return args, thr > 0
 
 
+def _exact(dtype) -> bool:
+    """fp32 inputs get fp32-accurate dots ("tf32x3"), the half types TF32 (see the module doc)."""
+    return dtype in (torch.float32, "fp32")
+
+
 def _prec(dtype):
-    """Dot precision on the GPU: TF32 for every input dtype (see the module doc)."""
-    return "tf32"
+    """Dot precision on the GPU (see the module doc)."""
+    return "tf32x3" if _exact(dtype) else "tf32"
 
 
 def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
@@ -441,7 +459,7 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device) if attn_fn == "softmax" else None
     if o.numel() == 0 and (lse is None or lse.numel() == 0):
         return o, lse
-    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact=_exact(q.dtype))
     (bm, bn), bdh, bdv = t["fwd"], t["BLOCK_DH"], t["BLOCK_DV"]
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
     grid = (triton.cdiv(L, bm), B * H, max(1, triton.cdiv(dv, bdv)))
@@ -462,7 +480,7 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     if B * H == 0 or (L == 0 and S == 0):
         return dq, dk, dvv
-    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact=_exact(q.dtype))
     bdh, bdv, one = t["BLOCK_DH"], t["BLOCK_DV"], t["ONE_DV"]
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
     laplace = attn_fn == "laplace"
@@ -509,10 +527,10 @@ _SCALARS = (("L", "i32"), ("S", "i32"), ("H", "i32"), ("DH", "i32"), ("DV", "i32
             ("scale", "fp32"))
 
 
-def _launches(dh, dv, BLOCK_M, BLOCK_N):
+def _launches(dh, dv, BLOCK_M, BLOCK_N, exact=False):
     """Every (kernel, fn, pointer names, extra constexprs, tile constexprs) a forward + backward
     launches for head dims (dh, dv), and the delta kernel's (rows, BLOCK_DV)."""
-    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact)
     d = (("BLOCK_DH", t["BLOCK_DH"]), ("BLOCK_DV", t["BLOCK_DV"]))
     tiles = {name: (("BLOCK_M", t[name][0]), ("BLOCK_N", t[name][1])) + d for name in ("fwd", "dq", "dkdv")}
     out = [("_attn_fwd_kernel", _attn_fwd_kernel, ("q_ptr", "k_ptr", "v_ptr", "o_ptr"), (), tiles["fwd"])]
@@ -543,7 +561,9 @@ def aot_variants(space=None):
                                                   space.get("num_stages_bwd", [1]), space.get("maxnreg_bwd", [None])):
         prec = _prec(dt)
         for dh, dv in AOT_HEAD_DIMS:
-            launches, (bm, bdv) = _launches(dh, dv, bm0, bn0)
+            if _exact(dt) and dh > MAX_EXACT_HEAD_DIM:
+                continue  # refused on the GPU by not_supported_reasons: never launched there
+            launches, (bm, bdv) = _launches(dh, dv, bm0, bn0, exact=_exact(dt))
             key = ("delta", dt, bm, bdv, nw, ns_b, mr)
             if key not in seen:
                 seen.add(key)
@@ -596,7 +616,8 @@ def _visited_tiles(L, S, causal, chunk, bc, rows, keys, by_keys=False):
     return n
 
 
-def flop_counts(B, L, S, H, dh, dv, causal=True, chunk_size=None, block_causal=False, BLOCK_M=64, BLOCK_N=64):
+def flop_counts(B, L, S, H, dh, dv, causal=True, chunk_size=None, block_causal=False, BLOCK_M=64, BLOCK_N=64,
+                exact=False):
     """{"fwd"|"bwd": (ideal FLOPs, executed tile FLOPs)} of the matmuls.
 
     Ideal (bench/roofline.py's convention without the elementwise 5 P): fwd 2 P (dh + dv), bwd
@@ -612,7 +633,7 @@ def flop_counts(B, L, S, H, dh, dv, causal=True, chunk_size=None, block_causal=F
                              or (block_causal and j // chunk_size == pos // chunk_size - 1))
             vis += ok
     P = B * H * vis
-    t = _tiles(dh, dv, BLOCK_M, BLOCK_N)
+    t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact)
     bdh, bdv, nt = t["BLOCK_DH"], t["BLOCK_DV"], -(-dv // t["BLOCK_DV"])
     m = (causal, chunk_size or 0, int(bool(block_causal and chunk_size)))
     bh = B * H
@@ -644,7 +665,7 @@ def bytes_cases():
     for label, kw in (("causal", dict(causal=True, chunk_size=None, block_causal=False)),
                       ("chunk64 block_causal p=0.1", dict(causal=True, chunk_size=64, block_causal=True))):
         kw = dict(scale=dh ** -0.5, dropkey_p=0.1 if "p=0.1" in label else 0.0, seed=3, attn_fn="softmax", **kw)
-        fl = flop_counts(B, L, L, H, dh, dv, kw["causal"], kw["chunk_size"], kw["block_causal"])
+        fl = flop_counts(B, L, L, H, dh, dv, kw["causal"], kw["chunk_size"], kw["block_causal"], exact=True)
         shape = f"B={B} H={H} L=S={L} dh={dh} dv={dv} {label} fp32"
 
         def fwd(kw=kw):
