@@ -100,6 +100,19 @@ def test_dropkey_softmax_index_mapping():
 # DropKey properties
 
 
+def test_mix32_tensor_path_equals_the_integer_rule_and_leaves_its_input():
+    # the in-place tensor path of mix32 against the Python-int path (the rule's definition), on
+    # edge values and random words; the caller's tensor is not modified
+    from megalodon_kernels.ops.dropkey_rule import MASK32, mix32
+    words = [0, 1, 2**15, 2**16 - 1, 2**31 - 1, 2**31, MASK32 - 1, MASK32]
+    words += torch.randint(0, 2**32, (200,), generator=torch.Generator().manual_seed(5)).tolist()
+    x = torch.tensor(words, dtype=torch.int64)
+    before = x.clone()
+    assert mix32(x).tolist() == [mix32(w) for w in words]
+    assert torch.equal(x, before)
+    assert mix32(x[::2]).tolist() == [mix32(w) for w in words[::2]]  # strided views too
+
+
 def test_dropkey_softmax_reproducible_and_seed_sensitive():
     x = torch.randn(2, 3, 20, 24, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(2, 3, 20, 24, dtype=torch.float64)
