@@ -60,6 +60,8 @@ class _Backend:
 
 
 class RotaryBackend(_Backend):
+    FP64 = True  # double x with double tables
+
     def not_supported_reasons(self, x, **_other_inputs) -> list[str]:
         return self._reasons({"x": x}, "x")
 
@@ -71,6 +73,8 @@ class RotaryBackend(_Backend):
 
 
 class DropKeySoftmaxBackend(_Backend):
+    FP64 = True  # double scores: exp and sums in double, the same DropKey decisions
+
     def not_supported_reasons(self, scores, **_other_inputs) -> list[str]:
         return self._reasons({"scores": scores}, "scores")
 
@@ -82,6 +86,8 @@ class DropKeySoftmaxBackend(_Backend):
 
 
 class TimestepNormBackend(_Backend):
+    FP64 = True  # double x: Welford/Kahan state, statistics and side inputs in double
+
     def not_supported_reasons(self, x, num_groups=None, **_other_inputs) -> list[str]:
         reasons = self._reasons({"x": x}, "x")
         if x.dim() == 3 and x.shape[1] >= 2**31:
@@ -97,19 +103,29 @@ class TimestepNormBackend(_Backend):
 
 
 class FftconvBackend(_Backend):
-    #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex64 product spectra of dk,
-    #: and of the multi-pass FFT's row workspace for L > 16384 (at least one row either way).
+    #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex product spectra of dk,
+    #: and of the multi-pass FFT's row workspace above the one-block limit (at least one row either way).
     DEFAULT_CONFIG: dict = {"max_workspace_bytes": 256 << 20}
+    #: float64 x runs the kernels in double (complex128 spectra, double twiddles)
+    FP64 = True
 
     def not_supported_reasons(self, x, k, **_other_inputs) -> list[str]:
         reasons = self._reasons({"x": x, "k": k}, "x")
-        if k.dtype not in (torch.float32, torch.bfloat16, torch.float16):
-            reasons.append(f"k must be float32, bfloat16 or float16 for the CUDA kernels, got {k.dtype}")
+        # k is converted to x's arithmetic type (float32, or float64 for float64 x): a float64 k
+        # with a narrower x would silently lose its precision, so it goes to backend='torch'
+        if k.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+            reasons.append(f"k must be float32, bfloat16, float16 or float64 for the CUDA kernels, got {k.dtype}")
+        elif k.dtype == torch.float64 and x.dtype != torch.float64:
+            reasons.append(f"a float64 k needs float64 x for the CUDA kernels (they compute in x's precision), "
+                           f"got x {x.dtype} (use backend='torch')")
         L = x.shape[-1]
-        if L > K.FFTCONV_MAX_LEN:
-            # one block per row up to 16384, the multi-pass four-step FFT above, up to 2^27
-            reasons.append(f"the CUDA fftconv handles L <= {K.FFTCONV_MAX_LEN} (2^27), got L = {L} "
-                           f"(use backend='torch')")
+        limit = K.fftconv_max_len(x.dtype)
+        if L > limit:
+            # one block per row up to 16384 (8192 in float64), the multi-pass four-step FFT above,
+            # up to 2^27 (2^25 in float64: 16-byte complex values, every pass within 128 KiB of smem)
+            reasons.append(f"the CUDA fftconv handles L <= {K.FFTCONV_MAX_LEN} (2^27; "
+                           f"L <= {K.FFTCONV_FP64_MAX_LEN} = 2^25 in float64), got L = {L} "
+                           f"with x {x.dtype} (use backend='torch')")
         return reasons
 
     def fftconv_fwd(self, x, k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
@@ -132,16 +148,22 @@ class AttentionBackend(_Backend):
       the chunk / block_causal visibility as -inf, then the fused causal + DropKey + softmax
       kernel (cuda/dropkey_softmax.cuh; the package's DropKey rule with (b, h, i, j) = the
       score indices) and P v; the backward recomputes P with that kernel and uses its softmax
-      backward. It materialises the L x S fp32 scores and has no Laplace. Used where the flash
+      backward. It materialises the L x S fp32 (fp64) scores and has no Laplace. Used where the flash
       kernel has no compiled configuration (fp32 on the GPU, head dim > 256, dv = 0).
+      float64 q/k/v always take this path, in fp64 throughout (float64 matmuls, the fp64
+      dropkey_softmax kernel): the flash kernel's tensor-core tiles have no fp64 configuration,
+      so fp64 with attn_fn="laplace" (flash only) is refused.
     """
 
-    _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+    _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
     #: path: "auto" (flash where it supports the inputs, else matmul), "flash" or "matmul".
     DEFAULT_CONFIG: dict = {"path": "auto"}
 
     def flash_reasons(self, q, v) -> list[str]:
         """Why the flash kernel cannot run these inputs ([] if it can)."""
+        if q.dtype == torch.float64:
+            return ["the flash kernel has no float64 configuration (its mma tensor-core tiles take "
+                    "bfloat16/float16; float64 runs on path='matmul')"]
         if q.dtype not in K.ATTN_DTYPE_CODES:
             return [f"the flash kernel takes float32/bfloat16/float16, got {q.dtype}"]
         if K.flash_head_dim(q.shape[-1]) is None:
@@ -178,11 +200,19 @@ class AttentionBackend(_Backend):
             bad = next(n for n, t in named.items() if t.device.type != self.device_type)
             reasons.append(f"needs {self.device_type} tensors, got {bad} on {named[bad].device} (use backend='torch')")
         if q.dtype not in self._INPUT_DTYPES:
-            reasons.append(f"the CUDA attention takes float32, bfloat16 or float16 q/k/v, got {q.dtype} "
+            reasons.append(f"the CUDA attention takes float32, bfloat16, float16 or float64 q/k/v, got {q.dtype} "
                            f"(use backend='torch')")
-        if reasons or attn_fn == "softmax":
+        if reasons:
             return reasons
         path = self.DEFAULT_CONFIG.get("path", "auto")
+        if path == "flash":  # a forced flash path: say why it cannot run here (e.g. float64) up front
+            flash = self.flash_reasons(q, q if v is None else v)
+            if flash:
+                reasons.append(f"path='flash' is configured but {'; '.join(flash)} (use path='auto' or 'matmul', "
+                               f"or backend='torch')")
+            return reasons
+        if attn_fn == "softmax":
+            return reasons
         flash = self.flash_reasons(q, q if v is None else v) if path != "matmul" else ["path='matmul'"]
         if flash:
             reasons.append(f"attn_fn={attn_fn!r} needs the flash kernel ({'; '.join(flash)}); the CUDA matmul + "
@@ -216,15 +246,26 @@ attention = AttentionBackend()
 
 # --- cema_kernel / ema_hidden ---
 class _CemaBackend(_Backend):
+    #: float64 p with complex128 parameters runs in double (cuda/cema.cuh's R = double)
+    FP64 = True
+
     def _cema_reasons(self, named: dict, p, N: int, L: int | None) -> list[str]:
         reasons = self._available()
         for name, t in named.items():
             if t is not None and t.device.type != self.device_type:
                 reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} (use backend='torch')")
                 break
-        if p.dtype != torch.float32:
-            reasons.append(f"the CUDA CEMA kernels take float32 p and complex64 log_q/gamma/hx, got p {p.dtype} "
-                           f"(use backend='torch' for float64)")
+        if p.dtype not in K.CEMA_REAL_CODES:
+            reasons.append(f"the CUDA CEMA kernels take float32 or float64 p, got p {p.dtype} (use backend='torch')")
+        else:
+            # The parameters share p's precision (ops.cema_kernel.check_coefficients enforces it for
+            # the public ops); a mix is refused rather than cast, as the kernels' tensor API does.
+            want = K._CEMA_COMPLEX[p.dtype]
+            for name in ("log_q", "gamma", "hx"):
+                t = named.get(name)
+                if t is not None and t.dtype != want:
+                    reasons.append(f"the CUDA CEMA kernels take {name} {want} with {p.dtype} p, got {t.dtype} "
+                                   f"(use backend='torch')")
         if N > K.CEMA_MAX_N:
             reasons.append(f"N = {N} > {K.CEMA_MAX_N} (the CUDA n tile is 16, 32 or 64; use backend='torch')")
         if L is not None and L + 1 >= K.CEMA_MAX_LENGTH:
@@ -247,7 +288,8 @@ class CemaKernelBackend(_CemaBackend):
 
 
 class EmaHiddenBackend(_CemaBackend):
-    """ema_hidden on cuda/cema.cuh: V, W by tiled analysis of x (fp32 or bf16), dx by tiled synthesis."""
+    """ema_hidden on cuda/cema.cuh: V, W by tiled analysis of x (fp32 or bf16; also fp64, summed in double
+    with float64 p, cast to fp32 with float32 p as the torch backend does), dx by tiled synthesis."""
 
     def not_supported_reasons(self, x, p, log_q=None, hx=None, **_other_inputs) -> list[str]:
         reasons = self._cema_reasons({"x": x, "p": p, "log_q": log_q, "hx": hx}, p, p.shape[-1], x.shape[-1])

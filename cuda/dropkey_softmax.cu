@@ -1,4 +1,4 @@
-// dropkey_softmax fwd/bwd for float and bf16 scores.
+// dropkey_softmax fwd/bwd for float, bf16 and double scores.
 #include "dropkey_softmax.cuh"
 #include "launchers.h"
 
@@ -26,7 +26,7 @@ void dropkey_softmax_fwd(int dtype, const void* x, void* y, std::int64_t Bf, std
   if (rows == 0 || S == 0) return;
   const std::uint32_t thr = dropkey::threshold(p);
   const std::uint32_t key = dropkey::seed_key(seed);
-  MK_DISPATCH_FLOAT_BF16(dtype, T, [&] {
+  MK_DISPATCH_FLOAT_BF16_DOUBLE(dtype, T, [&] {
     const auto dropkey_softmax_fwd = &dropkey_softmax_fwd_kernel<T, kSoftmaxItems>;
     MK_LAUNCH(dropkey_softmax_fwd, grid_1d(rows), softmax_threads(S), 0, stream, static_cast<const T*>(x),
               static_cast<T*>(y), rows, static_cast<int>(Hf), static_cast<int>(L), static_cast<int>(S), causal, key,
@@ -39,7 +39,7 @@ void dropkey_softmax_bwd(int dtype, const void* y, const void* dy, void* dx, std
   check_rows(Bf, Hf, L, S);
   const std::int64_t rows = Bf * Hf * L;
   if (rows == 0 || S == 0) return;
-  MK_DISPATCH_FLOAT_BF16(dtype, T, [&] {
+  MK_DISPATCH_FLOAT_BF16_DOUBLE(dtype, T, [&] {
     const auto dropkey_softmax_bwd = &dropkey_softmax_bwd_kernel<T, kSoftmaxItems>;
     MK_LAUNCH(dropkey_softmax_bwd, grid_1d(rows), softmax_threads(S), 0, stream, static_cast<const T*>(y),
               static_cast<const T*>(dy), static_cast<T*>(dx), rows, static_cast<int>(L), static_cast<int>(S), causal);

@@ -1,5 +1,6 @@
-// ema_hidden fwd (analysis of x in the reverse layout, x float or bf16) and bwd (synthesis of dx +
-// coefficient gradients from the saved sums).
+// ema_hidden fwd (analysis of x in the reverse layout) and bwd (synthesis of dx + coefficient gradients
+// from the saved sums). Coefficients, outputs and sums in R = float or double; x float32 or bf16 with
+// float coefficients, float32, bf16 or float64 with double coefficients (widened to double on load).
 #include "cema.cuh"
 #include "launchers.h"
 
@@ -10,19 +11,21 @@ using namespace cema;
 namespace cema {
 
 // ema_hidden forward, one thread per (b, d, n): V, W from the partials, h = p V + q**L hx.
+template <class R>
 __global__ void __launch_bounds__(kFinishThreads)
-    ema_hidden_finish_kernel(const float4* __restrict__ partial, const float* __restrict__ p,
-                             const float* __restrict__ log_q, const float* __restrict__ hx, float* __restrict__ h,
-                             float* __restrict__ v, float* __restrict__ w, int B, int D, int N, std::int64_t L, int Y) {
+    ema_hidden_finish_kernel(const c4_t<R>* __restrict__ partial, const R* __restrict__ p,
+                             const R* __restrict__ log_q, const R* __restrict__ hx, R* __restrict__ h,
+                             R* __restrict__ v, R* __restrict__ w, int B, int D, int N, std::int64_t L, int Y) {
+  using C = c2_t<R>;
   const std::int64_t DN = static_cast<std::int64_t>(D) * N;
   const std::int64_t total = DN * B;
   for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
        i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
     const std::int64_t c = i % DN;
     const int b = static_cast<int>(i / DN);
-    const float4 a = sum_partials(partial, b, c, D, N, Y);
-    float2 hv = make_float2(p[c] * a.x, p[c] * a.y);
-    if (hx != nullptr) hv = cadd(hv, cmul(qpow(load_root(log_q, c), L), load_c(hx, i)));
+    const c4_t<R> a = sum_partials(partial, b, c / N, c % N, D, N, Y);
+    C hv = mkc<R>(p[c] * a.x, p[c] * a.y);
+    if (hx != nullptr) hv = cadd(hv, cmul(qpow<R>(load_root(log_q, c), L), load_c(hx, i)));
     h[2 * i] = hv.x;
     h[2 * i + 1] = hv.y;
     v[2 * i] = a.x;
@@ -36,34 +39,36 @@ __global__ void __launch_bounds__(kFinishThreads)
 
 // ema_hidden coefficient gradients from the saved sums V, W, one thread per (d, n), b in order:
 //   dp = sum_b Re(conj(dh) V), dlog_q = sum_b dh conj(p W + L q**L hx), dhx = dh conj(q**L).
+template <class R>
 __global__ void __launch_bounds__(kFinishThreads)
-    ema_hidden_coef_kernel(const float* __restrict__ dh, const float* __restrict__ p, const float* __restrict__ log_q,
-                           const float* __restrict__ hx, const float* __restrict__ v, const float* __restrict__ w,
-                           float* __restrict__ dp, float* __restrict__ dlog_q, float* __restrict__ dhx, int B, int D,
-                           int N, std::int64_t L, bool need_p, bool need_lq) {
+    ema_hidden_coef_kernel(const R* __restrict__ dh, const R* __restrict__ p, const R* __restrict__ log_q,
+                           const R* __restrict__ hx, const R* __restrict__ v, const R* __restrict__ w,
+                           R* __restrict__ dp, R* __restrict__ dlog_q, R* __restrict__ dhx, int B, int D, int N,
+                           std::int64_t L, bool need_p, bool need_lq) {
+  using C = c2_t<R>;
   const std::int64_t DN = static_cast<std::int64_t>(D) * N;
   for (std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < DN;
        c += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const float pc = p[c];
-    const float2 qL = hx != nullptr ? qpow(load_root(log_q, c), L) : make_float2(0.0f, 0.0f);
-    const float2 lqL = make_float2(static_cast<float>(L) * qL.x, static_cast<float>(L) * qL.y);
-    float vdp = 0.0f;
-    float2 vdl = make_float2(0.0f, 0.0f);
+    const R pc = p[c];
+    const C qL = hx != nullptr ? qpow<R>(load_root(log_q, c), L) : mkc<R>(R(0), R(0));
+    const C lqL = mkc<R>(static_cast<R>(L) * qL.x, static_cast<R>(L) * qL.y);
+    R vdp = R(0);
+    C vdl = mkc<R>(R(0), R(0));
     for (int b = 0; b < B; ++b) {
       const std::int64_t i = static_cast<std::int64_t>(b) * DN + c;
-      const float2 g = load_c(dh, i);
+      const C g = load_c(dh, i);
       if (need_p) {
-        const float2 V = load_c(v, i);
+        const C V = load_c(v, i);
         vdp += g.x * V.x + g.y * V.y;  // Re(conj(g) V)
       }
       if (need_lq) {
-        const float2 W = load_c(w, i);
-        float2 dq = make_float2(pc * W.x, pc * W.y);
+        const C W = load_c(w, i);
+        C dq = mkc<R>(pc * W.x, pc * W.y);
         if (hx != nullptr) dq = cadd(dq, cmul(lqL, load_c(hx, i)));
         vdl = cadd(vdl, cmul(g, cconj(dq)));
       }
       if (hx != nullptr) {
-        const float2 r = cmul(g, cconj(qL));
+        const C r = cmul(g, cconj(qL));
         dhx[2 * i] = r.x;
         dhx[2 * i + 1] = r.y;
       }
@@ -74,53 +79,82 @@ __global__ void __launch_bounds__(kFinishThreads)
   }
 }
 
-}  // namespace cema
-
-void ema_hidden_fwd(int dtype, const void* x, const float* p, const float* log_q, const float* hx, float* h, float* v,
-                    float* w, float* workspace, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L,
-                    void* stream) {
-  check_sizes("ema_hidden", B, D, N, L);
-  if (B == 0 || D == 0 || N == 0) return;
+template <class R>
+void ema_hidden_fwd_impl(int dtype, const void* x, const R* p, const R* log_q, const R* hx, R* h, R* v, R* w,
+                         R* workspace, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, void* stream) {
   const Layout l = layout(static_cast<int>(N), L);
-  const int Y = blocks_along(analysis_tiles(l), D);
-  auto* partial = reinterpret_cast<float4*>(workspace);
+  const int Y = blocks_along(analysis_tiles<R>(l), D);
+  auto* partial = reinterpret_cast<c4_t<R>*>(workspace);
   const dim3 grid(static_cast<unsigned int>(D), static_cast<unsigned int>(Y));
-  MK_DISPATCH_FLOAT_BF16(dtype, XT, [&] {
-    const XT* xt = static_cast<const XT*>(x);
-    if (w != nullptr) {
-      const auto cema_analysis_ema_hidden = &cema_analysis_kernel<kAnalysisHidden, XT, true>;
-      MK_LAUNCH(cema_analysis_ema_hidden, grid, kThreads, 0, stream, xt, xt, log_q, partial, static_cast<int>(D),
-                static_cast<int>(N), L, static_cast<int>(B), false);
+  MK_DISPATCH_FLOAT_BF16_DOUBLE(dtype, XT, [&] {
+    if constexpr (std::is_same_v<R, float> && std::is_same_v<XT, double>) {
+      // fp32 coefficients compute in fp32 (as the torch backend: x.to(p.dtype)); kernels.py casts x.
+      throw std::invalid_argument("ema_hidden: float64 x needs float64 coefficients (cast x to float32)");
     } else {
-      const auto cema_analysis_ema_hidden_unweighted = &cema_analysis_kernel<kAnalysisHidden, XT, false>;
-      MK_LAUNCH(cema_analysis_ema_hidden_unweighted, grid, kThreads, 0, stream, xt, xt, log_q, partial,
-                static_cast<int>(D), static_cast<int>(N), L, static_cast<int>(B), false);
+      const XT* xt = static_cast<const XT*>(x);
+      if (w != nullptr) {
+        const auto cema_analysis_ema_hidden = &cema_analysis_kernel<kAnalysisHidden, XT, R, true>;
+        MK_LAUNCH(cema_analysis_ema_hidden, grid, kThreads, 0, stream, xt, xt, log_q, partial, static_cast<int>(D),
+                  static_cast<int>(N), L, static_cast<int>(B), false);
+      } else {
+        const auto cema_analysis_ema_hidden_unweighted = &cema_analysis_kernel<kAnalysisHidden, XT, R, false>;
+        MK_LAUNCH(cema_analysis_ema_hidden_unweighted, grid, kThreads, 0, stream, xt, xt, log_q, partial,
+                  static_cast<int>(D), static_cast<int>(N), L, static_cast<int>(B), false);
+      }
     }
   });
-  const auto ema_hidden_finish = &ema_hidden_finish_kernel;
+  const auto ema_hidden_finish = &ema_hidden_finish_kernel<R>;
   MK_LAUNCH(ema_hidden_finish, finish_grid(B * D * N), kFinishThreads, 0, stream, partial, p, log_q, hx, h, v, w,
             static_cast<int>(B), static_cast<int>(D), static_cast<int>(N), L, Y);
 }
 
-void ema_hidden_bwd(const float* dh, const float* p, const float* log_q, const float* hx, const float* v,
-                    const float* w, float* dx, float* dp, float* dlog_q, float* dhx, std::int64_t B, std::int64_t D,
+template <class R>
+void ema_hidden_bwd_impl(const R* dh, const R* p, const R* log_q, const R* hx, const R* v, const R* w, R* dx, R* dp,
+                         R* dlog_q, R* dhx, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L,
+                         bool need_p, bool need_lq, void* stream) {
+  if (dx != nullptr && B > 0) {
+    const Layout l = layout(static_cast<int>(N), L);
+    const dim3 grid(static_cast<unsigned int>(D), static_cast<unsigned int>(blocks_along(synth_tiles<R>(l), D)));
+    const auto cema_synth_ema_hidden_dx = &cema_synth_kernel<kSynthHiddenDx, R>;
+    MK_LAUNCH(cema_synth_ema_hidden_dx, grid, kThreads, 0, stream, p, log_q, static_cast<const R*>(nullptr), dh,
+              static_cast<R*>(nullptr), dx, static_cast<int>(D), static_cast<int>(N), L, static_cast<int>(B),
+              false);
+  }
+  if (N == 0) return;
+  const auto ema_hidden_coef = &ema_hidden_coef_kernel<R>;
+  MK_LAUNCH(ema_hidden_coef, finish_grid(D * N), kFinishThreads, 0, stream, dh, p, log_q, hx, v, w, dp, dlog_q, dhx,
+            static_cast<int>(B), static_cast<int>(D), static_cast<int>(N), L, need_p, need_lq);
+}
+
+}  // namespace cema
+
+void ema_hidden_fwd(int dtype, int real, const void* x, const void* p, const void* log_q, const void* hx, void* h,
+                    void* v, void* w, void* workspace, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L,
+                    void* stream) {
+  check_sizes("ema_hidden", B, D, N, L);
+  if (B == 0 || D == 0 || N == 0) return;
+  dispatch_real(real, "ema_hidden", [&](auto r) {
+    using R = decltype(r);
+    ema_hidden_fwd_impl<R>(dtype, x, static_cast<const R*>(p), static_cast<const R*>(log_q),
+                           static_cast<const R*>(hx), static_cast<R*>(h), static_cast<R*>(v), static_cast<R*>(w),
+                           static_cast<R*>(workspace), B, D, N, L, stream);
+  });
+}
+
+void ema_hidden_bwd(int real, const void* dh, const void* p, const void* log_q, const void* hx, const void* v,
+                    const void* w, void* dx, void* dp, void* dlog_q, void* dhx, std::int64_t B, std::int64_t D,
                     std::int64_t N, std::int64_t L, bool need_p, bool need_lq, void* stream) {
   check_sizes("ema_hidden_bwd", B, D, N, L);
   require(!need_p || v != nullptr, "ema_hidden_bwd: dp needs the saved sums V");
   require(!need_lq || w != nullptr, "ema_hidden_bwd: dlog_q needs the saved weighted sums W");
   if (D == 0) return;
-  if (dx != nullptr && B > 0) {
-    const Layout l = layout(static_cast<int>(N), L);
-    const dim3 grid(static_cast<unsigned int>(D), static_cast<unsigned int>(blocks_along(synth_tiles(l), D)));
-    const auto cema_synth_ema_hidden_dx = &cema_synth_kernel<kSynthHiddenDx>;
-    MK_LAUNCH(cema_synth_ema_hidden_dx, grid, kThreads, 0, stream, p, log_q, static_cast<const float*>(nullptr), dh,
-              static_cast<float*>(nullptr), dx, static_cast<int>(D), static_cast<int>(N), L, static_cast<int>(B),
-              false);
-  }
-  if (N == 0) return;
-  const auto ema_hidden_coef = &ema_hidden_coef_kernel;
-  MK_LAUNCH(ema_hidden_coef, finish_grid(D * N), kFinishThreads, 0, stream, dh, p, log_q, hx, v, w, dp, dlog_q, dhx,
-            static_cast<int>(B), static_cast<int>(D), static_cast<int>(N), L, need_p, need_lq);
+  dispatch_real(real, "ema_hidden_bwd", [&](auto r) {
+    using R = decltype(r);
+    ema_hidden_bwd_impl<R>(static_cast<const R*>(dh), static_cast<const R*>(p), static_cast<const R*>(log_q),
+                           static_cast<const R*>(hx), static_cast<const R*>(v), static_cast<const R*>(w),
+                           static_cast<R*>(dx), static_cast<R*>(dp), static_cast<R*>(dlog_q), static_cast<R*>(dhx),
+                           B, D, N, L, need_p, need_lq, stream);
+  });
 }
 
 }  // namespace mk

@@ -1,61 +1,122 @@
 // fftconv (spec 3): y[t] = sum_{s <= t} k[t - s] x[s] per (b, d) row, by zero-padded real FFTs of
 // length 2N (N = max(32, nextpow2(L)) complex points), one thread block per row, everything in
-// shared memory (N complex64 = 8N bytes: 128 KiB at N = 16384, within the A100's 163 KiB).
+// shared memory.
 //
 //   * Real input -> half-length complex: z[m] = r[2m] + i r[2m+1] (m < N), stored at the
 //     bit-reversed slot rev(m) straight from the (coalesced) global load.
 //   * Radix-2 decimation-in-time FFT in place: stages of span 1..16 inside each warp on registers
 //     (__shfl_xor_sync butterflies, lane = index mod 32), the other stages in shared memory with
-//     one barrier per stage. Twiddles e^{-i pi r/m} come from sincospif(r/m): r/m is exact in
-//     fp32 and sincospif is accurate to ~1 ulp for every span (no fast-math __sincosf).
+//     one barrier per stage. Twiddles e^{-i pi r/m} come from sincospi(f)(r/m): r/m is exact in
+//     the arithmetic type and sincospi(f) is accurate to ~1 ulp for every span (no fast-math
+//     __sincosf, no angle rounded through a narrower type).
 //   * Spectrum pairs (k, N-k) are handled by one thread each, in place: the real-FFT split
 //     X[k] = E + W^k O, the spectral product, and the inverse merge Z'[k] = E' + i O'; then an
 //     in-place bit-reversal permutation feeds the inverse DIT FFT (scale 1/N).
-// Arithmetic is fp32 whatever the input dtype; one rounding on store.
-// Longer L (N > 16384, up to 2^27): the launchers route to the multi-pass four-step FFT of
-// fftconv_long.cuh, which reuses fft_dit (batched) for its column and row transforms.
+//
+// Arithmetic type R = acc_t<T>: fp32 for float and bf16 inputs, fp64 (double2 complex values,
+// double twiddles) for double inputs; one rounding on store. Everything below is templated on
+// the complex type C = cplx_t<R> (float2 | double2); FftCfg<R> holds the per-type sizes:
+//   float : one block for N <= 2^14 (L <= 16384): 8N B = 128 KiB of shared memory;
+//           multi-pass (fftconv_long.cuh) up to N = 2^27.
+//   double: a complex value takes 16 B, so one block holds half the points: N <= 2^13
+//           (L <= 8192), again 128 KiB (fits sm_80's 166912 B per block); the multi-pass plan
+//           keeps every pass at <= 128 KiB too (rows <= 2^12 points, columns <= 2^13), so N <= 2^25
+//           (L <= 33554432) in double.
+// Longer L: the launchers route to the multi-pass four-step FFT of fftconv_long.cuh, which reuses
+// fft_dit (batched) for its column and row transforms.
 #pragma once
+
+#include <type_traits>
 
 #include "common.cuh"
 
 namespace mk {
 
-constexpr int kFftMinLog2 = 5;        // the warp stages need N >= 32
-constexpr int kFftMaxLog2 = 14;       // N <= 16384 complex points: L <= 16384
-constexpr int kFftMaxThreads = 1024;
-constexpr int kFft4MaxLog2 = 27;      // multi-pass path (fftconv_long.cuh): N1 <= 2^14, N2 <= 2^13
+template <class R>
+struct FftCfg;
+template <>
+struct FftCfg<float> {
+  using C = float2;
+  static constexpr int kMaxLog2 = 14;       // one block: N <= 16384 (8N = 128 KiB smem)
+  static constexpr int kMaxThreads = 1024;
+  static constexpr int k4MaxLog2 = 27;      // multi-pass: N1 <= 2^14, N2 <= 2^13
+  static constexpr int k4MaxRowLog2 = 13;   // row pass: 2 rows of N2 (2 * 8 * N2 <= 128 KiB)
+  static constexpr int k4ColElems = 8192;   // column pass: C * N1 <= 8192 (64 KiB) unless N1 alone is larger
+};
+template <>
+struct FftCfg<double> {
+  using C = double2;
+  static constexpr int kMaxLog2 = 13;       // one block: N <= 8192 (16N = 128 KiB smem)
+  static constexpr int kMaxThreads = 1024;
+  static constexpr int k4MaxLog2 = 25;      // multi-pass: N1 <= 2^13 (128 KiB), N2 <= 2^12
+  static constexpr int k4MaxRowLog2 = 12;   // row pass: 2 rows of N2 (2 * 16 * N2 <= 128 KiB)
+  static constexpr int k4ColElems = 4096;   // column pass: C * N1 <= 4096 (64 KiB) unless N1 alone is larger
+};
+template <class R>
+using cplx_t = typename FftCfg<R>::C;
+template <class C>
+using real_t = std::remove_reference_t<decltype(C::x)>;
 
+constexpr int kFftMinLog2 = 5;                             // the warp stages need N >= 32
+constexpr int kFftMaxLog2 = FftCfg<float>::kMaxLog2;       // float / bf16 one-block limit
+constexpr int kFftMaxThreads = 1024;
+constexpr int kFft4MaxLog2 = FftCfg<float>::k4MaxLog2;     // float / bf16 multi-pass limit
+
+template <class R>
 __host__ __device__ __forceinline__ int fft_threads(int log2n) {
   const int half = 1 << (log2n - 1);
-  return half < 32 ? 32 : (half > kFftMaxThreads ? kFftMaxThreads : half);
+  return half < 32 ? 32 : (half > FftCfg<R>::kMaxThreads ? FftCfg<R>::kMaxThreads : half);
 }
+template <class R>
 __host__ __device__ __forceinline__ std::size_t fft_smem_bytes(int log2n) {
-  return sizeof(float2) * (std::size_t(1) << log2n);
+  return sizeof(cplx_t<R>) * (std::size_t(1) << log2n);
 }
 
-__device__ __forceinline__ float2 cadd(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
-__device__ __forceinline__ float2 csub(float2 a, float2 b) { return make_float2(a.x - b.x, a.y - b.y); }
-__device__ __forceinline__ float2 cmul(float2 a, float2 b) {
-  return make_float2(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x);
-}
-__device__ __forceinline__ float2 cconj(float2 a) { return make_float2(a.x, -a.y); }
-// e^{i pi x} for x = r / m exactly representable
+__device__ __forceinline__ float2 mkc(float x, float y) { return make_float2(x, y); }
+__device__ __forceinline__ double2 mkc(double x, double y) { return make_double2(x, y); }
+template <class C>
+__device__ __forceinline__ C cadd(C a, C b) { return mkc(a.x + b.x, a.y + b.y); }
+template <class C>
+__device__ __forceinline__ C csub(C a, C b) { return mkc(a.x - b.x, a.y - b.y); }
+template <class C>
+__device__ __forceinline__ C cmul(C a, C b) { return mkc(a.x * b.x - a.y * b.y, a.x * b.y + a.y * b.x); }
+template <class C>
+__device__ __forceinline__ C cconj(C a) { return mkc(a.x, -a.y); }
+// e^{i pi x} for x = r / m exactly representable (sincospif / sincospi: no argument reduction
+// error, ~1 ulp in either type)
 __device__ __forceinline__ float2 cispi(float x) {
   float s, c;
   sincospif(x, &s, &c);
   return make_float2(c, s);
 }
+__device__ __forceinline__ double2 cispi(double x) {
+  double s, c;
+  sincospi(x, &s, &c);
+  return make_double2(c, s);
+}
+// double2 through a warp shuffle: each double is two 32-bit shuffles on the GPU; the emulator
+// exchanges at most 64 bits per call, so two calls either way.
+__device__ __forceinline__ double2 shfl_xor2(double2 v, int lane_mask) {
+  return make_double2(__shfl_xor_sync(kFullMask, v.x, lane_mask), __shfl_xor_sync(kFullMask, v.y, lane_mask));
+}
+// 2^-s exactly (0 <= s < 127), in R
+template <class R>
+__device__ __forceinline__ R pow2_neg(int s) {
+  return static_cast<R>(__int_as_float((127 - s) << 23));
+}
 __device__ __forceinline__ unsigned int bitrev(unsigned int m, int log2n) { return __brev(m) >> (32 - log2n); }
 
 // a[rev(m)] = r[2m] + i r[2m+1], r = src zero-padded to 2N (FLIP: r[s] = src[L-1-s]).
-template <class T, bool FLIP>
-__device__ __forceinline__ void fft_load_real(float2* a, const T* __restrict__ src, int L, int log2n) {
+template <class T, bool FLIP, class C>
+__device__ __forceinline__ void fft_load_real(C* a, const T* __restrict__ src, int L, int log2n) {
+  using R = real_t<C>;
+  static_assert(std::is_same_v<R, acc_t<T>>, "complex type must match the accumulation type");
   const int n = 1 << log2n;
   for (int m = threadIdx.x; m < n; m += blockDim.x) {
     const int s0 = 2 * m, s1 = 2 * m + 1;
-    const float v0 = s0 < L ? to_f32(src[FLIP ? L - 1 - s0 : s0]) : 0.0f;
-    const float v1 = s1 < L ? to_f32(src[FLIP ? L - 1 - s1 : s1]) : 0.0f;
-    a[bitrev(m, log2n)] = make_float2(v0, v1);
+    const R v0 = s0 < L ? to_acc(src[FLIP ? L - 1 - s0 : s0]) : R(0);
+    const R v1 = s1 < L ? to_acc(src[FLIP ? L - 1 - s1 : s1]) : R(0);
+    a[bitrev(m, log2n)] = mkc(v0, v1);
   }
 }
 
@@ -65,42 +126,43 @@ __device__ __forceinline__ void fft_load_real(float2* a, const T* __restrict__ s
 // butterfly span m < n pairs elements inside one aligned 2m-block, so the stages over the whole
 // concatenation are exactly the stages of each transform (the four-step passes in
 // fftconv_long.cuh batch columns and row pairs this way).
-template <bool INVERSE>
-__device__ void fft_dit(float2* a, int log2n, int log2batch = 0) {
+template <bool INVERSE, class C>
+__device__ void fft_dit(C* a, int log2n, int log2batch = 0) {
+  using R = real_t<C>;
   const int n = 1 << (log2n + log2batch);  // elements over the batch
   const int tid = threadIdx.x;
   const int lane = tid & 31;
-  const float sign = INVERSE ? 1.0f : -1.0f;
+  const R sign = INVERSE ? R(1) : R(-1);
   // this lane's twiddle for the spans 1, 2, 4, 8, 16
-  float2 tw[5];
+  C tw[5];
 #pragma unroll
   for (int s = 0; s < 5; ++s) {
     const int m = 1 << s;
-    tw[s] = cispi(sign * static_cast<float>(lane & (m - 1)) / static_cast<float>(m));
+    tw[s] = cispi(sign * static_cast<R>(lane & (m - 1)) * pow2_neg<R>(s));
   }
   __syncthreads();
   for (int seg = tid >> 5; seg < (n >> 5); seg += blockDim.x >> 5) {
-    float2 v = a[(seg << 5) + lane];
+    C v = a[(seg << 5) + lane];
 #pragma unroll
     for (int s = 0; s < 5; ++s) {
       const int m = 1 << s;
-      const bool upper = lane & m;                  // the q = p + m element of the butterfly
-      const float2 t = upper ? cmul(tw[s], v) : v;  // q premultiplies by its twiddle
-      const float2 o = shfl_xor2(t, m);
-      v = upper ? csub(o, t) : cadd(v, o);          // p + w q  |  p - w q
+      const bool upper = lane & m;               // the q = p + m element of the butterfly
+      const C t = upper ? cmul(tw[s], v) : v;    // q premultiplies by its twiddle
+      const C o = shfl_xor2(t, m);
+      v = upper ? csub(o, t) : cadd(v, o);       // p + w q  |  p - w q
     }
     a[(seg << 5) + lane] = v;
   }
   for (int s = 5; s < log2n; ++s) {
     __syncthreads();
     const int m = 1 << s;
-    const float inv_m = 1.0f / static_cast<float>(m);
+    const R inv_m = pow2_neg<R>(s);
     for (int j = tid; j < (n >> 1); j += blockDim.x) {
       const int r = j & (m - 1);
       const int p = ((j >> s) << (s + 1)) + r;
-      const float2 w = cispi(sign * static_cast<float>(r) * inv_m);
-      const float2 x = a[p];
-      const float2 y = cmul(w, a[p + m]);
+      const C w = cispi(sign * static_cast<R>(r) * inv_m);
+      const C x = a[p];
+      const C y = cmul(w, a[p + m]);
       a[p] = cadd(x, y);
       a[p + m] = csub(x, y);
     }
@@ -111,21 +173,23 @@ __device__ void fft_dit(float2* a, int log2n, int log2batch = 0) {
 // For every pair k in [0, N/2] (one thread per pair), the real spectrum X of the 2N real
 // samples packed in a (natural order after fft_dit<false>): f(k, X[k], X[N-k]) where for k = 0
 // the second value is X[N]. f may overwrite a[k] and a[N-k] (and nothing else).
-template <class F>
-__device__ __forceinline__ void fft_real_pairs(float2* a, int log2n, F f) {
+template <class C, class F>
+__device__ __forceinline__ void fft_real_pairs(C* a, int log2n, F f) {
+  using R = real_t<C>;
   const int n = 1 << log2n;
-  const float inv_n = 1.0f / static_cast<float>(n);
+  const R inv_n = pow2_neg<R>(log2n);
+  const R h = R(0.5);
   for (int k = threadIdx.x; k <= (n >> 1); k += blockDim.x) {
-    float2 xk, xnk;
+    C xk, xnk;
     if (k == 0) {
-      const float2 z = a[0];
-      xk = make_float2(z.x + z.y, 0.0f);
-      xnk = make_float2(z.x - z.y, 0.0f);
+      const C z = a[0];
+      xk = mkc(z.x + z.y, R(0));
+      xnk = mkc(z.x - z.y, R(0));
     } else {
-      const float2 zk = a[k], znk = a[n - k];
-      const float2 e = make_float2(0.5f * (zk.x + znk.x), 0.5f * (zk.y - znk.y));   // (Z[k] + conj Z[N-k]) / 2
-      const float2 o = make_float2(0.5f * (zk.y + znk.y), -0.5f * (zk.x - znk.x));  // -i (Z[k] - conj Z[N-k]) / 2
-      const float2 wo = cmul(cispi(-static_cast<float>(k) * inv_n), o);
+      const C zk = a[k], znk = a[n - k];
+      const C e = mkc(h * (zk.x + znk.x), h * (zk.y - znk.y));   // (Z[k] + conj Z[N-k]) / 2
+      const C o = mkc(h * (zk.y + znk.y), -h * (zk.x - znk.x));  // -i (Z[k] - conj Z[N-k]) / 2
+      const C wo = cmul(cispi(-static_cast<R>(k) * inv_n), o);
       xk = cadd(e, wo);
       xnk = cconj(csub(e, wo));
     }
@@ -135,23 +199,27 @@ __device__ __forceinline__ void fft_real_pairs(float2* a, int log2n, F f) {
 
 // Inverse of the split: from Y[k], Y[N-k] (k = 0: Y[0], Y[N]) the half-length values Z'[k] and
 // Z'[N-k] whose inverse N-point FFT / N gives (y[2m], y[2m+1]).
-__device__ __forceinline__ void fft_merge_pair(float2* a, int log2n, int k, float2 yk, float2 ynk) {
+template <class C>
+__device__ __forceinline__ void fft_merge_pair(C* a, int log2n, int k, C yk, C ynk) {
+  using R = real_t<C>;
   const int n = 1 << log2n;
-  const float2 e = make_float2(0.5f * (yk.x + ynk.x), 0.5f * (yk.y - ynk.y));
-  const float2 d = make_float2(0.5f * (yk.x - ynk.x), 0.5f * (yk.y + ynk.y));
-  const float2 o = cmul(d, cispi(static_cast<float>(k) / static_cast<float>(n)));
-  a[k] = make_float2(e.x - o.y, e.y + o.x);
-  if (k != 0 && 2 * k != n) a[n - k] = make_float2(e.x + o.y, o.x - e.y);
+  const R h = R(0.5);
+  const C e = mkc(h * (yk.x + ynk.x), h * (yk.y - ynk.y));
+  const C d = mkc(h * (yk.x - ynk.x), h * (yk.y + ynk.y));
+  const C o = cmul(d, cispi(static_cast<R>(k) * pow2_neg<R>(log2n)));
+  a[k] = mkc(e.x - o.y, e.y + o.x);
+  if (k != 0 && 2 * k != n) a[n - k] = mkc(e.x + o.y, o.x - e.y);
 }
 
 // natural -> bit-reversed order, in place; barriers at entry and exit
-__device__ __forceinline__ void fft_bitrev_permute(float2* a, int log2n) {
+template <class C>
+__device__ __forceinline__ void fft_bitrev_permute(C* a, int log2n) {
   const int n = 1 << log2n;
   __syncthreads();
   for (int i = threadIdx.x; i < n; i += blockDim.x) {
     const int j = static_cast<int>(bitrev(i, log2n));
     if (i < j) {
-      const float2 t = a[i];
+      const C t = a[i];
       a[i] = a[j];
       a[j] = t;
     }
@@ -160,34 +228,39 @@ __device__ __forceinline__ void fft_bitrev_permute(float2* a, int log2n) {
 }
 
 // dst[s] = out[s] / N for s < L (FLIP: dst[L-1-s]), out[2m] = Re a[m], out[2m+1] = Im a[m].
-template <class T, bool FLIP>
-__device__ __forceinline__ void fft_store_real(T* __restrict__ dst, const float2* a, int L, int log2n) {
+template <class T, bool FLIP, class C>
+__device__ __forceinline__ void fft_store_real(T* __restrict__ dst, const C* a, int L, int log2n) {
+  using R = real_t<C>;
+  static_assert(std::is_same_v<R, acc_t<T>>, "complex type must match the accumulation type");
   const int n = 1 << log2n;
-  const float scale = 1.0f / static_cast<float>(n);
+  const R scale = pow2_neg<R>(log2n);
   for (int m = threadIdx.x; m < n; m += blockDim.x) {
     const int s0 = 2 * m, s1 = 2 * m + 1;
     if (s0 >= L) continue;
-    const float2 v = a[m];
-    dst[FLIP ? L - 1 - s0 : s0] = from_f32<T>(v.x * scale);
-    if (s1 < L) dst[FLIP ? L - 1 - s1 : s1] = from_f32<T>(v.y * scale);
+    const C v = a[m];
+    dst[FLIP ? L - 1 - s0 : s0] = from_acc<T>(v.x * scale);
+    if (s1 < L) dst[FLIP ? L - 1 - s1 : s1] = from_acc<T>(v.y * scale);
   }
 }
 
 // ------------------------------------------------------------------------------------------------
-// Kernels (one block per row, blockDim.x = fft_threads(log2n), dynamic smem = fft_smem_bytes)
+// Kernels (one block per row, blockDim.x = fft_threads<R>(log2n), dynamic smem = fft_smem_bytes<R>).
+// T is the element type of x / y (float, bf16, double); TK the type k / dk / the spectra are
+// computed in (float or double = acc_t<T>: the Python side converts k to it).
 // ------------------------------------------------------------------------------------------------
 
 // kf[d] = rfft(k[d] zero-padded to 2N): N + 1 bins.
 template <class TK>
-__global__ void __launch_bounds__(kFftMaxThreads) fftconv_spectrum_kernel(const TK* __restrict__ k,
-                                                                          float2* __restrict__ kf, int L, int log2n) {
-  MK_DYNAMIC_SMEM(float2, a);
+__global__ void __launch_bounds__(FftCfg<TK>::kMaxThreads)
+    fftconv_spectrum_kernel(const TK* __restrict__ k, cplx_t<TK>* __restrict__ kf, int L, int log2n) {
+  using C = cplx_t<TK>;
+  MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
   const std::int64_t d = blockIdx.x;
   fft_load_real<TK, false>(a, k + d * L, L, log2n);
   fft_dit<false>(a, log2n);
-  float2* out = kf + d * (n + 1);
-  fft_real_pairs(a, log2n, [&](int i, float2 xk, float2 xnk) {
+  C* out = kf + d * (n + 1);
+  fft_real_pairs(a, log2n, [&](int i, C xk, C xnk) {
     out[i] = xk;
     out[n - i] = xnk;
   });
@@ -195,15 +268,17 @@ __global__ void __launch_bounds__(kFftMaxThreads) fftconv_spectrum_kernel(const 
 
 // y = irfft(rfft(x) * kf)[:L] per row b * D + d.
 template <class T>
-__global__ void __launch_bounds__(kFftMaxThreads) fftconv_fwd_kernel(const T* __restrict__ x, const float2* __restrict__ kf,
-                                                                     T* __restrict__ y, int D, int L, int log2n) {
-  MK_DYNAMIC_SMEM(float2, a);
+__global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
+    fftconv_fwd_kernel(const T* __restrict__ x, const cplx_t<acc_t<T>>* __restrict__ kf, T* __restrict__ y, int D,
+                       int L, int log2n) {
+  using C = cplx_t<acc_t<T>>;
+  MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
   const std::int64_t row = blockIdx.x;
-  const float2* kr = kf + (row % D) * (n + 1);
+  const C* kr = kf + (row % D) * (n + 1);
   fft_load_real<T, false>(a, x + row * L, L, log2n);
   fft_dit<false>(a, log2n);
-  fft_real_pairs(a, log2n, [&](int i, float2 xk, float2 xnk) {
+  fft_real_pairs(a, log2n, [&](int i, C xk, C xnk) {
     fft_merge_pair(a, log2n, i, cmul(xk, kr[i]), cmul(xnk, kr[n - i]));
   });
   fft_bitrev_permute(a, log2n);
@@ -215,19 +290,19 @@ __global__ void __launch_bounds__(kFftMaxThreads) fftconv_fwd_kernel(const T* __
 // (if prod; row-major (nb, D, N + 1)). Row-local: prod[row] is written and re-read by the same
 // thread, so no barrier is needed between the two spectra.
 template <class T>
-__global__ void __launch_bounds__(kFftMaxThreads) fftconv_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x,
-                                                                        const float2* __restrict__ kf,
-                                                                        T* __restrict__ dx, float2* __restrict__ prod,
-                                                                        int D, int L, int log2n) {
-  MK_DYNAMIC_SMEM(float2, a);
+__global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
+    fftconv_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const cplx_t<acc_t<T>>* __restrict__ kf,
+                          T* __restrict__ dx, cplx_t<acc_t<T>>* __restrict__ prod, int D, int L, int log2n) {
+  using C = cplx_t<acc_t<T>>;
+  MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
   const std::int64_t row = blockIdx.x;
-  const float2* kr = kf + (row % D) * (n + 1);
-  float2* pr = prod ? prod + row * (n + 1) : nullptr;
+  const C* kr = kf + (row % D) * (n + 1);
+  C* pr = prod ? prod + row * (n + 1) : nullptr;
   if (pr) {
     fft_load_real<T, false>(a, x + row * L, L, log2n);
     fft_dit<false>(a, log2n);
-    fft_real_pairs(a, log2n, [&](int i, float2 xk, float2 xnk) {
+    fft_real_pairs(a, log2n, [&](int i, C xk, C xnk) {
       pr[i] = xk;
       pr[n - i] = xnk;
     });
@@ -235,7 +310,7 @@ __global__ void __launch_bounds__(kFftMaxThreads) fftconv_bwd_dx_kernel(const T*
   }
   fft_load_real<T, true>(a, dy + row * L, L, log2n);
   fft_dit<false>(a, log2n);
-  fft_real_pairs(a, log2n, [&](int i, float2 gk, float2 gnk) {
+  fft_real_pairs(a, log2n, [&](int i, C gk, C gnk) {
     if (pr) {
       pr[i] = cmul(gk, pr[i]);
       if (2 * i != n) pr[n - i] = cmul(gnk, pr[n - i]);  // the middle bin is its own partner
@@ -250,24 +325,24 @@ __global__ void __launch_bounds__(kFftMaxThreads) fftconv_bwd_dx_kernel(const T*
 }
 
 // Per d: S = (acc[d] if accumulate) + sum_{b < nb} prod[b, d] in a fixed order; then either
-// acc[d] = S, or (finalize) dk[d] = flip(irfft(S))[:L], rounded to TK.
+// acc[d] = S, or (finalize) dk[d] = flip(irfft(S))[:L].
 template <class TK>
-__global__ void __launch_bounds__(kFftMaxThreads) fftconv_bwd_dk_kernel(const float2* __restrict__ prod,
-                                                                        float2* __restrict__ acc, TK* __restrict__ dk,
-                                                                        int nb, int D, int L, int log2n, bool accumulate,
-                                                                        bool finalize) {
-  MK_DYNAMIC_SMEM(float2, a);
+__global__ void __launch_bounds__(FftCfg<TK>::kMaxThreads)
+    fftconv_bwd_dk_kernel(const cplx_t<TK>* __restrict__ prod, cplx_t<TK>* __restrict__ acc, TK* __restrict__ dk,
+                          int nb, int D, int L, int log2n, bool accumulate, bool finalize) {
+  using C = cplx_t<TK>;
+  MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
   const std::int64_t d = blockIdx.x;
   const std::int64_t bins = n + 1;
   auto total = [&](int i) {
-    float2 s = accumulate ? acc[d * bins + i] : make_float2(0.0f, 0.0f);
+    C s = accumulate ? acc[d * bins + i] : mkc(TK(0), TK(0));
     for (int b = 0; b < nb; ++b) s = cadd(s, prod[(static_cast<std::int64_t>(b) * D + d) * bins + i]);
     return s;
   };
   for (int i = threadIdx.x; i <= (n >> 1); i += blockDim.x) {
-    const float2 sk = total(i);
-    const float2 snk = total(n - i);
+    const C sk = total(i);
+    const C snk = total(n - i);
     if (finalize) {
       fft_merge_pair(a, log2n, i, sk, snk);
     } else {
@@ -282,19 +357,25 @@ __global__ void __launch_bounds__(kFftMaxThreads) fftconv_bwd_dk_kernel(const fl
   }
 }
 
-// Host launchers (fftconv_long.cu), called by the public fftconv launchers for log2n > kFftMaxLog2;
-// ws holds ws_rows rows of N complex64 (rows are processed in chunks of ws_rows).
-void fftconv_long_kernel_spectrum(const float* k, float* kf, std::int64_t D, std::int64_t L, int log2n, float* ws,
-                                  std::int64_t ws_rows, void* stream);
-void fftconv_long_fwd(int dtype, const void* x, const float* kf, void* y, std::int64_t B, std::int64_t D,
-                      std::int64_t L, int log2n, float* ws, std::int64_t ws_rows, void* stream);
-void fftconv_long_bwd_dx(int dtype, const void* dy, const void* x, const float* kf, void* dx, float* prod,
-                         std::int64_t B, std::int64_t D, std::int64_t L, int log2n, float* ws, std::int64_t ws_rows,
+// Host launchers (fftconv_long.cu), called by the public fftconv launchers above the one-block
+// limit of the arithmetic type (log2n > FftCfg<R>::kMaxLog2). dtype: x's dtype code for fwd / dx
+// (kFloat32, kBFloat16, kFloat64), the arithmetic type's code for the k spectrum and dk
+// (kFloat32 or kFloat64). Spectra, products and ws are complex of the arithmetic type; ws holds
+// ws_rows rows of N such values (rows are processed in chunks of ws_rows).
+void fftconv_long_kernel_spectrum(int dtype, const void* k, void* kf, std::int64_t D, std::int64_t L, int log2n,
+                                  void* ws, std::int64_t ws_rows, void* stream);
+void fftconv_long_fwd(int dtype, const void* x, const void* kf, void* y, std::int64_t B, std::int64_t D,
+                      std::int64_t L, int log2n, void* ws, std::int64_t ws_rows, void* stream);
+void fftconv_long_bwd_dx(int dtype, const void* dy, const void* x, const void* kf, void* dx, void* prod,
+                         std::int64_t B, std::int64_t D, std::int64_t L, int log2n, void* ws, std::int64_t ws_rows,
                          void* stream);
-// Worst-case dynamic smem over every multi-pass plan: column-pass kernels (rows = false) or
-// row-pass kernels (rows = true); for resources.cu.
+void fftconv_long_bwd_dk(int dtype, const void* prod, void* acc, void* dk, std::int64_t nb, std::int64_t D,
+                         std::int64_t L, int log2n, bool accumulate, bool finalize, void* ws, std::int64_t ws_rows,
+                         void* stream);
+// Worst-case dynamic smem over every multi-pass plan of both arithmetic types: column-pass
+// kernels (rows = false) or row-pass kernels (rows = true); for resources.cu.
 std::int64_t fftconv_long_max_smem_bytes(bool rows);
-void fftconv_long_bwd_dk(const float* prod, float* acc, float* dk, std::int64_t nb, std::int64_t D, std::int64_t L,
-                         int log2n, bool accumulate, bool finalize, float* ws, std::int64_t ws_rows, void* stream);
+// Worst-case dynamic smem of the one-block kernels over both arithmetic types (128 KiB either way).
+std::int64_t fftconv_one_block_max_smem_bytes();
 
 }  // namespace mk

@@ -27,6 +27,10 @@ FP64_DTYPE_CODES = {**DTYPE_CODES, torch.float64: 4}
 #: longer L runs the multi-pass four-step FFT (cuda/fftconv_long.cuh) up to FFTCONV_MAX_LEN.
 FFTCONV_ONE_BLOCK_MAX_LEN = 16384
 FFTCONV_MAX_LEN = 1 << 27
+#: The same in float64 (double arithmetic, complex128 values: 16 B per point, so one block holds
+#: N = 8192 in the same 128 KiB and the multi-pass plan, 128 KiB per pass at most, ends at 2^25).
+FFTCONV_FP64_ONE_BLOCK_MAX_LEN = 8192
+FFTCONV_FP64_MAX_LEN = 1 << 25
 
 
 def dtype_code(t: torch.Tensor, name: str, fp64: bool = False) -> int:
@@ -92,7 +96,8 @@ def _bhls(shape) -> tuple[int, int, int, int]:
 
 @_on_device_of_first_tensor
 def dropkey_softmax_fwd(ext, scores: torch.Tensor, *, causal: bool, dropkey_p: float, seed: int) -> torch.Tensor:
-    code = dtype_code(scores, "scores")
+    """Probabilities in scores' dtype (float32, bfloat16, or float64 with fp64 exp and sums)."""
+    code = dtype_code(scores, "scores", fp64=True)
     _check_device(ext, scores)
     x = scores.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
@@ -104,7 +109,7 @@ def dropkey_softmax_fwd(ext, scores: torch.Tensor, *, causal: bool, dropkey_p: f
 
 @_on_device_of_first_tensor
 def dropkey_softmax_bwd(ext, dy: torch.Tensor, y: torch.Tensor, *, causal: bool, **_unused) -> torch.Tensor:
-    code = dtype_code(y, "y")
+    code = dtype_code(y, "y", fp64=True)
     _check_device(ext, dy, y)
     yc, dyc = y.contiguous(), dy.to(y.dtype).contiguous()
     dx = torch.empty(yc.shape, dtype=y.dtype, device=y.device)
@@ -119,13 +124,14 @@ def dropkey_softmax_bwd(ext, dy: torch.Tensor, y: torch.Tensor, *, causal: bool,
 
 @_on_device_of_first_tensor
 def _rotary(ext, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, conjugate: bool) -> torch.Tensor:
-    code = dtype_code(x, "x")
+    code = dtype_code(x, "x", fp64=True)
     _check_device(ext, x, cos, sin)
     B, L, H, d = x.shape
     half = d // 2
     P = cos.shape[0]  # tables (P, L, 1, d/2), P = 1 or B
-    c = _f32(cos).reshape(P, L, half)
-    s = _f32(sin).reshape(P, L, half)
+    # tables in the kernel's arithmetic type: float64 for float64 x, float32 otherwise
+    c = _acc(cos, x).reshape(P, L, half)
+    s = _acc(sin, x).reshape(P, L, half)
     xc = x.contiguous()
     y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
     ext.rotary(code, conjugate, _ptr(xc), _ptr(c), _ptr(s), _ptr(y), B, L, H, half, P, _stream(xc))
@@ -146,24 +152,27 @@ def rotary_bwd(ext, dy, cos, sin):
 
 @_on_device_of_first_tensor
 def timestep_norm_fwd(ext, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps):
-    """Returns (y, count, mean, var, saved) like the torch backend; mean/var fp32."""
-    code = dtype_code(x, "x")
+    """Returns (y, count, mean, var, saved) like the torch backend; mean/var and the saved statistics
+    in the accumulation dtype: float64 for float64 x, else float32 (scale, bias and the prior too)."""
+    code = dtype_code(x, "x", fp64=True)
     _check_device(ext, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask)
     B, L, D = x.shape
     G = int(num_groups)
     dev = x.device
     xc = x.contiguous()
-    scale_f, bias_f = _f32(scale), _f32(bias)
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    scale_f, bias_f = _acc(scale, x), _acc(bias, x)
     pc = prev_count.to(torch.int64).contiguous()
-    pm, pv = _f32(prev_mean), _f32(prev_var)
+    pm, pv = _acc(prev_mean, x), _acc(prev_var, x)
     mask = padding_mask.to(torch.bool).contiguous()
     y = torch.empty(xc.shape, dtype=x.dtype, device=dev)
     count = torch.empty(B, dtype=torch.int64, device=dev)
-    mean = torch.empty(B, G, dtype=torch.float32, device=dev)
-    var = torch.empty(B, G, dtype=torch.float32, device=dev)
-    cummean = torch.empty(B, L, G, dtype=torch.float32, device=dev)
-    cumrstd = torch.empty(B, L, G, dtype=torch.float32, device=dev)
-    ws = torch.empty(max(1, ext.timestep_norm_workspace_floats(B, L, D, G)), dtype=torch.float32, device=dev)
+    mean = torch.empty(B, G, dtype=acc, device=dev)
+    var = torch.empty(B, G, dtype=acc, device=dev)
+    cummean = torch.empty(B, L, G, dtype=acc, device=dev)
+    cumrstd = torch.empty(B, L, G, dtype=acc, device=dev)
+    # the workspace size counts elements of the accumulation type (doubles for float64 x)
+    ws = torch.empty(max(1, ext.timestep_norm_workspace_floats(B, L, D, G)), dtype=acc, device=dev)
     ext.timestep_norm_fwd(code, _ptr(xc), _ptr(scale_f), _ptr(bias_f), _ptr(pc), _ptr(pm), _ptr(pv), _ptr(mask),
                           _ptr(y), _ptr(count), _ptr(mean), _ptr(var), _ptr(cummean), _ptr(cumrstd), _ptr(ws),
                           B, L, D, G, float(eps), _stream(xc))
@@ -172,7 +181,7 @@ def timestep_norm_fwd(ext, x, scale, bias, prev_count, prev_mean, prev_var, padd
 
 
 def timestep_norm_bwd(ext, dy, dmean, dvar, saved, num_groups):
-    """Returns (dx (x's dtype), dscale, dbias, dprev_mean, dprev_var) (fp32)."""
+    """Returns (dx (x's dtype), dscale, dbias, dprev_mean, dprev_var) (fp32; fp64 for float64 x)."""
     xc = saved[0]
     guard = torch.cuda.device(xc.device) if xc.device.type == "cuda" else contextlib.nullcontext()
     with guard:
@@ -181,20 +190,21 @@ def timestep_norm_bwd(ext, dy, dmean, dvar, saved, num_groups):
 
 def _timestep_norm_bwd(ext, dy, dmean, dvar, saved, num_groups):
     xc, scale_f, pc, pm, mask, cummean, cumrstd = saved
-    code = dtype_code(xc, "x")
+    code = dtype_code(xc, "x", fp64=True)
     B, L, D = xc.shape
     G = int(num_groups)
     dev = xc.device
+    acc = cummean.dtype  # the forward's accumulation dtype
     dyc = (torch.zeros_like(xc) if dy is None else dy.to(xc.dtype)).contiguous()
-    dm = torch.zeros(B, G, dtype=torch.float32, device=dev) if dmean is None else _f32(dmean)
-    dv = torch.zeros(B, G, dtype=torch.float32, device=dev) if dvar is None else _f32(dvar)
+    dm = torch.zeros(B, G, dtype=acc, device=dev) if dmean is None else dmean.to(acc).contiguous()
+    dv = torch.zeros(B, G, dtype=acc, device=dev) if dvar is None else dvar.to(acc).contiguous()
     _check_device(ext, dyc, dm, dv)
     dx = torch.empty(xc.shape, dtype=xc.dtype, device=dev)
-    dscale = torch.empty(D, dtype=torch.float32, device=dev)
-    dbias = torch.empty(D, dtype=torch.float32, device=dev)
-    dpm = torch.empty(B, G, dtype=torch.float32, device=dev)
-    dpv = torch.empty(B, G, dtype=torch.float32, device=dev)
-    ws = torch.empty(max(1, ext.timestep_norm_workspace_floats(B, L, D, G)), dtype=torch.float32, device=dev)
+    dscale = torch.empty(D, dtype=acc, device=dev)
+    dbias = torch.empty(D, dtype=acc, device=dev)
+    dpm = torch.empty(B, G, dtype=acc, device=dev)
+    dpv = torch.empty(B, G, dtype=acc, device=dev)
+    ws = torch.empty(max(1, ext.timestep_norm_workspace_floats(B, L, D, G)), dtype=acc, device=dev)
     ext.timestep_norm_bwd(code, _ptr(dyc), _ptr(dm), _ptr(dv), _ptr(xc), _ptr(scale_f), _ptr(pc), _ptr(pm),
                           _ptr(mask), _ptr(cummean), _ptr(cumrstd), _ptr(dx), _ptr(dscale), _ptr(dbias), _ptr(dpm),
                           _ptr(dpv), _ptr(ws), B, L, D, G, _stream(xc))
@@ -205,11 +215,25 @@ def _timestep_norm_bwd(ext, dy, dmean, dvar, saved, num_groups):
 # fftconv
 # ------------------------------------------------------------------------------------------------
 
-def _fftconv_workspace(ext, L: int, rows: int, max_workspace_bytes: int, device):
-    """(ws, ws_rows): the multi-pass FFT's workspace, ws_rows rows of N complex64 (the launchers
-    walk the rows in chunks of ws_rows), capped at max_workspace_bytes but at least one row;
-    (None, 0) for L <= FFTCONV_ONE_BLOCK_MAX_LEN (one block per row, no workspace)."""
-    row_floats = ext.fftconv_workspace_row_floats(L)
+def fftconv_max_len(dtype: torch.dtype) -> int:
+    """Longest L the CUDA fftconv takes for x of this dtype (2^27; 2^25 in float64)."""
+    return FFTCONV_FP64_MAX_LEN if dtype == torch.float64 else FFTCONV_MAX_LEN
+
+
+def _fftconv_real(x: torch.Tensor) -> tuple[int, torch.dtype, torch.dtype]:
+    """(code, real dtype, complex dtype) of x's arithmetic: float64 x computes in double
+    (k, dk and every spectrum in float64 / complex128), float32 and bfloat16 x in float32."""
+    if x.dtype == torch.float64:
+        return FP64_DTYPE_CODES[torch.float64], torch.float64, torch.complex128
+    return DTYPE_CODES[torch.float32], torch.float32, torch.complex64
+
+
+def _fftconv_workspace(ext, L: int, rows: int, max_workspace_bytes: int, device, code: int = 0):
+    """(ws, ws_rows): the multi-pass FFT's workspace, ws_rows rows of N complex values of the
+    arithmetic type ``code`` (complex64, or complex128 for float64: half the rows for the same
+    bytes; the launchers walk the rows in chunks of ws_rows), capped at max_workspace_bytes but at
+    least one row; (None, 0) up to the one-block limit (no workspace)."""
+    row_floats = ext.fftconv_workspace_row_floats(L, code)
     if row_floats == 0 or rows == 0:
         return None, 0
     ws_rows = max(1, min(rows, max_workspace_bytes // (4 * row_floats)))
@@ -217,31 +241,35 @@ def _fftconv_workspace(ext, L: int, rows: int, max_workspace_bytes: int, device)
 
 
 @_on_device_of_first_tensor
-def fftconv_spectrum(ext, k: torch.Tensor, max_workspace_bytes: int = 256 << 20) -> torch.Tensor:
-    """rfft of each kernel row, zero-padded to 2N: (D, N + 1) complex64 (for L > 16384 the bins
-    are in the multi-pass layout of cuda/fftconv_long.cuh, which only these kernels read)."""
+def fftconv_spectrum(ext, k: torch.Tensor, max_workspace_bytes: int = 256 << 20, like: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """rfft of each kernel row, zero-padded to 2N: (D, N + 1) complex64, or complex128 when
+    ``like`` (x) is float64 (above the one-block limit the bins are in the multi-pass layout of
+    cuda/fftconv_long.cuh, which only these kernels read)."""
     D, L = k.shape
     N = ext.fftconv_fft_size(L)
-    kc = _f32(k)
-    kf = torch.empty(D, N + 1, dtype=torch.complex64, device=k.device)
-    ws, ws_rows = _fftconv_workspace(ext, L, D, max_workspace_bytes, k.device)
-    ext.fftconv_kernel_spectrum(_ptr(kc), _ptr(kf), D, L, _ptr(ws), ws_rows, _stream(kc))
+    code, real, cplx = _fftconv_real(k if like is None else like)
+    kc = k.to(real).contiguous()
+    kf = torch.empty(D, N + 1, dtype=cplx, device=k.device)
+    ws, ws_rows = _fftconv_workspace(ext, L, D, max_workspace_bytes, k.device, code)
+    ext.fftconv_kernel_spectrum(code, _ptr(kc), _ptr(kf), D, L, _ptr(ws), ws_rows, _stream(kc))
     return kf
 
 
 @_on_device_of_first_tensor
 def fftconv_fwd(ext, x: torch.Tensor, k: torch.Tensor, max_workspace_bytes: int = 256 << 20) -> torch.Tensor:
-    """y (x's dtype). L > 16384 uses a workspace of at most ``max_workspace_bytes`` (at least one
-    row of N complex64), walked in row chunks."""
-    code = dtype_code(x, "x")
+    """y (x's dtype), computed in float32 (float64 for float64 x; k is converted to that type).
+    Above the one-block limit a workspace of at most ``max_workspace_bytes`` (at least one row of
+    N complex values) is walked in row chunks."""
+    code = dtype_code(x, "x", fp64=True)
     _check_device(ext, x, k)
     B, D, L = x.shape
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     xc = x.contiguous()
-    kf = fftconv_spectrum(ext, k, max_workspace_bytes)
+    kf = fftconv_spectrum(ext, k, max_workspace_bytes, like=x)
     y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
-    ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, x.device)
+    ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, x.device, code)
     ext.fftconv_fwd(code, _ptr(xc), _ptr(kf), _ptr(y), B, D, L, _ptr(ws), ws_rows, _stream(xc))
     return y
 
@@ -249,35 +277,37 @@ def fftconv_fwd(ext, x: torch.Tensor, k: torch.Tensor, max_workspace_bytes: int 
 @_on_device_of_first_tensor
 def fftconv_bwd(ext, dy, x, k, need_x: bool = True, need_k: bool = True,
                 max_workspace_bytes: int = 256 << 20):
-    """(dx in x's dtype or None, dk float32 or None). The dk product spectra are summed over
-    batch slices so the workspace stays under ``max_workspace_bytes`` (at least one slice; for
-    L > 16384 the multi-pass FFT's row workspace is capped by the same figure)."""
-    code = dtype_code(x, "x")
+    """(dx in x's dtype or None, dk or None): dk float32, or float64 for float64 x. The dk product
+    spectra are summed over batch slices so the workspace stays under ``max_workspace_bytes`` (at
+    least one slice; above the one-block limit the multi-pass FFT's row workspace is capped by the
+    same figure)."""
+    code = dtype_code(x, "x", fp64=True)
     _check_device(ext, dy, x, k)
+    rcode, real, cplx = _fftconv_real(x)
     B, D, L = x.shape
     dev = x.device
     if x.numel() == 0:  # nothing to convolve: dk is an empty sum
         return (torch.empty(x.shape, dtype=x.dtype, device=dev) if need_x else None,
-                torch.zeros(D, L, dtype=torch.float32, device=dev) if need_k else None)
+                torch.zeros(D, L, dtype=real, device=dev) if need_k else None)
     N = ext.fftconv_fft_size(L)
     xc, dyc = x.contiguous(), dy.to(x.dtype).contiguous()
-    kf = fftconv_spectrum(ext, k, max_workspace_bytes)
+    kf = fftconv_spectrum(ext, k, max_workspace_bytes, like=x)
     dx = torch.empty(xc.shape, dtype=x.dtype, device=dev) if need_x else None
-    dk = torch.empty(D, L, dtype=torch.float32, device=dev) if need_k else None
+    dk = torch.empty(D, L, dtype=real, device=dev) if need_k else None
     if not need_k:
-        ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, dev)
+        ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, dev, code)
         ext.fftconv_bwd_dx(code, _ptr(dyc), _ptr(xc), _ptr(kf), _ptr(dx), 0, B, D, L, _ptr(ws), ws_rows, _stream(xc))
         return dx, None
-    row_bytes = D * (N + 1) * 8
+    row_bytes = D * (N + 1) * kf.element_size()
     nb = max(1, min(B, max_workspace_bytes // max(1, row_bytes)))
-    prod = torch.empty(nb, D, N + 1, dtype=torch.complex64, device=dev)
-    acc = torch.empty(D, N + 1, dtype=torch.complex64, device=dev) if nb < B else None
-    ws, ws_rows = _fftconv_workspace(ext, L, max(nb * D, D), max_workspace_bytes, dev)
+    prod = torch.empty(nb, D, N + 1, dtype=cplx, device=dev)
+    acc = torch.empty(D, N + 1, dtype=cplx, device=dev) if nb < B else None
+    ws, ws_rows = _fftconv_workspace(ext, L, max(nb * D, D), max_workspace_bytes, dev, code)
     for b0 in range(0, B, nb):
         b1 = min(B, b0 + nb)
         ext.fftconv_bwd_dx(code, _ptr(dyc[b0:b1]), _ptr(xc[b0:b1]), _ptr(kf), _ptr(dx[b0:b1]) if dx is not None else 0,
                            _ptr(prod), b1 - b0, D, L, _ptr(ws), ws_rows, _stream(xc))
-        ext.fftconv_bwd_dk(_ptr(prod), _ptr(acc), _ptr(dk), b1 - b0, D, L, b0 > 0, b1 == B, _ptr(ws), ws_rows,
+        ext.fftconv_bwd_dk(rcode, _ptr(prod), _ptr(acc), _ptr(dk), b1 - b0, D, L, b0 > 0, b1 == B, _ptr(ws), ws_rows,
                            _stream(xc))
     return dx, dk
 
@@ -297,11 +327,19 @@ def _attn_visible(L: int, S: int, chunk_size, block_causal: bool, device) -> tor
     return (cj == cp) | (cj == cp - 1) if block_causal else cj == cp
 
 
+def _attn_acc(q: torch.Tensor) -> torch.dtype:
+    """Arithmetic dtype of the matmul path: float64 for float64 q/k/v (matmuls and the fp64
+    dropkey_softmax kernel), float32 for the others."""
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
 def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed):
-    """(P fp32 (B, H, L, S), s fp32 (B, H, L, S)) of the matmul path (scores masked with -inf)."""
+    """(P (B, H, L, S), s (B, H, L, S)) of the matmul path (scores masked with -inf), both in
+    _attn_acc(q)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
-    s = torch.matmul(q.transpose(1, 2).to(torch.float32), k.transpose(1, 2).to(torch.float32).transpose(-1, -2))
+    acc = _attn_acc(q)
+    s = torch.matmul(q.transpose(1, 2).to(acc), k.transpose(1, 2).to(acc).transpose(-1, -2))
     s.mul_(scale)
     vis = _attn_visible(L, S, chunk_size, block_causal, q.device)
     if vis is not None:
@@ -312,15 +350,16 @@ def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, s
 
 
 def attention_matmul_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed):
-    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32; -inf for rows with no visible kept key)."""
+    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 (fp64 for float64 q); -inf for rows with no
+    visible kept key)."""
     _check_device(ext, q, k, v)
     B, L, H, _ = q.shape
     S = k.shape[1]
     if B * H * L * S == 0:
         o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
-        return o, torch.full((B, H, L), float("-inf"), dtype=torch.float32, device=q.device)
+        return o, torch.full((B, H, L), float("-inf"), dtype=_attn_acc(q), device=q.device)
     p, s = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
-    o = torch.matmul(p, v.transpose(1, 2).to(torch.float32)).transpose(1, 2).to(q.dtype).contiguous()
+    o = torch.matmul(p, v.transpose(1, 2).to(p.dtype)).transpose(1, 2).to(q.dtype).contiguous()
     # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
     pmax, idx = p.max(dim=-1, keepdim=True)
     lse = (s.gather(-1, idx) - pmax.log()).squeeze(-1)
@@ -336,8 +375,8 @@ def attention_matmul_bwd(ext, do, q, k, v, *, scale, causal, chunk_size, block_c
     if B * H * L * S == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     p, _ = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
-    f32 = lambda x: x.transpose(1, 2).to(torch.float32)  # noqa: E731  (B, H, T, d)
-    dot, qt, kt, vt = f32(do), f32(q), f32(k), f32(v)
+    acc = lambda x: x.transpose(1, 2).to(p.dtype)  # noqa: E731  (B, H, T, d) in _attn_acc(q)
+    dot, qt, kt, vt = acc(do), acc(q), acc(k), acc(v)
     dv = torch.matmul(p.transpose(-1, -2), dot)
     dp = torch.matmul(dot, vt.transpose(-1, -2)).contiguous()
     ds = dropkey_softmax_bwd(ext, dp, p, causal=causal)  # P (dP - rowsum(P dP)); 0 where P = 0
@@ -427,25 +466,32 @@ def attention_flash_bwd(ext, do, q, k, v, o, lse, *, scale, causal, chunk_size, 
 # ------------------------------------------------------------------------------------------------
 # --- cema_kernel / ema_hidden ---
 # ------------------------------------------------------------------------------------------------
-#: The CUDA CEMA kernels (cuda/cema.cuh): fp32 coefficients, N <= CEMA_MAX_N (the n tile is padded
-#: to 16, 32 or 64), and L + 1 < CEMA_MAX_LENGTH so every exponent is exact in fp32.
+#: The CUDA CEMA kernels (cuda/cema.cuh): float32 p with complex64 log_q/gamma/hx (fp32 sums), or
+#: float64 p with complex128 (every power, sum and output in double); N <= CEMA_MAX_N (the n tile
+#: is padded to 16, 32 or 64), and L + 1 < CEMA_MAX_LENGTH so every exponent is exact in fp32.
 CEMA_MAX_N = 64
 CEMA_MAX_LENGTH = 1 << 24
-
-
-def _cplx(t: torch.Tensor | None) -> torch.Tensor | None:
-    """complex64 -> contiguous interleaved (re, im) float32 view (a conj view is resolved first)."""
-    if t is None:
-        return None
-    if t.dtype != torch.complex64:
-        raise TypeError(f"the CUDA CEMA kernels take complex64 coefficients, got {t.dtype}")
-    return torch.view_as_real(t.resolve_conj().contiguous())
+#: p's dtype -> mk::DType code of the kernels' real type (the `real` argument of the launchers).
+CEMA_REAL_CODES = {torch.float32: 0, torch.float64: 4}
+_CEMA_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
 def _coef_p(p: torch.Tensor) -> torch.Tensor:
-    if p.dtype != torch.float32:
-        raise TypeError(f"the CUDA CEMA kernels take float32 p, got {p.dtype}")
+    if p.dtype not in CEMA_REAL_CODES:
+        raise TypeError(f"the CUDA CEMA kernels take float32 or float64 p, got {p.dtype}")
     return p.contiguous()
+
+
+def _cplx(t: torch.Tensor | None, name: str, real: torch.dtype) -> torch.Tensor | None:
+    """complex of p's precision -> contiguous interleaved (re, im) real view (a conj view is resolved
+    first). A mixed precision is refused, not cast: the op (ops.cema_kernel.check_coefficients) never
+    produces one, and a silent cast would hide which precision the caller gets."""
+    if t is None:
+        return None
+    want = _CEMA_COMPLEX[real]
+    if t.dtype != want:
+        raise TypeError(f"the CUDA CEMA kernels take {name} {want} with {real} p, got {t.dtype}")
+    return torch.view_as_real(t.resolve_conj().contiguous())
 
 
 def _cema_length(N: int, L: int) -> None:
@@ -455,41 +501,55 @@ def _cema_length(N: int, L: int) -> None:
         raise ValueError(f"the CUDA CEMA kernels take 1 <= length < 2**24 - 1, got {L}")
 
 
+def _cema_workspace(ext, real: torch.dtype, rows: int, D: int, N: int, L: int, device) -> torch.Tensor:
+    """The analysis partial sums (rows, D, Y, N) x 4 reals of p's dtype (Y depends on the real type's tiles)."""
+    n = ext.cema_workspace_elems(CEMA_REAL_CODES[real], rows, D, N, L)
+    return torch.empty(max(1, n), dtype=real, device=device)
+
+
 @_on_device_of_first_tensor
 def cema_kernel_fwd(ext, p, log_q, gamma, length, hx):
-    """(k r(D L), b r(B D L) or None), float32; same contract as ops/cema_kernel/torch_impl.py."""
+    """(k r(D L), b r(B D L) or None) in p's dtype (float32 or float64); same contract as
+    ops/cema_kernel/torch_impl.py."""
     _check_device(ext, p, log_q, gamma, hx)
     D, N = p.shape
     L = int(length)
     _cema_length(N, L)
-    pc, lq, g, h = _coef_p(p), _cplx(log_q), _cplx(gamma), _cplx(hx)
+    pc = _coef_p(p)
+    real = p.dtype
+    lq, g, h = _cplx(log_q, "log_q", real), _cplx(gamma, "gamma", real), _cplx(hx, "hx", real)
     B = 0 if hx is None else hx.shape[0]
-    k = torch.empty(D, L, dtype=torch.float32, device=p.device)
-    b = torch.empty(B, D, L, dtype=torch.float32, device=p.device) if hx is not None else None
-    ext.cema_kernel_fwd(_ptr(pc), _ptr(lq), _ptr(g), _ptr(h), _ptr(k), _ptr(b), B, D, N, L, _stream(pc))
+    k = torch.empty(D, L, dtype=real, device=p.device)
+    b = torch.empty(B, D, L, dtype=real, device=p.device) if hx is not None else None
+    ext.cema_kernel_fwd(CEMA_REAL_CODES[real], _ptr(pc), _ptr(lq), _ptr(g), _ptr(h), _ptr(k), _ptr(b), B, D, N, L,
+                        _stream(pc))
     return k, b
 
 
 @_on_device_of_first_tensor
 def cema_kernel_bwd(ext, dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
-    """(dp r(D N), dlog_q c(D N), dgamma c(D N), dhx c(B D N) or None); dk/db may be None."""
+    """(dp r(D N), dlog_q c(D N), dgamma c(D N), dhx c(B D N) or None) in p's precision; dk/db may be
+    None and are read in p's dtype (as the torch backend's dk.to(p.dtype))."""
     _check_device(ext, dk, db, p, log_q, gamma, hx)
     D, N = p.shape
     L = int(length)
     _cema_length(N, L)
-    pc, lq, g, h = _coef_p(p), _cplx(log_q), _cplx(gamma), _cplx(hx)
+    pc = _coef_p(p)
+    real, cdt = p.dtype, _CEMA_COMPLEX[p.dtype]
+    lq, g, h = _cplx(log_q, "log_q", real), _cplx(gamma, "gamma", real), _cplx(hx, "hx", real)
     B = 0 if hx is None else hx.shape[0]
     has_db = db is not None and hx is not None
-    dkc = _f32(dk) if dk is not None else None    # an expanded (stride-0) gradient becomes contiguous
-    dbc = _f32(db) if has_db else None
+    # an expanded (stride-0) gradient becomes contiguous
+    dkc = dk.to(real).contiguous() if dk is not None else None
+    dbc = db.to(real).contiguous() if has_db else None
     rows = int(dk is not None) + (B if has_db else 0)
     dev = p.device
-    ws = torch.empty(max(1, ext.cema_workspace_floats(rows, D, N, L)), dtype=torch.float32, device=dev)
-    dp = torch.empty(D, N, dtype=torch.float32, device=dev)
-    dlq = torch.empty(D, N, dtype=torch.complex64, device=dev)
-    dgamma = torch.empty(D, N, dtype=torch.complex64, device=dev)
-    dhx = torch.empty(B, D, N, dtype=torch.complex64, device=dev) if hx is not None else None
-    ext.cema_kernel_bwd(_ptr(dkc), _ptr(dbc), _ptr(pc), _ptr(lq), _ptr(g), _ptr(h), _ptr(dp),
+    ws = _cema_workspace(ext, real, rows, D, N, L, dev)
+    dp = torch.empty(D, N, dtype=real, device=dev)
+    dlq = torch.empty(D, N, dtype=cdt, device=dev)
+    dgamma = torch.empty(D, N, dtype=cdt, device=dev)
+    dhx = torch.empty(B, D, N, dtype=cdt, device=dev) if hx is not None else None
+    ext.cema_kernel_bwd(CEMA_REAL_CODES[real], _ptr(dkc), _ptr(dbc), _ptr(pc), _ptr(lq), _ptr(g), _ptr(h), _ptr(dp),
                         _ptr(torch.view_as_real(dlq)), _ptr(torch.view_as_real(dgamma)),
                         _ptr(torch.view_as_real(dhx)) if dhx is not None else 0, _ptr(ws), B, D, N, L,
                         bool(needs[1]), _stream(pc))
@@ -498,45 +558,55 @@ def cema_kernel_bwd(ext, dk, db, p, log_q, gamma, length, hx, needs=(True, True,
 
 @_on_device_of_first_tensor
 def ema_hidden_fwd(ext, x, p, log_q, hx, weighted=False):
-    """(h c(B D N), V c(B D N), W c(B D N) or None); x float32 or bfloat16, sums in fp32."""
-    code = dtype_code(x, "x")
+    """(h c(B D N), V c(B D N), W c(B D N) or None) in p's precision. x float32 or bfloat16 is read
+    as is (widened on load); float64 x with float64 p is summed in double, with float32 p it is
+    cast to float32 first (the torch backend computes x in p's dtype too)."""
+    code = dtype_code(x, "x", fp64=True)
     _check_device(ext, x, p, log_q, hx)
     B, D, L = x.shape
     N = p.shape[1]
     _cema_length(N, L)
-    xc, pc, lq, h0 = x.contiguous(), _coef_p(p), _cplx(log_q), _cplx(hx)
+    pc = _coef_p(p)
+    real, cdt = p.dtype, _CEMA_COMPLEX[p.dtype]
+    lq, h0 = _cplx(log_q, "log_q", real), _cplx(hx, "hx", real)
+    if x.dtype == torch.float64 and real == torch.float32:
+        x, code = x.to(torch.float32), DTYPE_CODES[torch.float32]
+    xc = x.contiguous()
     dev = x.device
-    h = torch.empty(B, D, N, dtype=torch.complex64, device=dev)
-    V = torch.empty(B, D, N, dtype=torch.complex64, device=dev)
-    W = torch.empty(B, D, N, dtype=torch.complex64, device=dev) if weighted else None
-    ws = torch.empty(max(1, ext.cema_workspace_floats(B, D, N, L)), dtype=torch.float32, device=dev)
-    ext.ema_hidden_fwd(code, _ptr(xc), _ptr(pc), _ptr(lq), _ptr(h0), _ptr(torch.view_as_real(h)),
-                       _ptr(torch.view_as_real(V)), _ptr(torch.view_as_real(W)) if W is not None else 0, _ptr(ws),
-                       B, D, N, L, _stream(xc))
+    h = torch.empty(B, D, N, dtype=cdt, device=dev)
+    V = torch.empty(B, D, N, dtype=cdt, device=dev)
+    W = torch.empty(B, D, N, dtype=cdt, device=dev) if weighted else None
+    ws = _cema_workspace(ext, real, B, D, N, L, dev)
+    ext.ema_hidden_fwd(code, CEMA_REAL_CODES[real], _ptr(xc), _ptr(pc), _ptr(lq), _ptr(h0),
+                       _ptr(torch.view_as_real(h)), _ptr(torch.view_as_real(V)),
+                       _ptr(torch.view_as_real(W)) if W is not None else 0, _ptr(ws), B, D, N, L, _stream(xc))
     return h, V, W
 
 
 @_on_device_of_first_tensor
 def ema_hidden_bwd(ext, dh, p, log_q, hx, V, W, length, needs=(True, True, True, True)):
-    """(dx r(B D L) float32 or None, dp r(D N), dlog_q c(D N), dhx c(B D N) or None) from the saved V, W."""
+    """(dx r(B D L) in p's dtype or None, dp r(D N), dlog_q c(D N), dhx c(B D N) or None) from the saved V, W."""
     need_x, need_p, need_lq, _ = needs
     _check_device(ext, dh, p, log_q, hx, V, W)
     B, D, N = dh.shape
     L = int(length)
     _cema_length(N, L)
-    dhc, pc, lq, h0 = _cplx(dh), _coef_p(p), _cplx(log_q), _cplx(hx)
-    v = _cplx(V) if need_p else None
-    w = _cplx(W) if need_lq else None
+    pc = _coef_p(p)
+    real, cdt = p.dtype, _CEMA_COMPLEX[p.dtype]
+    dhc, lq, h0 = _cplx(dh, "dh", real), _cplx(log_q, "log_q", real), _cplx(hx, "hx", real)
+    v = _cplx(V, "V", real) if need_p else None
+    w = _cplx(W, "W", real) if need_lq else None
     if need_lq and w is None:
         raise ValueError("ema_hidden_bwd: dlog_q needs the forward's weighted sums W "
                          "(run the forward with weighted=True)")
     dev = dh.device
-    dx = torch.empty(B, D, L, dtype=torch.float32, device=dev) if need_x else None
-    dp = torch.empty(D, N, dtype=torch.float32, device=dev)
-    dlq = torch.empty(D, N, dtype=torch.complex64, device=dev)
-    dhx = torch.empty(B, D, N, dtype=torch.complex64, device=dev) if hx is not None else None
-    ext.ema_hidden_bwd(_ptr(dhc), _ptr(pc), _ptr(lq), _ptr(h0), _ptr(v), _ptr(w), _ptr(dx), _ptr(dp),
-                       _ptr(torch.view_as_real(dlq)), _ptr(torch.view_as_real(dhx)) if dhx is not None else 0,
+    dx = torch.empty(B, D, L, dtype=real, device=dev) if need_x else None
+    dp = torch.empty(D, N, dtype=real, device=dev)
+    dlq = torch.empty(D, N, dtype=cdt, device=dev)
+    dhx = torch.empty(B, D, N, dtype=cdt, device=dev) if hx is not None else None
+    ext.ema_hidden_bwd(CEMA_REAL_CODES[real], _ptr(dhc), _ptr(pc), _ptr(lq), _ptr(h0), _ptr(v), _ptr(w), _ptr(dx),
+                       _ptr(dp), _ptr(torch.view_as_real(dlq)),
+                       _ptr(torch.view_as_real(dhx)) if dhx is not None else 0,
                        B, D, N, L, bool(need_p), bool(need_lq), _stream(dhc))
     return dx, dp, dlq, dhx
 # --- end cema_kernel / ema_hidden ---

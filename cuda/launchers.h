@@ -17,66 +17,82 @@ void dropkey_softmax_fwd(int dtype, const void* x, void* y, std::int64_t Bf, std
 void dropkey_softmax_bwd(int dtype, const void* y, const void* dy, void* dx, std::int64_t Bf, std::int64_t Hf,
                          std::int64_t L, std::int64_t S, bool causal, void* stream);
 
-// --- rotary: x (B, L, H, 2*half) contiguous, cos/sin (P, L, half) fp32 with P in {1, B} ---------
-void rotary(int dtype, bool conjugate, const void* x, const float* cos, const float* sin, void* y, std::int64_t B,
+// --- rotary: x (B, L, H, 2*half) contiguous, cos/sin (P, L, half) with P in {1, B} ---------------
+// cos/sin are in x's accumulation type: fp32 for float/bf16 x, fp64 for double x.
+void rotary(int dtype, bool conjugate, const void* x, const void* cos, const void* sin, void* y, std::int64_t B,
             std::int64_t L, std::int64_t H, std::int64_t half, std::int64_t P, void* stream);
 
 // --- timestep_norm (x (B, L, D) contiguous; G groups of D/G features) ----------------------------
-// Workspace: timestep_norm_workspace_floats(B, L, G) floats.
+// scale, bias, prev_mean/var, the statistics, the gradients of the side inputs and the workspace
+// are in x's accumulation type (fp32 for float/bf16 x, fp64 for double x); counts are int64.
+// Workspace: timestep_norm_workspace_floats(B, L, D, G) elements of that type.
 std::int64_t timestep_norm_workspace_floats(std::int64_t B, std::int64_t L, std::int64_t D, std::int64_t G);
-void timestep_norm_fwd(int dtype, const void* x, const float* scale, const float* bias, const std::int64_t* prev_count,
-                       const float* prev_mean, const float* prev_var, const bool* padding_mask, void* y,
-                       std::int64_t* count, float* mean, float* var, float* cummean, float* cumrstd, float* workspace,
+void timestep_norm_fwd(int dtype, const void* x, const void* scale, const void* bias, const std::int64_t* prev_count,
+                       const void* prev_mean, const void* prev_var, const bool* padding_mask, void* y,
+                       std::int64_t* count, void* mean, void* var, void* cummean, void* cumrstd, void* workspace,
                        std::int64_t B, std::int64_t L, std::int64_t D, std::int64_t G, double eps, void* stream);
-void timestep_norm_bwd(int dtype, const void* dy, const float* dmean, const float* dvar, const void* x,
-                       const float* scale, const std::int64_t* prev_count, const float* prev_mean,
-                       const bool* padding_mask, const float* cummean, const float* cumrstd, void* dx, float* dscale,
-                       float* dbias, float* dprev_mean, float* dprev_var, float* workspace, std::int64_t B,
+void timestep_norm_bwd(int dtype, const void* dy, const void* dmean, const void* dvar, const void* x,
+                       const void* scale, const std::int64_t* prev_count, const void* prev_mean,
+                       const bool* padding_mask, const void* cummean, const void* cumrstd, void* dx, void* dscale,
+                       void* dbias, void* dprev_mean, void* dprev_var, void* workspace, std::int64_t B,
                        std::int64_t L, std::int64_t D, std::int64_t G, void* stream);
 
-// --- fftconv: x (B, D, L) contiguous, k (D, L) fp32 ---------------------------------------------
-// L <= fftconv_one_block_max_length() (16384): one block per row, ws unused (may be nullptr).
-// Longer (up to fftconv_max_length() = 2^27): the multi-pass four-step FFT through ws, ws_rows
-// rows of fftconv_workspace_row_floats(L) floats (N complex64) each; rows go in chunks of ws_rows.
+// --- fftconv: x (B, D, L) contiguous, k (D, L) in x's arithmetic type (fp32; fp64 for double x) ---
+// dtype: x's code (kFloat32, kBFloat16, kFloat64) for fwd / dx; the arithmetic type's code
+// (kFloat32 or kFloat64) for the k spectrum and dk. Spectra (kf, prod, acc) are complex64 for
+// fp32 arithmetic and complex128 for fp64 (interleaved re, im; bins permuted on the multi-pass path).
+// L <= fftconv_one_block_max_length(dtype) (16384; 8192 in double): one block per row, ws unused
+// (may be nullptr). Longer (up to fftconv_max_length(dtype) = 2^27; 2^25 in double): the
+// multi-pass four-step FFT through ws, ws_rows rows of fftconv_workspace_row_floats(L, dtype)
+// 4-byte floats (N complex values) each; rows go in chunks of ws_rows.
 std::int64_t fftconv_fft_size(std::int64_t L);  // complex points N (real FFT length 2N)
-std::int64_t fftconv_max_length();
-std::int64_t fftconv_one_block_max_length();
-std::int64_t fftconv_workspace_row_floats(std::int64_t L);  // 0 when L needs no workspace
-// Spectrum of k: kf (D, N + 1) complex64 (interleaved re, im; bins permuted for the multi-pass path).
-void fftconv_kernel_spectrum(const float* k, float* kf, std::int64_t D, std::int64_t L, float* ws,
+std::int64_t fftconv_max_length(int dtype = 0);
+std::int64_t fftconv_one_block_max_length(int dtype = 0);
+std::int64_t fftconv_workspace_row_floats(std::int64_t L, int dtype = 0);  // 0 when L needs no workspace
+// Spectrum of k: kf (D, N + 1) complex.
+void fftconv_kernel_spectrum(int dtype, const void* k, void* kf, std::int64_t D, std::int64_t L, void* ws,
                              std::int64_t ws_rows, void* stream);
-void fftconv_fwd(int dtype, const void* x, const float* kf, void* y, std::int64_t B, std::int64_t D, std::int64_t L,
-                 float* ws, std::int64_t ws_rows, void* stream);
-// dx (x's dtype) and the per-(b, d) product spectra prod (nb, D, N + 1) complex64 for b in
-// [b0, b0 + nb); then fftconv_bwd_dk sums them into acc (D, N + 1) complex64 and, when
-// `finalize`, writes dk (D, L) fp32. Either output may be skipped (nullptr).
-void fftconv_bwd_dx(int dtype, const void* dy, const void* x, const float* kf, void* dx, float* prod, std::int64_t B,
-                    std::int64_t D, std::int64_t L, float* ws, std::int64_t ws_rows, void* stream);
-void fftconv_bwd_dk(const float* prod, float* acc, float* dk, std::int64_t nb, std::int64_t D, std::int64_t L,
-                    bool accumulate, bool finalize, float* ws, std::int64_t ws_rows, void* stream);
-// Test hook: out (n, 2) = e^{sign i pi a / 2^s} as the multi-pass twiddles compute it.
-void fftconv_long_twiddle_probe(const std::uint32_t* a, float* out, std::int64_t n, int s, float sign, void* stream);
+void fftconv_fwd(int dtype, const void* x, const void* kf, void* y, std::int64_t B, std::int64_t D, std::int64_t L,
+                 void* ws, std::int64_t ws_rows, void* stream);
+// dx (x's dtype) and the per-(b, d) product spectra prod (nb, D, N + 1) complex for b in
+// [b0, b0 + nb); then fftconv_bwd_dk sums them into acc (D, N + 1) complex and, when
+// `finalize`, writes dk (D, L) in the arithmetic type. Either output may be skipped (nullptr).
+void fftconv_bwd_dx(int dtype, const void* dy, const void* x, const void* kf, void* dx, void* prod, std::int64_t B,
+                    std::int64_t D, std::int64_t L, void* ws, std::int64_t ws_rows, void* stream);
+void fftconv_bwd_dk(int dtype, const void* prod, void* acc, void* dk, std::int64_t nb, std::int64_t D, std::int64_t L,
+                    bool accumulate, bool finalize, void* ws, std::int64_t ws_rows, void* stream);
+// Test hook: out (n) complex of dtype's arithmetic type = e^{sign i pi a / 2^s} as the multi-pass
+// twiddles compute it.
+void fftconv_long_twiddle_probe(const std::uint32_t* a, void* out, std::int64_t n, int s, double sign, int dtype,
+                                void* stream);
+// Worst-case dynamic smem of the one-block fftconv kernels over float and double (resources.cu).
+std::int64_t fftconv_one_block_max_smem_bytes();
+// --- end fftconv ---
 
-// --- cema_kernel / ema_hidden (cema.cuh): coefficients fp32, complex as interleaved (re, im) -----
-// Workspace of the analysis partial sums: cema_workspace_floats(rows, D, N, L) floats, with
+// --- cema_kernel / ema_hidden (cema.cuh): complex as interleaved (re, im) --------------------------
+// `real` is the coefficients' dtype code (mk::DType): kFloat32 (p float32, log_q/gamma/hx/dh
+// complex64) or kFloat64 (float64 / complex128); every output, gradient and the workspace have that
+// real type, and all sums accumulate in it.
+// Workspace of the analysis partial sums: cema_workspace_elems(real, rows, D, N, L) reals, with
 // rows = (dk given) + (db given) * B for cema_kernel_bwd and rows = B for ema_hidden_fwd.
-std::int64_t cema_workspace_floats(std::int64_t rows, std::int64_t D, std::int64_t N, std::int64_t L);
+std::int64_t cema_workspace_elems(int real, std::int64_t rows, std::int64_t D, std::int64_t N, std::int64_t L);
 // k (D, L) and, when hx (B, D, N) is given, b (B, D, L); p (D, N), log_q, gamma (D, N) complex.
-void cema_kernel_fwd(const float* p, const float* log_q, const float* gamma, const float* hx, float* k, float* b,
+void cema_kernel_fwd(int real, const void* p, const void* log_q, const void* gamma, const void* hx, void* k, void* b,
                      std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, void* stream);
-// dk (D, L), db (B, D, L) fp32 or nullptr -> dp (D, N), dlog_q, dgamma (D, N) and dhx (B, D, N) when hx
+// dk (D, L), db (B, D, L) (real type) or nullptr -> dp (D, N), dlog_q, dgamma (D, N) and dhx (B, D, N) when hx
 // is given (B = 0 without hx). weighted = false skips dlog_q (written as 0).
-void cema_kernel_bwd(const float* dk, const float* db, const float* p, const float* log_q, const float* gamma,
-                     const float* hx, float* dp, float* dlog_q, float* dgamma, float* dhx, float* workspace,
+void cema_kernel_bwd(int real, const void* dk, const void* db, const void* p, const void* log_q, const void* gamma,
+                     const void* hx, void* dp, void* dlog_q, void* dgamma, void* dhx, void* workspace,
                      std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool weighted, void* stream);
-// x (B, D, L) float32/bf16 (dtype code) -> h, V and, when w != nullptr, W, all (B, D, N); hx may be nullptr.
-void ema_hidden_fwd(int dtype, const void* x, const float* p, const float* log_q, const float* hx, float* h, float* v,
-                    float* w, float* workspace, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L,
+// x (B, D, L) of dtype code `dtype` (float32/bf16; also float64 when real = kFloat64) -> h, V and, when
+// w != nullptr, W, all (B, D, N); hx may be nullptr.
+void ema_hidden_fwd(int dtype, int real, const void* x, const void* p, const void* log_q, const void* hx, void* h,
+                    void* v, void* w, void* workspace, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L,
                     void* stream);
-// dh (B, D, N) -> dx (B, D, L) fp32 (nullptr: skipped), dp (D, N), dlog_q (D, N), dhx (B, D, N) when hx
+// dh (B, D, N) -> dx (B, D, L) real type (nullptr: skipped), dp (D, N), dlog_q (D, N), dhx (B, D, N) when hx
 // is given; V (need_p) and W (need_lq) are the forward's saved sums.
-void ema_hidden_bwd(const float* dh, const float* p, const float* log_q, const float* hx, const float* v,
-                    const float* w, float* dx, float* dp, float* dlog_q, float* dhx, std::int64_t B, std::int64_t D,
+void ema_hidden_bwd(int real, const void* dh, const void* p, const void* log_q, const void* hx, const void* v,
+                    const void* w, void* dx, void* dp, void* dlog_q, void* dhx, std::int64_t B, std::int64_t D,
                     std::int64_t N, std::int64_t L, bool need_p, bool need_lq, void* stream);
 // --- end cema_kernel / ema_hidden ----------------------------------------------------------------
 

@@ -6,7 +6,7 @@
 namespace mk {
 
 std::vector<std::pair<std::string, std::int64_t>> dynamic_smem_table() {
-  const auto fft = static_cast<std::int64_t>(fft_smem_bytes(kFftMaxLog2));
+  const auto fft = fftconv_one_block_max_smem_bytes();  // --- fftconv: float N = 2^14 | double N = 2^13 ---
   std::vector<std::pair<std::string, std::int64_t>> table = {
       {"fftconv_spectrum_kernel", fft},
       {"fftconv_fwd_kernel", fft},

@@ -17,7 +17,9 @@
 // Fixes of upstream's defects: padded steps hold the carried state in cummean/cumrstd (so
 // cummean[t-1] is the mean entering t, spec 8.2); a padded step is an identity map, so no 0/0
 // from empty leading chunks (8.4); no thread returns before a barrier (8.5); no +inf sentinel,
-// genuine inf/NaN inputs propagate (8.6); the statistics are fp32 whatever the input dtype (8.7).
+// genuine inf/NaN inputs propagate (8.6); the statistics are fp32 whatever the input dtype (8.7),
+// fp64 for double x: every kernel computes in A = acc_t<T> and the statistics, state, side inputs
+// (scale, bias, prev stats) and workspace are arrays of A.
 #pragma once
 
 #include "common.cuh"
@@ -28,39 +30,99 @@ constexpr int kTsnMaxChunks = 128;   // threads (time chunks) of the scan kernel
 constexpr int kTsnRowThreads = 256;  // 8 warps = 8 rows per block in the row kernels
 constexpr int kTsnSlots = 64;        // row slices of the dscale/dbias partial sums (8 x 8)
 
+// 1 / n for a count n >= 1 and 1 / sqrt(v) for v = var + eps > 0, in the accumulation type.
+// fp32: fast reciprocal (MUFU.RCP, ~1 ulp for these integer counts): IEEE division and __frcp_rn
+// call a slow-path subroutine whose calling convention made ptxas spill in the scan kernel.
+// fp64: the same holds for IEEE division, __drcp_rn and rsqrt(double) (8 bytes of spills in the
+// scan kernel), so the hardware estimate (rcp/rsqrt.approx.ftz.f64 = MUFU.RCP64H / RSQ64H: only
+// the high word, ~20 mantissa bits, is meaningful) is refined by Newton steps, each squaring the
+// relative error: three steps reach rounding level even from a 2^-10 estimate (a few ulp). The
+// emulator models the estimate as the correctly rounded value with its low word cleared.
+__device__ __forceinline__ double f64_estimate_hi(double v) {
+#if MK_EMULATOR
+  std::uint64_t u;
+  std::memcpy(&u, &v, 8);
+  u &= 0xFFFFFFFF00000000ull;
+  std::memcpy(&v, &u, 8);
+#endif
+  return v;
+}
+__device__ __forceinline__ float rcp_count(float n) { return __fdividef(1.0f, n); }
+__device__ __forceinline__ double rcp_count(double n) {
+#if MK_EMULATOR
+  double r = f64_estimate_hi(1.0 / n);
+#else
+  double r;
+  asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(n));
+#endif
+  for (int k = 0; k < 3; ++k) r = fma(r, fma(-n, r, 1.0), r);  // r (2 - n r)
+  return r;
+}
+__device__ __forceinline__ float acc_rsqrt(float v) { return rsqrtf(v); }
+__device__ __forceinline__ double acc_rsqrt(double v) {
+#if MK_EMULATOR
+  double r = f64_estimate_hi(1.0 / std::sqrt(v));
+#else
+  double r;
+  asm("rsqrt.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(v));
+#endif
+  for (int k = 0; k < 3; ++k) r = r * fma(-0.5 * v, r * r, 1.5);  // r (3 - v r^2) / 2
+  // v = +inf (an infinite input's variance) has the estimate 0 and inf * 0 = NaN above; NaN stays NaN
+  return v == INFINITY ? 0.0 : r;
+}
+
+// (a, b) pair of A stored as one 8- or 16-byte word (float2 / double2 loads).
+template <class A>
+struct Pair;
+template <>
+struct Pair<float> {
+  using type = float2;
+  static __device__ __forceinline__ float2 make(float a, float b) { return make_float2(a, b); }
+};
+template <>
+struct Pair<double> {
+  using type = double2;
+  static __device__ __forceinline__ double2 make(double a, double b) { return make_double2(a, b); }
+};
+template <class A>
+using pair_t = typename Pair<A>::type;
+
 // Running Welford state with Kahan compensation of the mean and M2 sums.
+template <class A>
 struct KahanWelford {
   long long n;
-  float mu, m2, c_mu, c_m2;
+  A mu, m2, c_mu, c_m2;
 };
-__device__ __forceinline__ void kahan_add(float& sum, float& comp, float v) {
-  const float y = v - comp;
-  const float t = sum + y;
+template <class A>
+__device__ __forceinline__ void kahan_add(A& sum, A& comp, A v) {
+  const A y = v - comp;
+  const A t = sum + y;
   comp = (t - sum) - y;
   sum = t;
 }
-__device__ __forceinline__ void kw_observe(KahanWelford& s, float gmu, float gvar) {
+template <class A>
+__device__ __forceinline__ void kw_observe(KahanWelford<A>& s, A gmu, A gvar) {
   s.n += 1;
-  const float delta = gmu - s.mu;
-  // fast reciprocal (MUFU.RCP, ~1 ulp for these integer counts): IEEE division and __frcp_rn call
-  // a slow-path subroutine whose calling convention made ptxas spill in the scan kernel
-  kahan_add(s.mu, s.c_mu, delta * __fdividef(1.0f, static_cast<float>(s.n)));
+  const A delta = gmu - s.mu;
+  kahan_add(s.mu, s.c_mu, delta * rcp_count(static_cast<A>(s.n)));
   kahan_add(s.m2, s.c_m2, gvar + delta * (gmu - s.mu));  // gvar + delta^2 (n - 1) / n
 }
 
 // Chunk summary for the scan: (count, mean, M2) with Chan's associative merge; an empty side is
 // the identity and is returned exactly (the prior with count 0 stays "mean = prev_mean").
+template <class A>
 struct Summary {
   long long n;
-  float mu, m2;
+  A mu, m2;
 };
-__device__ __forceinline__ Summary chan_merge(Summary a, Summary b) {
+template <class A>
+__device__ __forceinline__ Summary<A> chan_merge(Summary<A> a, Summary<A> b) {
   if (b.n == 0) return a;
   if (a.n == 0) return b;
   const long long n = a.n + b.n;
-  const float fb = static_cast<float>(b.n) * __fdividef(1.0f, static_cast<float>(n));
-  const float delta = b.mu - a.mu;
-  return {n, a.mu + delta * fb, a.m2 + b.m2 + delta * delta * static_cast<float>(a.n) * fb};
+  const A fb = static_cast<A>(b.n) * rcp_count(static_cast<A>(n));
+  const A delta = b.mu - a.mu;
+  return {n, a.mu + delta * fb, a.m2 + b.m2 + delta * delta * static_cast<A>(a.n) * fb};
 }
 
 // Work-efficient (Blelloch) exclusive scan over blockDim.x (a power of two) entries of shared
@@ -96,41 +158,44 @@ __device__ __forceinline__ void blelloch_exclusive_scan(V* a, V root, Op op) {
 // stats[row] = (gmu, gvar) for row = (b * L + t) * G + g; padded steps get (0, 0) and are never read.
 template <class T>
 __global__ void __launch_bounds__(kTsnRowThreads) tsn_moments_kernel(const T* __restrict__ x, const bool* __restrict__ pad,
-                                                                      float2* __restrict__ stats, std::int64_t rows,
-                                                                      int G, int Dg) {
+                                                                      pair_t<acc_t<T>>* __restrict__ stats,
+                                                                      std::int64_t rows, int G, int Dg) {
+  using A = acc_t<T>;
   const int lane = threadIdx.x & 31;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x >> 5);
   for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows;
        row += warps) {
     const std::int64_t bt = row / G;
-    float gmu = 0.0f, gvar = 0.0f;
+    A gmu = A(0), gvar = A(0);
     if (!pad[bt]) {  // uniform over the warp
       const T* xr = x + row * Dg;
-      float s = 0.0f;
-      for (int j = lane; j < Dg; j += 32) s += to_f32(xr[j]);
-      gmu = warp_sum(s) / static_cast<float>(Dg);
-      float q = 0.0f;
+      A s = A(0);
+      for (int j = lane; j < Dg; j += 32) s += to_acc(xr[j]);
+      gmu = warp_sum(s) / static_cast<A>(Dg);
+      A q = A(0);
       for (int j = lane; j < Dg; j += 32) {
-        const float c = to_f32(xr[j]) - gmu;
+        const A c = to_acc(xr[j]) - gmu;
         q += c * c;
       }
-      gvar = warp_sum(q) / static_cast<float>(Dg);
+      gvar = warp_sum(q) / static_cast<A>(Dg);
     }
-    if (lane == 0) stats[row] = make_float2(gmu, gvar);
+    if (lane == 0) stats[row] = Pair<A>::make(gmu, gvar);
   }
 }
 
+template <class A>
 struct ChanOp {
-  __device__ __forceinline__ Summary operator()(Summary a, Summary b) const { return chan_merge(a, b); }
+  __device__ __forceinline__ Summary<A> operator()(Summary<A> a, Summary<A> b) const { return chan_merge(a, b); }
 };
 
 // One block per (b, g): blockIdx.x = b * G + g; blockDim.x chunks (power of two <= kTsnMaxChunks).
+template <class A>
 __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
-    const float2* __restrict__ stats, const bool* __restrict__ pad, const std::int64_t* __restrict__ prev_count,
-    const float* __restrict__ prev_mean, const float* __restrict__ prev_var, float* __restrict__ cummean,
-    float* __restrict__ cumrstd, std::int64_t* __restrict__ count, float* __restrict__ mean_out,
-    float* __restrict__ var_out, int L, int G, int chunk, float eps) {
-  MK_STATIC_SMEM(Summary, s_sum, kTsnMaxChunks);
+    const pair_t<A>* __restrict__ stats, const bool* __restrict__ pad, const std::int64_t* __restrict__ prev_count,
+    const A* __restrict__ prev_mean, const A* __restrict__ prev_var, A* __restrict__ cummean,
+    A* __restrict__ cumrstd, std::int64_t* __restrict__ count, A* __restrict__ mean_out,
+    A* __restrict__ var_out, int L, int G, int chunk, A eps) {
+  MK_STATIC_SMEM(Summary<A>, s_sum, kTsnMaxChunks);
   const int bg = blockIdx.x;
   const int b = bg / G;
   const int g = bg - b * G;
@@ -141,57 +206,58 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
   auto at = [&](int t) { return (static_cast<std::int64_t>(b) * L + t) * G + g; };
 
   // 1. chunk summary
-  KahanWelford s{0, 0.0f, 0.0f, 0.0f, 0.0f};
+  KahanWelford<A> s{0, A(0), A(0), A(0), A(0)};
   for (int t = t0; t < t1; ++t) {
     if (pb[t]) continue;
-    const float2 st = stats[at(t)];
+    const pair_t<A> st = stats[at(t)];
     kw_observe(s, st.x, st.y);
   }
-  s_sum[c] = Summary{s.n, s.mu, s.m2};
+  s_sum[c] = Summary<A>{s.n, s.mu, s.m2};
 
   // 2. prefix of every chunk: prior (+) chunks before it
   const long long n0 = prev_count[b];
-  const float pvar = prev_var[bg];
-  const Summary prior{n0, prev_mean[bg], static_cast<float>(n0) * pvar};
-  blelloch_exclusive_scan(s_sum, prior, ChanOp{});
-  const Summary pre = s_sum[c];
+  const A pvar = prev_var[bg];
+  const Summary<A> prior{n0, prev_mean[bg], static_cast<A>(n0) * pvar};
+  blelloch_exclusive_scan(s_sum, prior, ChanOp<A>{});
+  const Summary<A> pre = s_sum[c];
 
   // 3. re-scan the chunk from its prefix; padded steps repeat the carried state
-  KahanWelford r{pre.n, pre.mu, pre.m2, 0.0f, 0.0f};
+  KahanWelford<A> r{pre.n, pre.mu, pre.m2, A(0), A(0)};
   for (int t = t0; t < t1; ++t) {
     if (!pb[t]) {
-      const float2 st = stats[at(t)];
+      const pair_t<A> st = stats[at(t)];
       kw_observe(r, st.x, st.y);
     }
-    const float var = r.n > 0 ? r.m2 * __fdividef(1.0f, static_cast<float>(r.n)) : pvar;
+    const A var = r.n > 0 ? r.m2 * rcp_count(static_cast<A>(r.n)) : pvar;
     cummean[at(t)] = r.mu;
-    cumrstd[at(t)] = rsqrtf(var + eps);
+    cumrstd[at(t)] = acc_rsqrt(var + eps);
   }
   if (c == static_cast<int>(blockDim.x) - 1) {  // the last chunk ends with the final state
     mean_out[bg] = r.mu;
-    var_out[bg] = r.n > 0 ? r.m2 * __fdividef(1.0f, static_cast<float>(r.n)) : pvar;
+    var_out[bg] = r.n > 0 ? r.m2 * rcp_count(static_cast<A>(r.n)) : pvar;
     if (g == 0) count[b] = r.n;
   }
 }
 
 template <class T>
 __global__ void __launch_bounds__(256) tsn_normalize_kernel(const T* __restrict__ x, const bool* __restrict__ pad,
-                                                            const float* __restrict__ cummean,
-                                                            const float* __restrict__ cumrstd,
-                                                            const float* __restrict__ scale,
-                                                            const float* __restrict__ bias, T* __restrict__ y,
+                                                            const acc_t<T>* __restrict__ cummean,
+                                                            const acc_t<T>* __restrict__ cumrstd,
+                                                            const acc_t<T>* __restrict__ scale,
+                                                            const acc_t<T>* __restrict__ bias, T* __restrict__ y,
                                                             std::int64_t total, int D, int Dg) {
+  using A = acc_t<T>;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   const int G = D / Dg;
   for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
     const std::int64_t bt = e / D;
     const int i = static_cast<int>(e - bt * D);
-    float out = 0.0f;
+    A out = A(0);
     if (!pad[bt]) {
       const std::int64_t sg = bt * G + i / Dg;
-      out = (to_f32(x[e]) - cummean[sg]) * cumrstd[sg] * scale[i] + bias[i];
+      out = (to_acc(x[e]) - cummean[sg]) * cumrstd[sg] * scale[i] + bias[i];
     }
-    y[e] = from_f32<T>(out);
+    y[e] = from_acc<T>(out);
   }
 }
 
@@ -202,29 +268,31 @@ __global__ void __launch_bounds__(256) tsn_normalize_kernel(const T* __restrict_
 // grads[row] = (gmu, ds, db): ds = sum_i dy_i scale_i (x_i - mu_t), db = sum_i dy_i scale_i.
 template <class T>
 __global__ void __launch_bounds__(kTsnRowThreads) tsn_row_grads_kernel(
-    const T* __restrict__ x, const T* __restrict__ dy, const bool* __restrict__ pad, const float* __restrict__ scale,
-    const float* __restrict__ cummean, float* __restrict__ grads, std::int64_t rows, int G, int Dg) {
+    const T* __restrict__ x, const T* __restrict__ dy, const bool* __restrict__ pad,
+    const acc_t<T>* __restrict__ scale, const acc_t<T>* __restrict__ cummean, acc_t<T>* __restrict__ grads,
+    std::int64_t rows, int G, int Dg) {
+  using A = acc_t<T>;
   const int lane = threadIdx.x & 31;
   const std::int64_t warps = static_cast<std::int64_t>(gridDim.x) * (blockDim.x >> 5);
   for (std::int64_t row = static_cast<std::int64_t>(blockIdx.x) * (blockDim.x >> 5) + (threadIdx.x >> 5); row < rows;
        row += warps) {
     const std::int64_t bt = row / G;
     const int g = static_cast<int>(row - bt * G);
-    float gmu = 0.0f, ds = 0.0f, db = 0.0f;
+    A gmu = A(0), ds = A(0), db = A(0);
     if (!pad[bt]) {
       const T* xr = x + row * Dg;
       const T* gr = dy + row * Dg;
-      const float* sc = scale + static_cast<std::int64_t>(g) * Dg;
-      const float mu = cummean[row];
-      float sx = 0.0f, sds = 0.0f, sdb = 0.0f;
+      const A* sc = scale + static_cast<std::int64_t>(g) * Dg;
+      const A mu = cummean[row];
+      A sx = A(0), sds = A(0), sdb = A(0);
       for (int j = lane; j < Dg; j += 32) {
-        const float xv = to_f32(xr[j]);
-        const float gs = to_f32(gr[j]) * sc[j];
+        const A xv = to_acc(xr[j]);
+        const A gs = to_acc(gr[j]) * sc[j];
         sx += xv;
         sds += gs * (xv - mu);
         sdb += gs;
       }
-      gmu = warp_sum(sx) / static_cast<float>(Dg);
+      gmu = warp_sum(sx) / static_cast<A>(Dg);
       ds = warp_sum(sds);
       db = warp_sum(sdb);
     }
@@ -237,20 +305,23 @@ __global__ void __launch_bounds__(kTsnRowThreads) tsn_row_grads_kernel(
 }
 
 // Affine map (u, v) -> (A u + Bc v + ou, A v + ov) on the carries (dL/dmu, dL/dvar).
+template <class A>
 struct CarryMap {
-  float A, Bc, ou, ov;
+  A A1, Bc, ou, ov;
 };
 
 // One block per (b, g), blockDim.x chunks. Overwrites grads[row] (gmu, ds, db) with
 // (gmu, dgmu, dgvar) on unmasked steps, writes dprev_mean and dprev_var.
+template <class A>
 __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
-    float* __restrict__ grads, const bool* __restrict__ pad, const std::int64_t* __restrict__ prev_count,
-    const float* __restrict__ prev_mean, const float* __restrict__ cummean, const float* __restrict__ cumrstd,
-    const float* __restrict__ dmean, const float* __restrict__ dvar, float* __restrict__ dprev_mean,
-    float* __restrict__ dprev_var, int L, int G, int chunk) {
+    A* __restrict__ grads, const bool* __restrict__ pad, const std::int64_t* __restrict__ prev_count,
+    const A* __restrict__ prev_mean, const A* __restrict__ cummean, const A* __restrict__ cumrstd,
+    const A* __restrict__ dmean, const A* __restrict__ dvar, A* __restrict__ dprev_mean,
+    A* __restrict__ dprev_var, int L, int G, int chunk) {
+  // 128 chunks: 1 KiB + 2 (fp32) or 4 KiB (fp64) + 1 or 2 KiB of static shared memory
   MK_STATIC_SMEM(long long, s_live, kTsnMaxChunks);
-  MK_STATIC_SMEM(CarryMap, s_map, kTsnMaxChunks);
-  MK_STATIC_SMEM(float2, s_carry, kTsnMaxChunks);  // carries (u, v) at the END of each chunk
+  MK_STATIC_SMEM(CarryMap<A>, s_map, kTsnMaxChunks);
+  MK_STATIC_SMEM(pair_t<A>, s_carry, kTsnMaxChunks);  // carries (u, v) at the END of each chunk
   const int bg = blockIdx.x;
   const int b = bg / G;
   const int g = bg - b * G;
@@ -260,7 +331,7 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
   const int t1 = imin(L, t0 + chunk);
   const bool* pb = pad + static_cast<std::int64_t>(b) * L;
   auto at = [&](int t) { return (static_cast<std::int64_t>(b) * L + t) * G + g; };
-  const float pmean = prev_mean[bg];
+  const A pmean = prev_mean[bg];
   auto mu_before = [&](int t) { return t == 0 ? pmean : cummean[at(t - 1)]; };
 
   // counts: live steps per chunk, exclusive prefix (+ prev_count) = count entering each chunk
@@ -272,32 +343,32 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
   const long long n_end = s_live[c] + live;  // count after the chunk's last step
 
   // step map coefficients at live step t with n = count after t
-  auto step = [&](int t, long long n, float& c1, float& c2, float& bt, float& alpha, float& beta, float2& dg) {
-    const float nf = static_cast<float>(n);
-    c2 = 1.0f / nf;
-    c1 = static_cast<float>(static_cast<double>(n - 1) / static_cast<double>(n));
+  auto step = [&](int t, long long n, A& c1, A& c2, A& bt, A& alpha, A& beta, pair_t<A>& dg) {
+    const A nf = static_cast<A>(n);
+    c2 = A(1) / nf;
+    c1 = static_cast<A>(static_cast<double>(n - 1) / static_cast<double>(n));
     const std::int64_t row = at(t);
-    const float gmu = grads[3 * row];
-    const float ds = grads[3 * row + 1];
-    const float db = grads[3 * row + 2];
-    const float r = cumrstd[row];
-    const float r3h = 0.5f * r * r * r;
-    bt = -2.0f * c1 * c2 * (gmu - mu_before(t));
+    const A gmu = grads[3 * row];
+    const A ds = grads[3 * row + 1];
+    const A db = grads[3 * row + 2];
+    const A r = cumrstd[row];
+    const A r3h = A(0.5) * r * r * r;
+    bt = A(-2) * c1 * c2 * (gmu - mu_before(t));
     alpha = -c1 * r3h * ds;
     beta = -c1 * r * db - bt * r3h * ds;
-    dg = make_float2(r * db, r3h * ds);  // the direct terms subtracted from (u, v)
+    dg = Pair<A>::make(r * db, r3h * ds);  // the direct terms subtracted from (u, v)
   };
 
   // 1. chunk map, composed backwards from the chunk's end (identity for an all-padded chunk)
-  CarryMap F{1.0f, 0.0f, 0.0f, 0.0f};
+  CarryMap<A> F{A(1), A(0), A(0), A(0)};
   {
     long long n = n_end;
     for (int t = t1 - 1; t >= t0; --t) {
       if (pb[t]) continue;
-      float c1, c2, bt, alpha, beta;
-      float2 dg;
+      A c1, c2, bt, alpha, beta;
+      pair_t<A> dg;
       step(t, n, c1, c2, bt, alpha, beta, dg);
-      F = CarryMap{c1 * F.A, c1 * F.Bc + bt * F.A, c1 * F.ou + bt * F.ov + beta, c1 * F.ov + alpha};
+      F = CarryMap<A>{c1 * F.A1, c1 * F.Bc + bt * F.A1, c1 * F.ou + bt * F.ov + beta, c1 * F.ov + alpha};
       --n;
     }
   }
@@ -306,12 +377,12 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
 
   // 2. carries across chunks, from the end of the sequence (nch <= 128 steps, one thread)
   if (c == 0) {
-    float u = dmean[bg], v = dvar[bg];
+    A u = dmean[bg], v = dvar[bg];
     for (int k = nch - 1; k >= 0; --k) {
-      s_carry[k] = make_float2(u, v);
-      const CarryMap M = s_map[k];
-      const float nu = M.A * u + M.Bc * v + M.ou;
-      v = M.A * v + M.ov;
+      s_carry[k] = Pair<A>::make(u, v);
+      const CarryMap<A> M = s_map[k];
+      const A nu = M.A1 * u + M.Bc * v + M.ou;
+      v = M.A1 * v + M.ov;
       u = nu;
     }
     dprev_mean[bg] = u;
@@ -320,18 +391,18 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
   __syncthreads();
 
   // 3. the chunk again from its true end carries: dgmu_t, dgvar_t
-  float u = s_carry[c].x, v = s_carry[c].y;
+  A u = s_carry[c].x, v = s_carry[c].y;
   long long n = n_end;
   for (int t = t1 - 1; t >= t0; --t) {
     if (pb[t]) continue;
-    float c1, c2, bt, alpha, beta;
-    float2 dg;
+    A c1, c2, bt, alpha, beta;
+    pair_t<A> dg;
     step(t, n, c1, c2, bt, alpha, beta, dg);
-    const float du = u - dg.x;
-    const float dv = v - dg.y;
+    const A du = u - dg.x;
+    const A dv = v - dg.y;
     const std::int64_t row = at(t);
-    const float gmu = grads[3 * row];
-    grads[3 * row + 1] = c2 * du + 2.0f * c1 * c2 * dv * (gmu - mu_before(t));  // dgmu
+    const A gmu = grads[3 * row];
+    grads[3 * row + 1] = c2 * du + A(2) * c1 * c2 * dv * (gmu - mu_before(t));  // dgmu
     grads[3 * row + 2] = c2 * dv;                                               // dgvar
     u = c1 * du + bt * dv;
     v = c1 * dv;
@@ -341,22 +412,25 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
 
 template <class T>
 __global__ void __launch_bounds__(256) tsn_dx_kernel(const T* __restrict__ x, const T* __restrict__ dy,
-                                                     const bool* __restrict__ pad, const float* __restrict__ cumrstd,
-                                                     const float* __restrict__ grads, const float* __restrict__ scale,
-                                                     T* __restrict__ dx, std::int64_t total, int D, int Dg) {
+                                                     const bool* __restrict__ pad,
+                                                     const acc_t<T>* __restrict__ cumrstd,
+                                                     const acc_t<T>* __restrict__ grads,
+                                                     const acc_t<T>* __restrict__ scale, T* __restrict__ dx,
+                                                     std::int64_t total, int D, int Dg) {
+  using A = acc_t<T>;
   const std::int64_t stride = static_cast<std::int64_t>(gridDim.x) * blockDim.x;
   const int G = D / Dg;
-  const float inv_dg = 1.0f / static_cast<float>(Dg);
+  const A inv_dg = A(1) / static_cast<A>(Dg);
   for (std::int64_t e = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; e < total; e += stride) {
     const std::int64_t bt = e / D;
     const int i = static_cast<int>(e - bt * D);
-    float out = 0.0f;
+    A out = A(0);
     if (!pad[bt]) {
       const std::int64_t row = bt * G + i / Dg;
-      const float gmu = grads[3 * row], dgmu = grads[3 * row + 1], dgvar = grads[3 * row + 2];
-      out = to_f32(dy[e]) * scale[i] * cumrstd[row] + dgmu * inv_dg + 2.0f * dgvar * (to_f32(x[e]) - gmu) * inv_dg;
+      const A gmu = grads[3 * row], dgmu = grads[3 * row + 1], dgvar = grads[3 * row + 2];
+      out = to_acc(dy[e]) * scale[i] * cumrstd[row] + dgmu * inv_dg + A(2) * dgvar * (to_acc(x[e]) - gmu) * inv_dg;
     }
-    dx[e] = from_f32<T>(out);
+    dx[e] = from_acc<T>(out);
   }
 }
 
@@ -365,33 +439,35 @@ __global__ void __launch_bounds__(256) tsn_dx_kernel(const T* __restrict__ x, co
 template <class T>
 __global__ void __launch_bounds__(256) tsn_param_partial_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                                                 const bool* __restrict__ pad,
-                                                                const float* __restrict__ cummean,
-                                                                const float* __restrict__ cumrstd,
-                                                                float* __restrict__ part, std::int64_t BL, int D,
+                                                                const acc_t<T>* __restrict__ cummean,
+                                                                const acc_t<T>* __restrict__ cumrstd,
+                                                                acc_t<T>* __restrict__ part, std::int64_t BL, int D,
                                                                 int Dg) {
+  using A = acc_t<T>;
   const int i = blockIdx.x * blockDim.x + threadIdx.x;
   const int slot = blockIdx.y * blockDim.y + threadIdx.y;
   const int slots = gridDim.y * blockDim.y;
   if (i >= D) return;  // no barrier in this kernel
   const int G = D / Dg;
   const int g = i / Dg;
-  float ss = 0.0f, cs = 0.0f, sb = 0.0f, cb = 0.0f;
+  A ss = A(0), cs = A(0), sb = A(0), cb = A(0);
   for (std::int64_t bt = slot; bt < BL; bt += slots) {
     if (pad[bt]) continue;
     const std::int64_t e = bt * D + i;
     const std::int64_t row = bt * G + g;
-    const float d = to_f32(dy[e]);
-    kahan_add(ss, cs, d * (to_f32(x[e]) - cummean[row]) * cumrstd[row]);
+    const A d = to_acc(dy[e]);
+    kahan_add(ss, cs, d * (to_acc(x[e]) - cummean[row]) * cumrstd[row]);
     kahan_add(sb, cb, d);
   }
   part[static_cast<std::int64_t>(slot) * D + i] = ss;
   part[static_cast<std::int64_t>(slots + slot) * D + i] = sb;
 }
 
-__global__ void __launch_bounds__(256) tsn_param_reduce_kernel(const float* __restrict__ part, float* __restrict__ dscale,
-                                                               float* __restrict__ dbias, int D, int slots) {
+template <class A>
+__global__ void __launch_bounds__(256) tsn_param_reduce_kernel(const A* __restrict__ part, A* __restrict__ dscale,
+                                                               A* __restrict__ dbias, int D, int slots) {
   for (int i = blockIdx.x * blockDim.x + threadIdx.x; i < D; i += gridDim.x * blockDim.x) {
-    float ss = 0.0f, cs = 0.0f, sb = 0.0f, cb = 0.0f;
+    A ss = A(0), cs = A(0), sb = A(0), cb = A(0);
     for (int k = 0; k < slots; ++k) {
       kahan_add(ss, cs, part[static_cast<std::int64_t>(k) * D + i]);
       kahan_add(sb, cb, part[static_cast<std::int64_t>(slots + k) * D + i]);

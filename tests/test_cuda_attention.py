@@ -28,6 +28,7 @@ pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is No
 # torch backend's fp16 budget, the same input rounding and fp32 accumulation.
 TOL = {torch.float32: (tol("cuda", torch.float32, "fwd"), tol("cuda", torch.float32, "bwd")),
        torch.bfloat16: (tol("cuda", torch.bfloat16, "fwd"), tol("cuda", torch.bfloat16, "bwd")),
+       torch.float64: (tol("cuda", torch.float64, "fwd"), tol("cuda", torch.float64, "bwd")),
        torch.float16: (tol("torch", torch.float16, "fwd"), tol("torch", torch.float16, "bwd"))}
 
 
@@ -144,6 +145,84 @@ def test_matmul_path_rejects_laplace(matmul_path):
     q = torch.randn(1, 4, 1, 8)
     why = matmul_path.not_supported_reasons(q, q, q, attn_fn="laplace")
     assert any("laplace" in r and "backend='torch'" in r for r in why)
+
+
+# ------------------------------------------------------------------------------------------------
+# float64: always the matmul path (float64 matmuls + the fp64 dropkey_softmax kernel)
+# ------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def calls(monkeypatch):
+    """Names of the cuda/kernels.py attention entry points called, in order."""
+    from megalodon_kernels.cuda import kernels as K
+
+    seen = []
+    for name in ("attention_flash_fwd", "attention_flash_bwd", "attention_matmul_fwd", "attention_matmul_bwd",
+                 "dropkey_softmax_fwd", "dropkey_softmax_bwd"):
+        fn = getattr(K, name)
+        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: (seen.append(_name), _fn(*a, **kw))[1])
+    return seen
+
+
+@pytest.mark.parametrize("mask", ["causal", "blockcausal", "chunk-noncausal", "full"])
+def test_float64_matmul_path_dropkey(use_emulated_cuda, fiber_order, calls, mask):
+    # path "auto": float64 has no flash configuration, so the matmul path runs, in fp64 end to end
+    # (an fp32 step anywhere would show as ~1e-7 against the 1e-10 / 1e-9 budget).
+    check_case(2, 33, 40, 2, 8, 6, torch.float64, dropkey_p=0.3, seed=1234, **MASKS[mask])
+    assert "attention_flash_fwd" not in calls and "attention_flash_bwd" not in calls
+    assert calls[:2] == ["attention_matmul_fwd", "dropkey_softmax_fwd"]
+    assert "attention_matmul_bwd" in calls and "dropkey_softmax_bwd" in calls
+
+
+@pytest.mark.parametrize("L,S", [(1, 1), (17, 40), (40, 17)], ids=lambda x: str(x))
+def test_float64_matmul_path_shapes(matmul_path, L, S):
+    # S < L: the leading rows see no key (o = 0); one key: P = 1
+    check_case(1, L, S, 2, 8, 5, torch.float64, causal=True, dropkey_p=0.2, seed=8)
+
+
+def test_float64_lse_is_float64(use_emulated_cuda):
+    from megalodon_kernels.cuda import kernels as K
+
+    q, k, v, _ = _inputs(1, 9, 12, 2, 8, 4, torch.float64)
+    o, lse = K.attention_matmul_fwd(use_emulated_cuda.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
+                                    chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0)
+    _, s, allowed = ref.attention_probs(to_np(q), to_np(k), scale=0.5)
+    s = np.where(allowed, s, -np.inf)
+    m = s.max(-1, keepdims=True)
+    expected = (m + np.log(np.exp(s - m).sum(-1, keepdims=True)))[..., 0]
+    assert o.dtype == lse.dtype == torch.float64
+    close("lse", lse, expected, tol("cuda", torch.float64, "fwd"))
+
+
+def test_float64_forced_flash_gives_the_reason(use_emulated_cuda, monkeypatch):
+    q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    why = use_emulated_cuda.flash_reasons(q, q)
+    assert len(why) == 1 and "float64" in why[0] and "tensor-core" in why[0] and "path='matmul'" in why[0]
+    # a direct call with path="flash" refuses with that reason ...
+    kw = dict(scale=1.0, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0, attn_fn="softmax")
+    with pytest.raises(ValueError, match="float64"):
+        use_emulated_cuda.attention_fwd(q, q, q, path="flash", **kw)
+    # ... and a configured path="flash" makes the dispatcher refuse the cuda backend up front
+    monkeypatch.setitem(use_emulated_cuda.DEFAULT_CONFIG, "path", "flash")
+    reasons = use_emulated_cuda.not_supported_reasons(q, q, q)
+    assert any("path='flash'" in r and "float64" in r and "backend='torch'" in r for r in reasons)
+    with pytest.raises(ValueError, match="float64"):
+        attention(q, q, q, backend="cuda")
+    # fp32 under the same configuration is accepted (the reason is about the dtype)
+    assert use_emulated_cuda.not_supported_reasons(q.float(), q.float(), q.float()) == []
+
+
+def test_float64_laplace_is_refused_with_a_reason(use_emulated_cuda):
+    q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
+    why = " ".join(use_emulated_cuda.not_supported_reasons(q, q, q, attn_fn="laplace"))
+    assert "laplace" in why and "float64" in why and "backend='torch'" in why
+    with pytest.raises(ValueError, match="laplace"):
+        attention(q, q, q, attn_fn="laplace", backend="cuda")
+    # softmax in float64 is accepted, and an unsupported dtype still names q/k/v
+    assert use_emulated_cuda.not_supported_reasons(q, q, q) == []
+    qi = torch.zeros(1, 4, 1, 8, dtype=torch.complex64)
+    assert any("q/k/v" in r and "complex64" in r for r in use_emulated_cuda.not_supported_reasons(qi, qi, qi))
 
 
 # ------------------------------------------------------------------------------------------------

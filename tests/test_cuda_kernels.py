@@ -1,7 +1,8 @@
 """Every CUDA kernel, forward and backward, EXECUTED on the CPU through the SIMT emulator.
 
 The kernel sources in cuda/ are compiled as C++ with cuda/emu/emu.cuh into a CPU extension
-(cached; see cuda/build.py) and run against the float64 NumPy references, in fp32 and bf16, in
+(cached; see cuda/build.py) and run against the float64 NumPy references, in fp32 and bf16 (and
+fp64 for rotary, dropkey_softmax and timestep_norm, whose kernels accumulate in double), in
 both fiber orders (a missing __syncthreads shows in one of them; shared memory is poisoned
 per block). The DropKey mask must be bit-identical to ops.dropkey_rule. Shapes are small:
 the emulator runs every CUDA thread as a fiber.
@@ -18,14 +19,17 @@ from megalodon_kernels.reference import fftconv as fftconv_ref
 from megalodon_kernels.reference import rotary as rotary_ref
 from megalodon_kernels.reference import timestep_norm as tsn_ref
 from megalodon_kernels.reference.attention import _masked_softmax, visible_mask
-from support import assert_close, to_np
+from support import assert_close, to_np, tol
 
 pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
                                 reason="the emulator extension needs a C++ compiler (g++)")
 
 # The CUDA kernels compute in fp32 with one rounding on store: the torch backend's budget.
-TOL = {torch.float32: {"fwd": 2e-5, "bwd": 5e-5}, torch.bfloat16: {"fwd": 2e-2, "bwd": 4e-2}}
+# fp64 inputs (rotary, dropkey_softmax, timestep_norm) run in double: support.TOLERANCES' cuda row.
+TOL = {torch.float32: {"fwd": 2e-5, "bwd": 5e-5}, torch.bfloat16: {"fwd": 2e-2, "bwd": 4e-2},
+       torch.float64: {"fwd": tol("cuda", torch.float64, "fwd"), "bwd": tol("cuda", torch.float64, "bwd")}}
 DTYPES = [torch.float32, torch.bfloat16]
+DTYPES_FP64 = [*DTYPES, torch.float64]  # the ops whose kernels have a double instantiation
 
 
 def _gen(seed):
@@ -44,7 +48,7 @@ def _softmax_ref(x, causal, p, seed):
     return _masked_softmax(to_np(x), allowed), allowed
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES_FP64, ids=str)
 @pytest.mark.parametrize("shape,causal,p", [
     ((2, 3, 5, 7), True, 0.0),        # S > L: KV-cache alignment
     ((1, 2, 33, 33), True, 0.3),
@@ -96,7 +100,7 @@ def test_dropkey_softmax_rank_2_and_5(ext, kernels):
 # rotary
 # ------------------------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES_FP64, ids=str)
 @pytest.mark.parametrize("xpos,per_batch", [(None, False), (512.0, False), (None, True)],
                          ids=["rope", "xpos", "per_batch"])
 def test_rotary(ext, kernels, order, dtype, xpos, per_batch):
@@ -105,9 +109,12 @@ def test_rotary(ext, kernels, order, dtype, xpos, per_batch):
     B, L, H, d = 2, 33, 3, 8
     x = torch.randn(B, L, H, d, generator=_gen(5)).to(dtype)
     pos = torch.randint(0, 1000, (B, L), generator=_gen(6)) if per_batch else torch.arange(7, 7 + L)
+    # fp32 tables for fp32/bf16 x; float64 x gets float64 tables (fp32 ones would cap it at ~1e-7)
+    tables = torch.float64 if dtype == torch.float64 else torch.float32
     for downscale in (False, True):
-        cos, sin = rotation_tables(pos, d, 10000.0, xpos, downscale, torch.float32)
+        cos, sin = rotation_tables(pos, d, 10000.0, xpos, downscale, tables)
         y = kernels.rotary_fwd(ext, x, cos, sin)
+        assert y.dtype == dtype
         assert_close("y", y, rotary_ref.rotary(to_np(x), pos.numpy(), 10000.0, xpos, downscale), TOL[dtype]["fwd"])
         dx = kernels.rotary_bwd(ext, x, cos, sin)
         assert_close("dx", dx, rotary_ref.rotary_bwd(to_np(x), pos.numpy(), 10000.0, xpos, downscale),
@@ -118,14 +125,21 @@ def test_rotary(ext, kernels, order, dtype, xpos, per_batch):
 # timestep_norm
 # ------------------------------------------------------------------------------------------------
 
+def _acc_dtype(dtype):
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
 def _tsn_case(B, L, D, G, dtype, pad_kind, prev_count, seed=0):
     g = _gen(seed)
     x = (torch.randn(B, L, D, generator=g) * 2 + 3).to(dtype)
-    scale = torch.randn(D, generator=g)
-    bias = torch.randn(D, generator=g)
+    # side inputs in the kernel's accumulation type: genuine float64 values for float64 x, so a
+    # kernel that rounded them through fp32 would show
+    side = dict(generator=g, dtype=_acc_dtype(dtype))
+    scale = torch.randn(D, **side)
+    bias = torch.randn(D, **side)
     pc = torch.tensor(prev_count, dtype=torch.int64)
-    pm = torch.randn(B, G, generator=g)
-    pv = torch.rand(B, G, generator=g) + 0.5
+    pm = torch.randn(B, G, **side)
+    pv = torch.rand(B, G, **side) + 0.5
     mask = torch.zeros(B, L, dtype=torch.bool)
     if pad_kind == "left":
         mask[0, : L // 2] = True
@@ -138,7 +152,7 @@ def _tsn_case(B, L, D, G, dtype, pad_kind, prev_count, seed=0):
     return x, scale, bias, pc, pm, pv, mask
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("dtype", DTYPES_FP64, ids=str)
 @pytest.mark.parametrize("B,L,D,G,pad_kind,prev_count", [
     (2, 1, 4, 1, "none", [0, 0]),
     (2, 31, 12, 3, "mixed", [0, 5]),
@@ -152,37 +166,46 @@ def test_timestep_norm(ext, kernels, order, dtype, B, L, D, G, pad_kind, prev_co
     args = (to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(), mask.numpy())
     yr, cr, mr, vr = tsn_ref.timestep_norm(*args)
     assert y.dtype == dtype
+    # the statistics and state come back in the accumulation type: float64 only for float64 x
+    acc = _acc_dtype(dtype)
+    assert mean.dtype == var.dtype == saved[5].dtype == acc
+    stat_tol = TOL[dtype]["fwd"] if dtype == torch.float64 else 2e-5
     assert_close("y", y, yr, TOL[dtype]["fwd"])
     np.testing.assert_array_equal(count.numpy(), cr)
-    assert_close("mean", mean, mr, 2e-5)
-    assert_close("var", var, vr, 2e-5)
+    assert_close("mean", mean, mr, stat_tol)
+    assert_close("var", var, vr, stat_tol)
     g = _gen(7)
     dy = torch.randn(B, L, D, generator=g).to(dtype)
-    dm, dv = torch.randn(B, G, generator=g), torch.randn(B, G, generator=g)
+    dm, dv = torch.randn(B, G, generator=g, dtype=acc), torch.randn(B, G, generator=g, dtype=acc)
     dx, dscale, dbias, dpm, dpv = kernels.timestep_norm_bwd(ext, dy, dm, dv, saved, G)
     want = tsn_ref.timestep_norm_bwd(to_np(dy), dm.numpy(), dv.numpy(), *args[:3], G, *args[4:])
     for name, got, ref in zip(("dx", "dscale", "dbias", "dprev_mean", "dprev_var"),
                               (dx, dscale, dbias, dpm, dpv), want):
         assert np.isfinite(to_np(got)).all(), name
-        assert_close(name, got, ref, TOL[dtype]["bwd"] if name == "dx" else 5e-5)
+        assert got.dtype == (dtype if name == "dx" else acc), name
+        assert_close(name, got, ref, TOL[dtype]["bwd"] if name == "dx" or dtype == torch.float64 else 5e-5)
 
 
-def test_timestep_norm_streaming_and_large_common_mean(ext, kernels):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_timestep_norm_streaming_and_large_common_mean(ext, kernels, dtype):
     # two halves with the carried state == one call; a large common offset does not cancel
     B, L, D, G = 2, 300, 8, 2
-    x, scale, bias, pc, pm, pv, mask = _tsn_case(B, L, D, G, torch.float32, "none", [0, 0], seed=3)
+    x, scale, bias, pc, pm, pv, mask = _tsn_case(B, L, D, G, dtype, "none", [0, 0], seed=3)
     x = x + 1000.0
     y, *_ = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, G, 1e-5)
     y1, c1, m1, v1, _ = kernels.timestep_norm_fwd(ext, x[:, :111], scale, bias, pc, pm, pv, mask[:, :111], G, 1e-5)
     y2, *_ = kernels.timestep_norm_fwd(ext, x[:, 111:], scale, bias, c1, m1, v1, mask[:, 111:], G, 1e-5)
-    assert_close("streamed", torch.cat([y1, y2], 1), to_np(y), 2e-5)
+    # fp64: the offset of 1000 costs ~1e-13 relative in the group variances, far below 1e-10
+    streamed_tol, ref_tol = (2e-5, 1e-4) if dtype == torch.float32 else (TOL[dtype]["fwd"],) * 2
+    assert_close("streamed", torch.cat([y1, y2], 1), to_np(y), streamed_tol)
     yr, *_ = tsn_ref.timestep_norm(to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(),
                                    mask.numpy())
-    assert_close("y", y, yr, 1e-4)
+    assert_close("y", y, yr, ref_tol)
 
 
-def test_timestep_norm_infinities_propagate(ext, kernels):
-    x, scale, bias, pc, pm, pv, mask = _tsn_case(1, 20, 4, 1, torch.float32, "none", [0])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
+def test_timestep_norm_infinities_propagate(ext, kernels, dtype):
+    x, scale, bias, pc, pm, pv, mask = _tsn_case(1, 20, 4, 1, dtype, "none", [0])
     x[0, 5, 1] = float("inf")
     x[0, 12, :] = float("nan")
     mask[0, 12] = True  # NaN in a padded step reaches nothing

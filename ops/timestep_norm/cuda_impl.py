@@ -1,5 +1,5 @@
 """CUDA backend of timestep_norm: cuda/timestep_norm.cuh through megalodon_kernels.cuda._C
-(see cuda/backend.py). mean/var and the saved statistics are fp32."""
+(see cuda/backend.py). mean/var and the saved statistics are fp32 (float64 for float64 x)."""
 from ...cuda.backend import timestep_norm as _backend
 
 DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
