@@ -102,11 +102,12 @@ def test_reasons_name_the_fix(emulated):
     from megalodon_kernels.cuda import backend
 
     L = 2**27 + 1  # beyond the multi-pass FFT (expanded views: no memory)
-    why = backend.fftconv.not_supported_reasons(torch.zeros(1, dtype=torch.float64).expand(1, 1, L),
+    why = backend.fftconv.not_supported_reasons(torch.zeros(1, dtype=torch.float16).expand(1, 1, L),
                                                 torch.zeros(1).expand(1, L))
     text = " ".join(why)
     assert "pip install" in text or "_C" in text  # the product extension is not built here
-    assert "cuda tensors" in text and "float64" in text and "L <= 134217728" in text
+    assert "cuda tensors" in text and "L <= 134217728" in text
+    assert "float16" in text and "backend='torch'" in text  # a refused dtype, and where to go instead
 
 
 # --- fp64: rotary / dropkey_softmax / timestep_norm / attention ---
