@@ -132,42 +132,26 @@ __host__ __device__ __forceinline__ bool keep(std::uint32_t row, std::uint32_t j
 // ------------------------------------------------------------------------------------------------
 // Reductions
 // ------------------------------------------------------------------------------------------------
-__device__ __forceinline__ float warp_sum(float v) {
+// A is float or double (the accumulation type; double shuffles are two 32-bit exchanges on the GPU).
+template <class A>
+__device__ __forceinline__ A warp_sum(A v) {
 #pragma unroll
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
   return v;
 }
 
-// Sum over the block (blockDim.x a multiple of 32, y = z = 1). `scratch` holds 32 floats of
+// Sum over the block (blockDim.x a multiple of 32, y = z = 1). `scratch` holds 32 values of A in
 // shared memory. Every thread gets the result. Contains two barriers, so all threads must call it.
-__device__ __forceinline__ float block_sum(float v, float* scratch) {
+template <class A>
+__device__ __forceinline__ A block_sum(A v, A* scratch) {
   v = warp_sum(v);
   const int warp = threadIdx.x >> 5;
   if ((threadIdx.x & 31) == 0) scratch[warp] = v;
   __syncthreads();
-  float s = 0.0f;
+  A s = A(0);
   const int nwarps = blockDim.x >> 5;
   for (int w = 0; w < nwarps; ++w) s += scratch[w];  // same order in every thread: identical results
   __syncthreads();  // scratch may be reused right after
-  return s;
-}
-
-__device__ __forceinline__ double warp_sum(double v) {
-#pragma unroll
-  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(kFullMask, v, o);
-  return v;
-}
-
-// block_sum in double (`scratch` holds 32 doubles); same contract as the float version.
-__device__ __forceinline__ double block_sum(double v, double* scratch) {
-  v = warp_sum(v);
-  const int warp = threadIdx.x >> 5;
-  if ((threadIdx.x & 31) == 0) scratch[warp] = v;
-  __syncthreads();
-  double s = 0.0;
-  const int nwarps = blockDim.x >> 5;
-  for (int w = 0; w < nwarps; ++w) s += scratch[w];
-  __syncthreads();
   return s;
 }
 
