@@ -9,17 +9,6 @@ import pytest
 
 from megalodon_kernels.ops._triton_aot import SMEM_LIMIT, TRITON_OPS, all_variants, compile_all, representative
 
-#: Ops whose kernels are correct (interpreter tests) but known to spill on the GPU. They must still
-#: compile and fit shared memory; their spill check is an expected failure that turns into an
-#: error (strict) the day they stop spilling, so this list cannot go stale. The ops' Triton
-#: backends are AUTO_PRIORITY = False meanwhile (auto does not pick them).
-KNOWN_SPILLS = {
-    "fftconv": "FFT tiles of 32x32 and more hold four full-width dot operands per complex product "
-               "(issue 3: stage one operand through shared memory in K chunks)",
-    "cema": "its convolution is fftconv's Triton kernels",
-}
-
-
 @pytest.fixture(scope="module")
 def compiled(request):
     return compile_all(TRITON_OPS, (80, 90), bounded=not request.config.getoption("--stress"))
@@ -34,7 +23,7 @@ def test_every_chosen_variant_compiled_for_both_archs(compiled, stress):
 
 @pytest.mark.stress
 @pytest.mark.parametrize("op", TRITON_OPS)
-def test_variants_fit_shared_memory_and_do_not_spill(compiled, op, stress):
+def test_variants_fit_shared_memory_and_do_not_spill(compiled, op):
     rows = [r for r in compiled if r.variant.op == op]
     assert rows, f"no AOT variants declared for {op}"
     spills = []
@@ -44,8 +33,4 @@ def test_variants_fit_shared_memory_and_do_not_spill(compiled, op, stress):
         assert r.shared <= SMEM_LIMIT[r.cc], f"{r.variant.label}: {r.shared} B smem > {SMEM_LIMIT[r.cc]} on sm_{r.cc}"
         if r.spills:
             spills.append(f"{r.variant.label}: {r.local} B of local memory (spills) on sm_{r.cc}")
-    if op in KNOWN_SPILLS and spills:
-        pytest.xfail(f"{len(spills)} spilling variant(s), known: {KNOWN_SPILLS[op]}")
-    if op in KNOWN_SPILLS and stress:  # every variant compiled and none spills
-        pytest.fail(f"{op} no longer spills: remove it from KNOWN_SPILLS (and AUTO_PRIORITY = False if set)")
     assert not spills, spills

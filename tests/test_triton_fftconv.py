@@ -14,7 +14,7 @@ from megalodon_kernels.reference import fftconv as ref
 from support import as_input, assert_close, knobs as config, to_np, tol
 
 # direct_max_len forcing each path; the workspace path needs L > 2048 (N >= 8192) whatever the knob.
-# work_bc = 4096 (one column tile per pass) keeps the interpreter fast; the shipped 64 is run below.
+# work_bc = 4096 (one column tile per pass) keeps the interpreter fast; the shipped tile is run below.
 PATHS = {"direct": dict(direct_max_len=64), "fft": dict(direct_max_len=0)}
 FAST_WORK = dict(direct_max_len=0, work_bc=4096)
 
@@ -58,9 +58,32 @@ def test_triton_fftconv_noncontiguous(path):
 
 
 def test_triton_fftconv_largest_tile():
-    # L = 2048: the 64 x 64 register tile (N = 4096), odd batch
-    assert conv_impl._plan(2048, 0) == ("tile", 64, 64)
+    # L = 2048: the largest register tile (N = 4096 = 16 x 16 x 16, three dot levels), odd batch
+    assert conv_impl._plan(2048, 0) == ("tile", 16)
     _check(3, 1, 2048, torch.float32, PATHS["fft"], seed=2)
+
+
+def test_triton_fftconv_tile_sizes():
+    # N = 256 (A = 1: two dot levels), 512 / 1024 (A = 4: radix-4 + two levels), 4096 (A = 16: three)
+    assert [conv_impl._plan(L, 0) for L in (31, 128, 129, 512, 513, 2048)] == [
+        ("tile", 1), ("tile", 1), ("tile", 4), ("tile", 4), ("tile", 16), ("tile", 16)]
+
+
+@pytest.mark.parametrize("need", ["x", "k"])
+def test_triton_fftconv_largest_tile_one_gradient(need):
+    # N = 4096 runs the dk pass and the dx pass separately: each alone (the other not computed)
+    gen = torch.Generator().manual_seed(8)
+    x, dy = torch.randn(2, 3, 1, 2000, generator=gen)
+    k = torch.randn(1, 2000, generator=gen) / 40.0
+    cfg = dict(conv_impl.DEFAULT_CONFIG, **PATHS["fft"])
+    dx, dk = conv_impl.fftconv_bwd(dy, x, k, need == "x", need == "k", **cfg)
+    dx_ref, dk_ref = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
+    if need == "x":
+        assert dk is None
+        assert_close("dx", dx, dx_ref, tol("triton", torch.float32, "bwd"))
+    else:
+        assert dx is None
+        assert_close("dk", dk, dk_ref, tol("triton", torch.float32, "bwd"))
 
 
 def test_triton_fftconv_workspace_path():
@@ -71,8 +94,8 @@ def test_triton_fftconv_workspace_path():
 
 
 def test_triton_fftconv_workspace_path_shipped_column_tile():
-    # the shipped 64-column tiles (the loop over column tiles of every pass), forward only
-    assert conv_impl.DEFAULT_CONFIG["work_bc"] == 64
+    # the shipped column tiles (the loop over column tiles of every pass), forward only
+    assert conv_impl.DEFAULT_CONFIG["work_bc"] < 4096
     _check(1, 1, 2049, torch.float32, dict(direct_max_len=0), seed=4, grads=False)
 
 

@@ -1,13 +1,14 @@
 """Triton backend of cema: the Triton stage kernels composed, bias and skip fused into the convolution.
 
 Forward: (k, b) = cema_kernel (Triton, fp32), then ONE fftconv launch whose epilogue adds the bias
-rows b[b, d] and omega[d] x[b, d] (x is the tile the transform just read, still in registers on the
-tile/direct paths) to the fp32 convolution before the single rounding of y to x's dtype; h, V, W from
+rows b[b, d] and omega[d] x[b, d] (x re-read from L1/L2 by the program that just transformed it: the
+FFT tile paths do not hold it across the transforms, to stay within the register file) to the fp32
+convolution before the single rounding of y to x's dtype; h, V, W from
 the Triton ema_hidden when the state is returned. Nothing of size B D L is written besides y (and b,
 which cema_kernel produces).
 
 Backward (dy the gradient of y, dh that of h): ONE fftconv backward launch computes
-dx = corr(dy, k) + omega dy (the dy tile is in registers), dk = sum_b corr(dy_b, x_b) and
+dx = corr(dy, k) + omega dy (dy re-read by the same program), dk = sum_b corr(dy_b, x_b) and
 domega[d] = sum_{b,t} dy x (both tiles are loaded for dk anyway) per feature program, deterministic;
 then cema_kernel's backward takes (dk, db = dy) and ema_hidden's backward adds the dh terms:
 
@@ -32,8 +33,6 @@ from ..fftconv import triton_impl as conv_impl
 #: registration in __init__.py (the first values are the default)
 CONFIG_SPACE = autotune.get("cema").space["triton"]
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
-#: its convolution is fftconv's Triton path, whose large FFT tiles spill on sm_80/sm_90 (see there)
-AUTO_PRIORITY = conv_impl.AUTO_PRIORITY
 
 _STAGE = ("block_m", "block_r", "num_warps", "analysis_warps")
 _CONV = ("direct_max_len", "work_warps", "work_bc", "direct_warps")
@@ -119,7 +118,7 @@ def aot_variants(space=None):
                   "direct_warps": space["direct_warps"], "direct_max_len": space["direct_max_len"]}
     out = []
     for v in conv_impl.aot_variants(conv_space):
-        if v.kernel.startswith("_tile") and "N=64x64" in v.label and "x=bf16" in v.label:
+        if v.kernel.startswith("_tile") and "N=4096" in v.label and "x=bf16" in v.label:
             out.append(Variant(op="cema", kernel=v.kernel, fn=v.fn, arg_types=v.arg_types, constexprs=v.constexprs,
                                div16=v.div16, num_warps=v.num_warps, num_stages=v.num_stages,
                                label="fused " + v.label))
@@ -141,7 +140,7 @@ def bytes_cases():
     b = torch.randn(B, D, L, generator=gen)
     om = torch.randn(D, generator=gen)
     dy = torch.randn(B, D, L, generator=gen)
-    table = conv_impl.table_bytes(64)             # the twiddle-table entries the 64 x 64 tile reads
+    table = conv_impl.table_bytes(conv_impl._plan(L, cfg["direct_max_len"])[1])   # the entries the N = 4096 tile reads
 
     def fwd():
         return nbytes(x, k, b, om, conv_impl.conv_fwd(x, k, bias=b, omega=om, **cfg)) + table

@@ -32,7 +32,7 @@ autotune.register(
            "torch": {"direct_max_len": [16, 0, 64, 256, 1024]},
            # Triton: direct path up to direct_max_len; warps of the tile, workspace and direct
            # kernels; work_bc columns per workspace-pass program
-           "triton": {"direct_max_len": [64, 32, 0], "num_warps": [8], "work_warps": [8], "work_bc": [64],
+           "triton": {"direct_max_len": [64, 32, 0], "num_warps": [8], "work_warps": [8], "work_bc": [16],
                       "direct_warps": [4]}},
     harness="megalodon_kernels.autotune.harness.fftconv",
 )

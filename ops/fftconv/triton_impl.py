@@ -1,21 +1,42 @@
-"""Triton backend of fftconv: a four-step (Monarch) FFT built from small dense DFT matrix products.
+"""Triton backend of fftconv: a multi-level (Monarch-style) FFT whose every dense factor is 16 wide.
 
 Transform. The convolution runs on complex FFTs of size N = max(256, 2 * nextpow2(L)) (N >= 2L - 1,
-so the circular product of the zero-padded rows never wraps into t < L). A length-N DFT is split as
-in FlashFFTConv: with n = N2 n1 + n2 and frequency f = f1 + N1 f2,
+so the circular product of the zero-padded rows never wraps into t < L). The tile path rounds N up
+to 256 A with A in {1, 4, 16} (256, 1024, 4096: more zero padding is still a linear convolution) and
+splits n = 16 b + c + 256 a, f = f0 + A f1 + 16 A f2:
 
-    X[f1 + N1 f2] = sum_n2 W_N2^(n2 f2) * W_N^(n2 f1) * sum_n1 W_N1^(n1 f1) x[N2 n1 + n2]
+    X[f] = sum_c W_16^(c f2) W_N^(c (f0 + A f1)) sum_b W_16^(b f1) W_16A^(b f0) sum_a W_A^(a f0) x[n]
 
-i.e. on the [N1, N2] tile of x: a [N1, N1] @ [N1, N2] DFT-matrix product, an elementwise twiddle,
-and a [N1, N2] @ [N2, N2] product (``fft2``); the inverse runs the same steps backwards with conjugated
-matrices (``ifft2``), returning the natural order. Spectra stay in the permuted (f1, f2) order:
-every pointwise product pairs two spectra in the same order, so no digit reversal is ever done.
-Complex values are (re, im) planes, every complex matrix product is 4 real ``tl.dot`` with fp32
-accumulation. Dot precision (DOT_PRECISION, env FFTCONV_DOT at import): "tf32x3" on the GPU (tensor
-cores; each fp32 operand split into a TF32 head and tail, 3 products, only tail*tail dropped: about
-3 * 2**-22 relative per product, ~1e-6 on y after the two or three dot levels, under the 2e-5 fp32
+On the [256, A] tile (16 b + c, a) of x: the A-point DFT along the last axis (A = 16: a [256, 16] @
+[16, 16] product; A = 4: an exact radix-4 butterfly through split/join, since tl.dot needs K >= 16;
+A = 1: nothing), the W_16A twiddle, a permute to [(c, f0), b] and [16 A, 16] @ [16, 16], the W_N
+twiddle, a permute to [(f0, f1), c] and [16 A, 16] @ [16, 16] (``fftn``). The spectrum stays in that
+[(f0, f1), f2] order (every pointwise product pairs two spectra in the same order, so no digit
+reversal is ever done); ``ifftn`` runs the steps backwards with conjugated factors and returns the
+natural order. Complex values are (re, im) planes; every complex matrix product is 4 accumulating
+real ``tl.dot`` with K = 16 and fp32 accumulation. Why 16-wide factors only: with input_precision
+"tf32x3" Triton holds each warp's operand fragments over the whole K extent, head and tail, in
+registers; with K = 32 or 64 (the former 32 x 32 and 64 x 64 square tiles) that alone exceeded 255
+registers and spilled, with K = 16 a level costs ~140 registers at 8 warps (measured), which leaves
+room for k's spectrum. Dot precision (DOT_PRECISION, env FFTCONV_DOT at import): "tf32x3" on the GPU
+(tensor cores; each fp32 operand split into a TF32 head and tail, 3 products, only tail*tail dropped:
+about 3 * 2**-22 relative per product, ~1e-6 on y after the three dot levels, under the 2e-5 fp32
 budget; plain TF32 would be ~1e-3). The interpreter ignores the precision and computes exact fp32
 products, so the tests measure the algorithm, not TF32 rounding.
+
+Register discipline (what made the variants spill-free, each measured with ops/_triton_aot): the
+compiler otherwise hoists every loop-invariant index / pointer tensor and table load of the transforms
+out of the loop over row pairs and shares identical ones between the forward and inverse transforms
+(~30 registers per [256, 16] pointer tensor); so (a) every level starts with ``tl.debug_barrier``
+(no table load moves across it), (b) the index tensors of twiddles and tile offsets are rooted in
+``opaque_zero`` (a value the compiler cannot fold, read from the table), so they are recomputed where
+used, (c) the x / dy tiles are re-read for the fused epilogues instead of held across the transforms
+(L1/L2 hits: "total" bytes, not "unique"), (d) the stage-A product is a right product on the
+transposed [256, A] tile (a left [16, 16] @ [16, 256] product and its [16, 256] -> 3-D permute made
+sm_80 code with a 14 KB stack), (e) num_stages = 1 (``FFT_STAGES``), and (f) the N = 4096 backward
+makes two passes over the pairs when dx is needed: k's spectrum, the dk accumulator and dy's spectrum
+(3 x 32 registers) next to a transform in flight spilled on sm_80, so the dk pass runs first without
+k's spectrum and the dx pass recomputes dy's transform (4 transforms per pair instead of 3).
 
 Real rows in pairs. All rows are real, so two rows are packed into one complex row (row b in re,
 row b+1 in im): conv with the real k is linear, so IFFT(FFT(x_b + i x_b+1) K) = y_b + i y_b+1, and
@@ -23,55 +44,70 @@ for the k gradient, Re IFFT(sum_pairs Z conj(P)) with Z, P the packed dy and x s
 sum_b corr(dy_b, x_b) exactly (the cross terms are purely imaginary). Half the transforms of a
 real-to-complex scheme, with no Hermitian unpacking step.
 
-Twiddles. The tile DFT matrices and the inner twiddles (all powers of the 4096th root of unity) are
-gathered from a [2, 4096] fp32 table of cos/sin evaluated in float64 on the host (``twiddle_table``,
-exact to half an ulp). The column-level twiddles W_N^(f c) of the workspace path (N up to 2**18) are
-computed exact-angle: (f c mod N) in integers, the nearest quarter turn applied as an exact rotation,
-the remainder (|angle| <= pi/4) rounded once to fp32 and evaluated with cema_kernel's short Taylor
+Twiddles. The 16-point DFT matrix and the W_16A / W_N twiddles of the tile transform (all powers of
+the 4096th root of unity) and the R-point DFT of the workspace column passes are gathered from a
+[2, 4096] fp32 table of cos/sin evaluated in float64 on the host (``twiddle_table``, exact to half an
+ulp). The column-level twiddles W_N^(f c) of the workspace path (N up to 2**18) are computed
+exact-angle: (f c mod N) in integers, the nearest quarter turn applied as an exact rotation, the
+remainder (|angle| <= pi/4) rounded once to fp32 and evaluated with cema_kernel's short Taylor
 polynomials (truncation < 2e-9); no libdevice, no error growth with N.
 
 Two layouts (both one program per feature d, looping over the batch pairs, so k's spectrum is
 computed once per d and reused for every batch row, and the k gradient sums over b in registers /
 in the program's own workspace: deterministic, no atomics):
 
-* tile path, N <= 4096: square tiles N1 = N2 in {16, 32, 64} (N rounded up to 256, 1024 or 4096:
-  more zero padding is still a linear convolution; three compiled sizes, at most 2x the FLOPs). The
-  whole row pair, k's spectrum (and in the backward the dk accumulator) live in registers; x (and
-  dy) are read once, y (dx, dk) written once.
-* workspace path, 8192 <= N <= 2**18: N = R * C with C = 64 * 64 and R = N / 4096 <= 64 (a 64-row
-  dot tile, rows >= R masked). A column pass (R-point DFT matrix on [64, BC] column tiles, then the
-  W_N twiddle) writes the row pair to a per-d fp32 workspace, a row pass runs the 64 x 64 tile FFT on
-  each of the R rows of length C, multiplies by k's spectrum (kept in the workspace) and runs the
-  inverse, and an inverse column pass produces the output. Three levels, every factor <= 64; the
-  passes go through global memory because 2 N fp32 (2 MB at N = 2**18) cannot stay on chip;
+* tile path, N <= 4096 (A = 1, 4, 16; three compiled sizes, at most 2x the points): the whole row
+  pair, k's spectrum (and in the backward the dk accumulator) live in registers; x (and dy) come
+  from global memory once per use (see (c) above), y (dx, dk) are written once.
+* workspace path, 8192 <= N <= 2**18: N = R * C with C = 4096 and R = N / 4096 <= 64 (a 64-row
+  tile, rows >= R masked). A column pass (the R-point DFT as [64, 16] @ [16, BC] dots over K = 16
+  chunks of the rows, each chunk loaded from memory when used, then the W_N twiddle) writes the row
+  pair to a per-d fp32 workspace, a row pass runs the 16 x 16 x 16 tile transform on each of the R
+  rows of length C, multiplies by k's spectrum (kept in the workspace) and runs the inverse, and an
+  inverse column pass (same K = 16 chunks) produces the output. Every dot has K = 16; the passes go
+  through global memory because 2 N fp32 (2 MB at N = 2**18) cannot stay on chip;
   ``tl.debug_barrier`` orders the passes inside the program (one program per d owns its workspace:
   4 N fp32 per d forward, 8 N backward, as much as torch.fft's spectra of the same rows).
 
-FLOPs per pair of (b, d) rows: one complex transform of the tile path is two complex matrix
-products, 8 N (N1 + N2) real flops (N = 4096: 4.2 MFLOP) versus
-~5 N log2 N = 0.25 MFLOP for a radix-2 FFT; a convolution is 3 transforms (k's amortised over B).
-The dense DFT factors trade ~16x the FLOPs for tensor-core-shaped work, as FlashFFTConv does.
-Workspace path: 8 N (64 + 128) per transform.
+FLOPs per complex transform (real flops of the dot levels, + 6 N per twiddle product): N = 4096
+(A = 16): 3 levels x 8 N 16 = 8 N 48 = 1.57 MFLOP + 2 twiddles 0.05 MFLOP = 1.62 MFLOP (the former
+64 x 64 tiles: 8 N 128 = 4.19 MFLOP); N = 1024 (A = 4): 2 levels 8 N 32 = 0.26 MFLOP + radix-4 4 N +
+2 twiddles = 0.28 MFLOP (32 x 32 tiles: 0.52 MFLOP); N = 256 (A = 1): 8 N 32 = 0.066 MFLOP + one
+twiddle (unchanged). A radix-2 FFT is ~5 N log2 N (N = 4096: 0.25 MFLOP): the dense 16-wide factors
+trade ~6.5x the FLOPs for tensor-core-shaped work (tf32x3 issues 3 tensor-core products per product).
+A forward convolution is 2 transforms per row pair plus k's (amortised over B); the backward is 3
+per pair (4 at N = 4096 with dx and dk, see (f)) plus k's and dk's inverse. Workspace path per
+transform: row pass R x 8 C 48 = 8 N 48, column pass 8 N 64 max(R, 16) / R (the 64-row tile): R = 64
+gives 8 N 112 (the former 64 x 64 rows and 64-row column tiles: 8 N 192).
 
-Known GPU limit (AOT, tf32x3, measured with ops/_triton_aot.compile_all): direct and 16 x 16 tile
-variants fit (<= 249 registers, no spills, sm_80 and sm_90); every N1 >= 32 variant SPILLS: the
-register fragments of the 4 dots of a complex product (K-long, split hi/lo) exceed 255 registers
-(32 x 32: 255 regs + 0.8-1.2 KB local; 64 x 64 and workspace: sm_90 255 regs + 2.6-4.4 KB local,
-sm_80 18-27 KB stack). More warps or plain TF32 do not fix it (the K extent per warp is the
-problem); staging one DFT operand through shared memory in K chunks, or 16-wide factors in more
-levels, is the fix. Not done.
+GPU resources (AOT, tf32x3, ops/_triton_aot.compile_variant, fp32 and bf16 x, default config,
+registers / local bytes per thread, sm_80 | sm_90): every direct and tile variant is spill-free on
+both archs: N = 256 fwd 166 | 130-176, bwd 215-227 | 221-230; N = 1024 fwd 168 | 127-156, bwd
+240-250 | 192-212; N = 4096 fwd 254-255 | 210-217, bwd 255 | 240-246 (shared memory <= 16 KB). The
+former 32 x 32 / 64 x 64 tiles spilled 0.8-4.4 KB (sm_90) and up to 27 KB (sm_80). Workspace path
+(work_bc = 16 columns per column tile, 8 warps; 32 / 64 spill: the column passes' [64, BC]
+accumulators): forward 255 | 251-253, spill-free. The backward is one launch per output (dx, dk,
+or domega alone when neither is needed; domega rides on the last launch), and in the dk launch x's
+row spectrum is parked in its workspace row before dy's row is transformed, so two transforms are
+never live at once: dx 255 | 255, dk 255 | 254, domega 163-165 | 120, all spill-free (one launch
+computing dx and dk together spilled 112 B on sm_90; without the parking the dk launch spilled
+208 B). The cost: with both gradients dy's column pass and row transforms run twice. Register
+counts at 254-255 leave no margin: re-measure after any change (python -m
+megalodon_kernels.bench.resources --ops fftconv).
 
 Bytes (python -m megalodon_kernels.bench.triton_bytes --ops fftconv cema; interpreter byte counter,
 fp32, B=4 D=2; "unique" = distinct addresses, "total" = every access):
 * tile path (L = 2048): unique = ideal exactly (x, k / dy, x, k read once; y / dx, dk written once,
-  plus the twiddle-table entries the transform uses); total / ideal = 7.2 (fwd), 7.5 (bwd): the
-  DFT matrices and twiddles are re-gathered from the 32 KB table for every transform (L1 hits on a
-  GPU, never DRAM); the data itself moves once.
+  plus the twiddle-table entries the transform uses, ``table_bytes``); total / ideal = 5.3 (fwd),
+  7.6 (bwd) (64 x 64 tiles: 7.2, 7.5): the DFT matrices and twiddles are re-gathered from the 32 KB
+  table for every transform and x / dy re-read for the epilogues (L1 hits on a GPU, never DRAM);
+  the backward's second pass re-reads dy. cema's fused convolution: 4.4 (fwd), 7.6 (bwd).
 * direct path (L = 64): unique = ideal; total 4.5x / 12.3x (the Toeplitz / lagged-x gathers, L1).
 * workspace path (measured, B=2 D=1 L=8192, one pair, k's spectrum not amortised): total / ideal =
-  14.6 (fwd), 15.5 (bwd). Per pair and forward the data passes are x 2L + 2N written (column pass),
-  2N read + 2N k spectrum + 2N written (row pass), 2N read + y 2L (inverse column pass) = 4L + 10N =
-  24L floats vs 4L ideal, plus the table re-reads of the row FFTs: the price of N not fitting on chip.
+  13.3 (fwd), 14.1 (bwd) (before: 14.6, 15.5). Per pair and forward the data passes are x 2L + 2N
+  written (column pass), 2N read + 2N k spectrum + 2N written (row pass), 2N read + y 2L (inverse
+  column pass) = 4L + 10N = 24L floats vs 4L ideal, plus the table re-reads of the row transforms
+  and of the column DFT chunks (masked to the R x R entries used): the price of N not fitting on chip.
 
 Short L: the direct path (L <= ``direct_max_len``) is an elementwise Toeplitz product per d (O(L^2),
 cheaper than a 256-point FFT there); ``direct_max_len = 0`` forces the FFT path (tests use both).
@@ -92,10 +128,6 @@ from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, tri
 #: __init__.py (each AOT-compiled in tests for every tile size); the first values are the default.
 CONFIG_SPACE = autotune.get("fftconv").space["triton"]
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
-#: Correct (interpreter-verified) but its FFT tiles of 32x32 and more spill registers on sm_80/sm_90
-#: (tests/test_triton_aot.py lists them): auto prefers the cuda and torch backends until they do not.
-AUTO_PRIORITY = False
-
 X_DTYPES = (torch.bfloat16, torch.float32)
 #: the direct path's tile widths (BLOCK_L); direct_max_len <= DIRECT_MAX
 DIRECT_TILES = (16, 32, 64)
@@ -105,11 +137,15 @@ MIN_FFT = 256
 MAX_TILE_FFT = 4096
 #: longest supported L (N = 2**18: workspace path with R = 64)
 MAX_LENGTH = 1 << 17
-#: (N1, N2) tile shapes of the tile path
-TILE_SHAPES = ((16, 16), (32, 32), (64, 64))
+#: first-stage sizes A of the tile path's N = 256 A point transforms (N = 256, 1024, 4096)
+TILE_FACTORS = (1, 4, 16)
 #: column-pass dot tile BR of the workspace path (R = N / 4096 <= 64, rows >= R masked)
 WORK_ROWS = (64,)
-WORK_C1 = WORK_C2 = 64
+#: row length C of the workspace path (one 16 x 16 x 16 tile transform per row)
+WORK_C = 4096
+#: software-pipelining depth of the FFT kernels: 1 (no prefetch buffers: the column passes' chunk
+#: loads feed dots, and a second stage holds the next chunk in registers next to the accumulators)
+FFT_STAGES = 1
 
 
 def not_supported_reasons(x=None, k=None, **_) -> list[str]:
@@ -125,11 +161,11 @@ def fft_size(L: int) -> int:
     return max(MIN_FFT, 2 * (1 << (L - 1).bit_length()))
 
 
-def tile_shape(N: int) -> tuple[int, int]:
-    """Square tiles only (N rounded up to 16**2, 32**2 or 64**2: a larger zero padding is still a
-    linear convolution), so three compiled tile sizes serve every L; at most 2x the FLOPs."""
-    n1 = 1 << (N.bit_length() // 2)
-    return n1, n1
+def tile_factor(N: int) -> int:
+    """A of the tile path's N' = 256 A point transform for an N-point FFT: N rounded up to 256, 1024
+    or 4096 (a larger zero padding is still a linear convolution), so three compiled tile sizes serve
+    every L, at most 2x the points."""
+    return next(a for a in TILE_FACTORS if 256 * a >= N)
 
 
 _TABLES: dict = {}
@@ -179,13 +215,6 @@ if HAVE_TRITON:
         return ar * br - ai * bi, ar * bi + ai * br
 
     @triton.jit
-    def cdot(ar, ai, br, bi):
-        """Complex matrix product as 4 real fp32 dots (IEEE)."""
-        re = tl.dot(ar, br, input_precision=DOT_PRECISION) - tl.dot(ai, bi, input_precision=DOT_PRECISION)
-        im = tl.dot(ar, bi, input_precision=DOT_PRECISION) + tl.dot(ai, br, input_precision=DOT_PRECISION)
-        return re, im
-
-    @triton.jit
     def table_twiddle(tw_ptr, e, LOG_M: tl.constexpr):
         """(cos, sin) of 2 pi e / 2**LOG_M (LOG_M <= 12) from the host's float64-exact fp32 table of
         the 4096th roots of unity (e reduced mod M in integers): half-ulp exact values for one gather
@@ -194,31 +223,141 @@ if HAVE_TRITON:
         return tl.load(tw_ptr + idx), tl.load(tw_ptr + 4096 + idx)
 
     @triton.jit
-    def dft_matrix(tw_ptr, M: tl.constexpr, LOG_M: tl.constexpr):
-        """W_M^(f n) = cos - i sin of 2 pi f n / M as (re, im) [M, M] (symmetric)."""
-        o = tl.arange(0, M)
-        c, s = table_twiddle(tw_ptr, o[:, None] * o[None, :], LOG_M)
-        return c, -s
+    def opaque_zero(tw_ptr):
+        """0, as (table[0] = cos 0 = 1) != 1: the compiler cannot fold it, so the index arithmetic rooted
+        in it is neither hoisted out of the loop over row pairs nor shared between transforms."""
+        return (tl.load(tw_ptr) != 1.0).to(tl.int32)
 
     @triton.jit
-    def fft2(tw_ptr, xr, xi, N1: tl.constexpr, N2: tl.constexpr, LOG_N1: tl.constexpr, LOG_N2: tl.constexpr):
-        """Forward DFT of the [N1, N2] tile x[N2 n1 + n2] -> X[f1 + N1 f2] at [f1, f2]."""
-        f1r, f1i = dft_matrix(tw_ptr, N1, LOG_N1)
-        ar, ai = cdot(f1r, f1i, xr, xi)                                   # [f1, n2]
-        tc, ts = table_twiddle(tw_ptr, tl.arange(0, N1)[:, None] * tl.arange(0, N2)[None, :], LOG_N1 + LOG_N2)
-        ar, ai = cmul(ar, ai, tc, -ts)
-        f2r, f2i = dft_matrix(tw_ptr, N2, LOG_N2)
-        return cdot(ar, ai, f2r, f2i)                                     # [f1, f2]
+    def tile_offsets(tw_ptr, A: tl.constexpr):
+        """[256, A] positions j + 256 a, rooted in ``opaque_zero`` so that each use recomputes them
+        (a few integer ops) instead of holding 16-32 registers across the transforms."""
+        return tl.arange(0, 256)[:, None] + (tl.arange(0, A)[None, :] + opaque_zero(tw_ptr)) * 256
 
     @triton.jit
-    def ifft2(tw_ptr, yr, yi, N1: tl.constexpr, N2: tl.constexpr, LOG_N1: tl.constexpr, LOG_N2: tl.constexpr):
-        """Unnormalised inverse of ``fft2``: [f1, f2] spectrum -> N * x at [n1, n2]."""
-        f2r, f2i = dft_matrix(tw_ptr, N2, LOG_N2)
-        ar, ai = cdot(yr, yi, f2r, -f2i)                                  # [f1, n2]
-        tc, ts = table_twiddle(tw_ptr, tl.arange(0, N1)[:, None] * tl.arange(0, N2)[None, :], LOG_N1 + LOG_N2)
-        ar, ai = cmul(ar, ai, tc, ts)
-        f1r, f1i = dft_matrix(tw_ptr, N1, LOG_N1)
-        return cdot(f1r, -f1i, ar, ai)                                    # [n1, n2]
+    def tile_pair(tw_ptr, ptr, b0, d, B, L, s_b, s_d, s_t, A: tl.constexpr):
+        """Rows b0 and b0 + 1 (zeros when b0 + 1 = B) of feature d as fp32 [256, A] tiles (zero past L)."""
+        o_n = tile_offsets(tw_ptr, A)
+        p = ptr + (d.to(tl.int64) * 0 + b0) * s_b + d.to(tl.int64) * s_d + o_n * s_t
+        b_r = tl.load(p, mask=o_n < L, other=0.0).to(tl.float32)
+        b_i = tl.load(p + s_b, mask=o_n < L * tl.minimum(B - 1 - b0, 1), other=0.0).to(tl.float32)
+        return b_r, b_i
+
+    @triton.jit
+    def dft16(tw_ptr, SIGN: tl.constexpr):
+        """The 16-point DFT matrix W_16^(-SIGN f n) = cos + SIGN i sin of 2 pi f n / 16 (symmetric) as
+        (re, im, -im) [16, 16]: SIGN = -1 forward, +1 inverse; -im lets a complex product run as four
+        accumulating dots with no negation of the data operand."""
+        o = tl.arange(0, 16) + opaque_zero(tw_ptr)
+        c, s = table_twiddle(tw_ptr, o[:, None] * o[None, :], 4)
+        return c, SIGN * s, -SIGN * s
+
+    @triton.jit
+    def mm_right(xr, xi, fr, fi, fin):
+        """[M, 16] @ [16, 16] complex: 4 accumulating K = 16 real dots (fin = -fi)."""
+        re = -tl.dot(xi, fi, input_precision=DOT_PRECISION)
+        re = tl.dot(xr, fr, re, input_precision=DOT_PRECISION)
+        im = tl.dot(xr, fi, input_precision=DOT_PRECISION)
+        im = tl.dot(xi, fr, im, input_precision=DOT_PRECISION)
+        return re, im
+
+    @triton.jit
+    def mm_left(fr, fi, fin, xr, xi, accr, acci):
+        """acc + [M, 16] @ [16, BC] complex, the left operand a (small) DFT matrix (fin = -fi)."""
+        re = tl.dot(fr, xr, accr, input_precision=DOT_PRECISION)
+        re = tl.dot(fin, xi, re, input_precision=DOT_PRECISION)
+        im = tl.dot(fr, xi, acci, input_precision=DOT_PRECISION)
+        im = tl.dot(fi, xr, im, input_precision=DOT_PRECISION)
+        return re, im
+
+    @triton.jit
+    def rot(x, P: tl.constexpr, Q: tl.constexpr, R: tl.constexpr):
+        """[(p, q), r] -> [(q, r), p] of the [P Q, R] tile: the next contraction index goes last."""
+        return tl.reshape(tl.permute(tl.reshape(x, [P, Q, R]), (1, 2, 0)), [Q * R, P])
+
+    @triton.jit
+    def unrot(x, P: tl.constexpr, Q: tl.constexpr, R: tl.constexpr):
+        """Inverse of ``rot``: [(q, r), p] -> [(p, q), r]."""
+        return tl.reshape(tl.permute(tl.reshape(x, [Q, R, P]), (2, 0, 1)), [P * Q, R])
+
+    @triton.jit
+    def radix4(xr, xi, SIGN: tl.constexpr):
+        """4-point DFT along the last axis of [256, 4] (exact: additions and +-i swaps), through
+        split/join (no dot: K = 4 is below tl.dot's minimum)."""
+        pr, qr = tl.split(tl.reshape(xr, [256, 2, 2]))                    # a = 2 a1 + a0: a0 = 0 / 1
+        pi, qi = tl.split(tl.reshape(xi, [256, 2, 2]))
+        x0r, x2r = tl.split(pr)
+        x1r, x3r = tl.split(qr)
+        x0i, x2i = tl.split(pi)
+        x1i, x3i = tl.split(qi)
+        sr = x0r + x2r
+        si = x0i + x2i
+        tr = x0r - x2r
+        ti = x0i - x2i
+        ur = x1r + x3r
+        ui = x1i + x3i
+        vr = x1r - x3r
+        vi = x1i - x3i
+        # X0 = s + u, X2 = s - u, X1 = t + SIGN i v, X3 = t - SIGN i v, joined as [256, f0 // 2, f0 % 2]
+        yr = tl.join(tl.join(sr + ur, sr - ur), tl.join(tr - SIGN * vi, tr + SIGN * vi))
+        yi = tl.join(tl.join(si + ui, si - ui), tl.join(ti + SIGN * vr, ti - SIGN * vr))
+        return tl.reshape(yr, [256, 4]), tl.reshape(yi, [256, 4])
+
+    @triton.jit
+    def stage_a(tw_ptr, xr, xi, A: tl.constexpr, SIGN: tl.constexpr):
+        """The A-point DFT along the last axis of [256, A] (16: a K = 16 dot level; 4: radix4; 1: none)."""
+        if A == 16:
+            return level16(tw_ptr, xr, xi, SIGN)
+        elif A == 4:
+            return radix4(xr, xi, SIGN)
+        else:
+            return xr, xi
+
+    @triton.jit
+    def level16(tw_ptr, xr, xi, SIGN: tl.constexpr):
+        """[M, 16] @ the 16-point DFT matrix. The barrier (and ``opaque_zero``) keep the matrix's
+        table loads and TF32 head/tail split (48 registers per thread) from being hoisted or shared
+        between levels, transforms and loop iterations: each level's fragments live only during its dots."""
+        tl.debug_barrier()
+        fr, fi, fin = dft16(tw_ptr, SIGN)
+        return mm_right(xr, xi, fr, fi, fin)
+
+    @triton.jit
+    def twiddle_a(tw_ptr, ar, ai, A: tl.constexpr, LOG_A: tl.constexpr, SIGN: tl.constexpr):
+        """[(b, c), f0] *= W_16A^(-SIGN b f0) (A > 1)."""
+        if A > 1:
+            tl.debug_barrier()
+            b = (tl.arange(0, 256)[:, None] + opaque_zero(tw_ptr)) // 16
+            tc, ts = table_twiddle(tw_ptr, b * tl.arange(0, A)[None, :], LOG_A + 4)
+            ar, ai = cmul(ar, ai, tc, SIGN * ts)
+        return ar, ai
+
+    @triton.jit
+    def twiddle_n(tw_ptr, ar, ai, A: tl.constexpr, LOG_A: tl.constexpr, SIGN: tl.constexpr):
+        """[(c, f0), f1] *= W_N^(-SIGN c (f0 + A f1))."""
+        tl.debug_barrier()
+        o_r = tl.arange(0, 16 * A)[:, None] + opaque_zero(tw_ptr)
+        tc, ts = table_twiddle(tw_ptr, (o_r // A) * (o_r % A + A * tl.arange(0, 16)[None, :]), LOG_A + 8)
+        return cmul(ar, ai, tc, SIGN * ts)
+
+    @triton.jit
+    def fftn(tw_ptr, xr, xi, A: tl.constexpr, LOG_A: tl.constexpr):
+        """Forward DFT of N = 256 A points, x[16 b + c + 256 a] as the [256, A] tile (16 b + c, a),
+        -> X[f0 + A f1 + 16 A f2] as the [16 A, 16] tile (16 f0 + f1, f2)."""
+        ar, ai = stage_a(tw_ptr, xr, xi, A, -1)                            # [(b, c), f0]
+        ar, ai = twiddle_a(tw_ptr, ar, ai, A, LOG_A, -1)
+        ar, ai = level16(tw_ptr, rot(ar, 16, 16, A), rot(ai, 16, 16, A), -1)   # [(c, f0), b] -> [(c, f0), f1]
+        ar, ai = twiddle_n(tw_ptr, ar, ai, A, LOG_A, -1)
+        return level16(tw_ptr, rot(ar, 16, A, 16), rot(ai, 16, A, 16), -1)     # [(f0, f1), c] -> [(f0, f1), f2]
+
+    @triton.jit
+    def ifftn(tw_ptr, yr, yi, A: tl.constexpr, LOG_A: tl.constexpr):
+        """Unnormalised inverse of ``fftn``: [16 A, 16] spectrum -> N x as the [256, A] tile."""
+        ar, ai = level16(tw_ptr, yr, yi, 1)                                 # [(f0, f1), c]
+        ar, ai = twiddle_n(tw_ptr, unrot(ar, 16, A, 16), unrot(ai, 16, A, 16), A, LOG_A, 1)   # [(c, f0), f1]
+        ar, ai = level16(tw_ptr, ar, ai, 1)                                 # [(c, f0), b]
+        ar, ai = twiddle_a(tw_ptr, unrot(ar, 16, 16, A), unrot(ai, 16, 16, A), A, LOG_A, 1)   # [(b, c), f0]
+        return stage_a(tw_ptr, ar, ai, A, 1)                                # [(b, c), a]
 
     # ------------------------------------------------------------------ tile path (N <= 4096)
 
@@ -226,78 +365,116 @@ if HAVE_TRITON:
     def _tile_fwd_kernel(
         x_ptr, k_ptr, tw_ptr, b_ptr, om_ptr, y_ptr,
         B, D, L, sxb, sxd, sxt, HAS_BIAS, HAS_SKIP,
-        N1: tl.constexpr, N2: tl.constexpr, LOG_N1: tl.constexpr, LOG_N2: tl.constexpr,
-        OUT_BF16: tl.constexpr,
+        A: tl.constexpr, LOG_A: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
         d = tl.program_id(0)
-        o_n = tl.arange(0, N1)[:, None] * N2 + tl.arange(0, N2)[None, :]      # [N1, N2] position
+        o_n = tile_offsets(tw_ptr, A)                                          # [256, A] position
         m_n = o_n < L
         b_k = tl.load(k_ptr + d.to(tl.int64) * L + o_n, mask=m_n, other=0.0).to(tl.float32)
-        kr, ki = fft2(tw_ptr, b_k, tl.zeros([N1, N2], dtype=tl.float32), N1, N2, LOG_N1, LOG_N2)
-        inv_n = 1.0 / (N1 * N2)                                               # exact: a power of two
+        kr, ki = fftn(tw_ptr, b_k, tl.zeros([256, A], dtype=tl.float32), A, LOG_A)
+        inv_n = 1.0 / (A * 256)                                               # exact: a power of two
         kr = kr * inv_n
         ki = ki * inv_n
-        m_bias = o_n < L * HAS_BIAS             # runtime flags as bounds: one compiled kernel
         om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
         for b0 in range(0, B, 2):
+            o_n = tile_offsets(tw_ptr, A)
+            m_n = o_n < L
             m_1 = o_n < L * tl.minimum(B - 1 - b0, 1)                        # row b0+1 exists
             p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd + o_n * sxt
             b_xr = tl.load(p_x, mask=m_n, other=0.0).to(tl.float32)
             b_xi = tl.load(p_x + sxb, mask=m_1, other=0.0).to(tl.float32)
-            sr, si = fft2(tw_ptr, b_xr, b_xi, N1, N2, LOG_N1, LOG_N2)
+            sr, si = fftn(tw_ptr, b_xr, b_xi, A, LOG_A)
             sr, si = cmul(sr, si, kr, ki)
-            yr, yi = ifft2(tw_ptr, sr, si, N1, N2, LOG_N1, LOG_N2)
-            # fused epilogue (cema): omega x from the tile already in registers, plus the bias rows
+            yr, yi = ifftn(tw_ptr, sr, si, A, LOG_A)
+            o_n = tile_offsets(tw_ptr, A)
+            m_n = o_n < L
+            m_1 = o_n < L * tl.minimum(B - 1 - b0, 1)
+            m_bias = o_n < L * HAS_BIAS             # runtime flags as bounds: one compiled kernel
+            p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd + o_n * sxt
+            # fused epilogue (cema): omega x, x re-read (an L1/L2 hit: holding the tile across the two
+            # transforms would cost 2 N / threads registers, the margin that keeps N = 4096 spill-free)
+            # plus the bias rows
             row = (b0 * D + d).to(tl.int64) * L
-            yr += om * b_xr + tl.load(b_ptr + row + o_n, mask=m_bias, other=0.0)
-            yi += om * b_xi + tl.load(b_ptr + row + D * L + o_n, mask=m_bias & m_1, other=0.0)
+            m_om = o_n < L * HAS_SKIP
+            yr += om * tl.load(p_x, mask=m_n & m_om, other=0.0).to(tl.float32)
+            yi += om * tl.load(p_x + sxb, mask=m_1 & m_om, other=0.0).to(tl.float32)
+            yr += tl.load(b_ptr + row + o_n, mask=m_bias, other=0.0)
+            yi += tl.load(b_ptr + row + D * L + o_n, mask=m_bias & m_1, other=0.0)
             store_rounded(y_ptr + row + o_n, yr, m_n, OUT_BF16)
             store_rounded(y_ptr + row + D * L + o_n, yi, m_1, OUT_BF16)
+
+    @triton.jit
+    def conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A: tl.constexpr, LOG_A: tl.constexpr):
+        """conj(K) / N of row d of k (zero unless NEED_X: only dx uses it)."""
+        o_n = tile_offsets(tw_ptr, A)
+        b_k = tl.load(k_ptr + d.to(tl.int64) * L + o_n, mask=o_n < L * NEED_X, other=0.0).to(tl.float32)
+        kr, ki = fftn(tw_ptr, b_k, tl.zeros([256, A], dtype=tl.float32), A, LOG_A)
+        inv_n = 1.0 / (A * 256)
+        return kr * inv_n, -ki * inv_n
+
+    @triton.jit
+    def dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt,
+                A: tl.constexpr, LOG_A: tl.constexpr):
+        """dx rows b0, b0 + 1 = IFFT(Z conj(K) / N) + omega dy, from dy's pair spectrum Z."""
+        sr, si = cmul(zr, zi, kr, ki)
+        gr, gi = ifftn(tw_ptr, sr, si, A, LOG_A)
+        b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
+        o_n = tile_offsets(tw_ptr, A)
+        row = (b0 * D + d).to(tl.int64) * L
+        tl.store(dx_ptr + row + o_n, gr + om * b_gr, mask=o_n < L)
+        tl.store(dx_ptr + row + D * L + o_n, gi + om * b_gi, mask=o_n < L * tl.minimum(B - 1 - b0, 1))
 
     @triton.jit
     def _tile_bwd_kernel(
         dy_ptr, x_ptr, k_ptr, tw_ptr, om_ptr, dx_ptr, dk_ptr, dom_ptr,
         B, D, L, syb, syd, syt, sxb, sxd, sxt, NEED_X, NEED_K, HAS_SKIP,
-        N1: tl.constexpr, N2: tl.constexpr, LOG_N1: tl.constexpr, LOG_N2: tl.constexpr,
+        A: tl.constexpr, LOG_A: tl.constexpr,
     ):
         d = tl.program_id(0)
-        o_n = tl.arange(0, N1)[:, None] * N2 + tl.arange(0, N2)[None, :]
+        o_n = tile_offsets(tw_ptr, A)
         m_n = o_n < L
-        inv_n = 1.0 / (N1 * N2)
-        zero = tl.zeros([N1, N2], dtype=tl.float32)
-        b_k = tl.load(k_ptr + d.to(tl.int64) * L + o_n, mask=o_n < L * NEED_X, other=0.0).to(tl.float32)
-        kr, ki = fft2(tw_ptr, b_k, zero, N1, N2, LOG_N1, LOG_N2)
-        kr = kr * inv_n
-        ki = -ki * inv_n                                          # conj(K) / N: correlation
+        inv_n = 1.0 / (A * 256)
+        zero = tl.zeros([256, A], dtype=tl.float32)
+        ONE_PASS: tl.constexpr = A < 16
+        if ONE_PASS:
+            kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
+        else:
+            kr = tl.zeros([16 * A, 16], dtype=tl.float32)                # computed before the dx pass
+            ki = kr
         om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
-        acc_r = zero                                              # sum_pairs Z conj(P)
-        acc_i = zero
+        acc_r = tl.zeros([16 * A, 16], dtype=tl.float32)          # sum_pairs Z conj(P)
+        acc_i = acc_r
         dom = tl.sum(tl.sum(zero, 1), 0)
         need_x_tile = (NEED_K != 0) | (HAS_SKIP != 0)
+        # N = 4096: two passes over the pairs when dx is needed (the dy transform done twice), since
+        # k's spectrum, the dk accumulator and dy's spectrum (3 x 32 registers per thread) next to a
+        # transform in flight exceed sm_80's 255 registers; smaller tiles do it in one pass.
         for b0 in range(0, B, 2):
-            m_1 = o_n < L * tl.minimum(B - 1 - b0, 1)                        # row b0+1 exists
-            p_dy = dy_ptr + (d.to(tl.int64) * 0 + b0) * syb + d.to(tl.int64) * syd + o_n * syt
-            b_gr = tl.load(p_dy, mask=m_n, other=0.0).to(tl.float32)
-            b_gi = tl.load(p_dy + syb, mask=m_1, other=0.0).to(tl.float32)
-            zr, zi = fft2(tw_ptr, b_gr, b_gi, N1, N2, LOG_N1, LOG_N2)
-            row = (b0 * D + d).to(tl.int64) * L
+            if need_x_tile | ((NEED_X != 0) & ONE_PASS):
+                b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
+                zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A)
+                if need_x_tile:
+                    # dy and x re-read where needed (L1/L2 hits) rather than held across the transforms
+                    b_xr, b_xi = tile_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, A)
+                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
+                    dom += tl.sum(tl.sum(b_gr * b_xr + b_gi * b_xi, 1), 0)
+                    if NEED_K != 0:
+                        pr, pi = fftn(tw_ptr, b_xr, b_xi, A, LOG_A)
+                        sr, si = cmul(zr, zi, pr, -pi)
+                        acc_r += sr
+                        acc_i += si
+                if ONE_PASS:
+                    if NEED_X != 0:
+                        dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, A, LOG_A)
+        if not ONE_PASS:
             if NEED_X != 0:
-                sr, si = cmul(zr, zi, kr, ki)
-                gr, gi = ifft2(tw_ptr, sr, si, N1, N2, LOG_N1, LOG_N2)
-                tl.store(dx_ptr + row + o_n, gr + om * b_gr, mask=m_n)
-                tl.store(dx_ptr + row + D * L + o_n, gi + om * b_gi, mask=m_1)
-            if need_x_tile:
-                p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd + o_n * sxt
-                b_xr = tl.load(p_x, mask=m_n, other=0.0).to(tl.float32)
-                b_xi = tl.load(p_x + sxb, mask=m_1, other=0.0).to(tl.float32)
-                dom += tl.sum(tl.sum(b_gr * b_xr + b_gi * b_xi, 1), 0)
-                if NEED_K != 0:
-                    pr, pi = fft2(tw_ptr, b_xr, b_xi, N1, N2, LOG_N1, LOG_N2)
-                    sr, si = cmul(zr, zi, pr, -pi)
-                    acc_r += sr
-                    acc_i += si
+                kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
+                for b0 in range(0, B, 2):
+                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
+                    zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A)
+                    dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, A, LOG_A)
         if NEED_K != 0:
-            gr, gi = ifft2(tw_ptr, acc_r, acc_i, N1, N2, LOG_N1, LOG_N2)
+            gr, gi = ifftn(tw_ptr, acc_r, acc_i, A, LOG_A)
             tl.store(dk_ptr + d.to(tl.int64) * L + o_n, gr * inv_n, mask=m_n)
         if HAS_SKIP != 0:
             tl.store(dom_ptr + d, dom)
@@ -305,51 +482,82 @@ if HAVE_TRITON:
     # ------------------------------------------------------------------ workspace path (N >= 8192)
 
     @triton.jit
-    def col_fwd(src_ptr, s_b, s_t, HAS_IM, dst_ptr, L, R, LOG_N,
+    def table_root(tw_ptr, e, mask, R, LOG_R):
+        """(cos, sin) of 2 pi e / R from the table, R = 2**LOG_R <= 4096 a runtime power of two; 0 where
+        not ``mask`` (the padding rows / columns of the R-point DFT, not read)."""
+        idx = (e & (R - 1)) << (12 - LOG_R)
+        return tl.load(tw_ptr + idx, mask=mask, other=0.0), tl.load(tw_ptr + 4096 + idx, mask=mask, other=0.0)
+
+    @triton.jit
+    def col_fwd(tw_ptr, src_ptr, s_b, s_t, HAS_IM, dst_ptr, L, R, LOG_N,
                 BR: tl.constexpr, BC: tl.constexpr, C: tl.constexpr):
         """Column pass: for n = C r + c, A[f, c] = W_N^(f c) sum_r W_R^(f r) src[n] (src row pair:
         re at src_ptr, im at src_ptr + s_b when the 0/1 flag HAS_IM), written to dst planes (re at dst, im at
-        dst + R C) at f C + c."""
-        o_r = tl.arange(0, BR)
-        o_c = tl.arange(0, BC)
-        m_f = o_r < R
-        fr, fi = twiddle(o_r[:, None] * o_r[None, :] * C, LOG_N)           # W_R = W_N^C, [f, r]
-        fr = tl.where(m_f[:, None] & m_f[None, :], fr, 0.0)
-        fi = tl.where(m_f[:, None] & m_f[None, :], -fi, 0.0)
+        dst + R C) at f C + c. The R-point DFT runs in K = 16 chunks of r (rows >= R zero): [BR, 16] @
+        [16, BC] dots accumulated in the [BR, BC] tile, each chunk loaded from memory when it is used."""
         for c0 in range(0, C, BC):
-            o_n = o_r[:, None] * C + c0 + o_c[None, :]                         # [BR, BC]
-            m_n = m_f[:, None] & (o_n < L)
-            b_r = tl.load(src_ptr + o_n * s_t, mask=m_n, other=0.0).to(tl.float32)
-            b_i = tl.load(src_ptr + s_b + o_n * s_t, mask=m_n & (o_n < L * HAS_IM), other=0.0).to(tl.float32)
-            ar, ai = cdot(fr, fi, b_r, b_i)
-            tc, ts = twiddle(o_r[:, None] * (c0 + o_c[None, :]), LOG_N)
-            ar, ai = cmul(ar, ai, tc, -ts)
+            o_f = tl.arange(0, BR) + opaque_zero(tw_ptr)      # per tile: nothing [BR, BC] held across tiles
+            o_j = tl.arange(0, 16)
+            o_c = tl.arange(0, BC)
+            m_f = o_f < R
+            accr = tl.zeros([BR, BC], dtype=tl.float32)
+            acci = tl.zeros([BR, BC], dtype=tl.float32)
+            for r0 in range(0, R, 16):
+                o_r = r0 + o_j
+                m_fr = m_f[:, None] & (o_r[None, :] < R)
+                fr, fs = table_root(tw_ptr, o_f[:, None] * o_r[None, :], m_fr, R, LOG_N - 12)   # W_R^(f r)
+                o_n = o_r[:, None] * C + c0 + o_c[None, :]                     # [16, BC]
+                m_n = (o_r[:, None] < R) & (o_n < L)
+                b_r = tl.load(src_ptr + o_n * s_t, mask=m_n, other=0.0).to(tl.float32)
+                b_i = tl.load(src_ptr + s_b + o_n * s_t, mask=m_n & (o_n < L * HAS_IM), other=0.0).to(tl.float32)
+                accr, acci = mm_left(fr, -fs, fs, b_r, b_i, accr, acci)
+            tc, ts = twiddle(o_f[:, None] * (c0 + o_c[None, :]), LOG_N)
+            ar, ai = cmul(accr, acci, tc, -ts)
+            o_s = o_f[:, None] * C + c0 + o_c[None, :]
             m_s = m_f[:, None] & (o_c[None, :] < BC)
-            tl.store(dst_ptr + o_n, ar, mask=m_s)
-            tl.store(dst_ptr + R * C + o_n, ai, mask=m_s)
+            tl.store(dst_ptr + o_s, ar, mask=m_s)
+            tl.store(dst_ptr + R * C + o_s, ai, mask=m_s)
 
     @triton.jit
-    def col_inv_tile(src_ptr, c0, R, LOG_N, BR: tl.constexpr, BC: tl.constexpr, C: tl.constexpr):
+    def col_inv_tile(tw_ptr, src_ptr, c0, R, LOG_N, BR: tl.constexpr, BC: tl.constexpr, C: tl.constexpr):
         """Inverse column pass on columns c0..c0+BC of the planes at src: out[r, c] =
-        sum_f W_R^(-f r) W_N^(-f c) A[f, c] for the positions n = C r + c (unnormalised)."""
-        o_r = tl.arange(0, BR)
+        sum_f W_R^(-f r) W_N^(-f c) A[f, c] for the positions n = C r + c (unnormalised), in K = 16
+        chunks of f as ``col_fwd``."""
+        o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
+        o_j = tl.arange(0, 16)
         o_c = tl.arange(0, BC)
-        m_f = o_r < R
-        o_n = o_r[:, None] * C + c0 + o_c[None, :]
-        m_a = m_f[:, None] & (o_c[None, :] < BC)
-        ar = tl.load(src_ptr + o_n, mask=m_a, other=0.0)
-        ai = tl.load(src_ptr + R * C + o_n, mask=m_a, other=0.0)
-        tc, ts = twiddle(o_r[:, None] * (c0 + o_c[None, :]), LOG_N)
-        ar, ai = cmul(ar, ai, tc, ts)
-        fr, fi = twiddle(o_r[:, None] * o_r[None, :] * C, LOG_N)             # conj W_R: +sin
-        fr = tl.where(m_f[:, None] & m_f[None, :], fr, 0.0)
-        fi = tl.where(m_f[:, None] & m_f[None, :], fi, 0.0)
-        return cdot(fr, fi, ar, ai)
+        m_r = o_r < R
+        accr = tl.zeros([BR, BC], dtype=tl.float32)
+        acci = tl.zeros([BR, BC], dtype=tl.float32)
+        for f0 in range(0, R, 16):
+            o_f = f0 + o_j
+            o_n = o_f[:, None] * C + c0 + o_c[None, :]                         # [16, BC]
+            m_a = (o_f[:, None] < R) & (o_c[None, :] < BC)
+            ar = tl.load(src_ptr + o_n, mask=m_a, other=0.0)
+            ai = tl.load(src_ptr + R * C + o_n, mask=m_a, other=0.0)
+            tc, ts = twiddle(o_f[:, None] * (c0 + o_c[None, :]), LOG_N)
+            ar, ai = cmul(ar, ai, tc, ts)
+            m_rf = m_r[:, None] & (o_f[None, :] < R)
+            fr, fs = table_root(tw_ptr, o_r[:, None] * o_f[None, :], m_rf, R, LOG_N - 12)   # conj W_R: +sin
+            accr, acci = mm_left(fr, fs, -fs, ar, ai, accr, acci)
+        return accr, acci
 
     @triton.jit
-    def row_load(src_ptr, f, R, C1: tl.constexpr, C2: tl.constexpr):
-        o_c = f * (C1 * C2) + tl.arange(0, C1)[:, None] * C2 + tl.arange(0, C2)[None, :]
-        return tl.load(src_ptr + o_c), tl.load(src_ptr + R * C1 * C2 + o_c), o_c
+    def row_load(tw_ptr, src_ptr, f, R, C: tl.constexpr):
+        """Row f (length C = 4096) of the planes at src in natural order, as the [256, 16] tile of fftn."""
+        o_c = f * C + tile_offsets(tw_ptr, 16)
+        return tl.load(src_ptr + o_c), tl.load(src_ptr + R * C + o_c), o_c
+
+    @triton.jit
+    def spec_offsets(tw_ptr):
+        """[256, 16] row-major positions of a row spectrum (rooted in ``opaque_zero``, see tile_offsets)."""
+        return (tl.arange(0, 256)[:, None] + opaque_zero(tw_ptr)) * 16 + tl.arange(0, 16)[None, :]
+
+    @triton.jit
+    def spec_load(tw_ptr, src_ptr, f, R, C: tl.constexpr):
+        """Row f's spectrum, stored as fftn's [256, 16] tile (row-major)."""
+        o_s = f * C + spec_offsets(tw_ptr)
+        return tl.load(src_ptr + o_s), tl.load(src_ptr + R * C + o_s), o_s
 
     @triton.jit
     def _work_fwd_kernel(
@@ -357,42 +565,43 @@ if HAVE_TRITON:
         B, D, L, sxb, sxd, sxt, HAS_BIAS, HAS_SKIP, R, LOG_N,
         BR: tl.constexpr, BC: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
-        C1: tl.constexpr = 64
-        C2: tl.constexpr = 64
-        C: tl.constexpr = C1 * C2
+        C: tl.constexpr = 4096
         d = tl.program_id(0)
         N = R * C
         w_k = ws_ptr + d.to(tl.int64) * (4 * N)                   # k spectrum planes (re, im)
         w_x = w_k + 2 * N                                         # row-pair planes
         inv_n = 1.0 / N.to(tl.float32)
         # k's spectrum, once per d: column pass, then the row FFTs in place (scaled by 1/N)
-        col_fwd(k_ptr + d.to(tl.int64) * L, 0, 1, 0, w_k, L, R, LOG_N, BR, BC, C)
+        col_fwd(tw_ptr, k_ptr + d.to(tl.int64) * L, 0, 1, 0, w_k, L, R, LOG_N, BR, BC, C)
         tl.debug_barrier()
         for f in range(R):
-            sr, si, o_c = row_load(w_k, f, R, C1, C2)
-            sr, si = fft2(tw_ptr, sr, si, C1, C2, 6, 6)
-            tl.store(w_k + o_c, sr * inv_n)
-            tl.store(w_k + N + o_c, si * inv_n)
+            sr, si, _ = row_load(tw_ptr, w_k, f, R, C)
+            sr, si = fftn(tw_ptr, sr, si, 16, 4)
+            o_s = f * C + spec_offsets(tw_ptr)
+            tl.store(w_k + o_s, sr * inv_n)
+            tl.store(w_k + N + o_s, si * inv_n)
         tl.debug_barrier()
         om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
         o_r = tl.arange(0, BR)
         o_c = tl.arange(0, BC)
         for b0 in range(0, B, 2):
             p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd
-            col_fwd(p_x, sxb, sxt, tl.minimum(B - 1 - b0, 1), w_x, L, R, LOG_N, BR, BC, C)
+            col_fwd(tw_ptr, p_x, sxb, sxt, tl.minimum(B - 1 - b0, 1), w_x, L, R, LOG_N, BR, BC, C)
             tl.debug_barrier()
             for f in range(R):
-                sr, si, o_f = row_load(w_x, f, R, C1, C2)
-                sr, si = fft2(tw_ptr, sr, si, C1, C2, 6, 6)
-                kr, ki, _ = row_load(w_k, f, R, C1, C2)
+                sr, si, _ = row_load(tw_ptr, w_x, f, R, C)
+                sr, si = fftn(tw_ptr, sr, si, 16, 4)
+                kr, ki, _ = spec_load(tw_ptr, w_k, f, R, C)
                 sr, si = cmul(sr, si, kr, ki)
-                sr, si = ifft2(tw_ptr, sr, si, C1, C2, 6, 6)
+                sr, si = ifftn(tw_ptr, sr, si, 16, 4)
+                o_f = f * C + tile_offsets(tw_ptr, 16)
                 tl.store(w_x + o_f, sr)
                 tl.store(w_x + N + o_f, si)
             tl.debug_barrier()
             row = (b0 * D + d).to(tl.int64) * L
             for c0 in range(0, C, BC):
-                yr, yi = col_inv_tile(w_x, c0, R, LOG_N, BR, BC, C)
+                yr, yi = col_inv_tile(tw_ptr, w_x, c0, R, LOG_N, BR, BC, C)
+                o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
                 o_n = o_r[:, None] * C + c0 + o_c[None, :]
                 m_n = (o_r[:, None] < R) & (o_n < L)
                 m_1 = o_n < L * tl.minimum(B - 1 - b0, 1)                        # row b0+1 exists
@@ -409,12 +618,14 @@ if HAVE_TRITON:
     @triton.jit
     def _work_bwd_kernel(
         dy_ptr, x_ptr, k_ptr, tw_ptr, om_ptr, dx_ptr, dk_ptr, dom_ptr, ws_ptr,
-        B, D, L, syb, syd, syt, sxb, sxd, sxt, NEED_X, NEED_K, HAS_SKIP, R, LOG_N,
-        BR: tl.constexpr, BC: tl.constexpr,
+        B, D, L, syb, syd, syt, sxb, sxd, sxt, HAS_SKIP, DO_DOM, R, LOG_N,
+        NEED_X: tl.constexpr, NEED_K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
     ):
-        C1: tl.constexpr = 64
-        C2: tl.constexpr = 64
-        C: tl.constexpr = C1 * C2
+        """One backward pass of the workspace path: dx (NEED_X; + omega dy when HAS_SKIP) or dk
+        (NEED_K); the launcher runs one launch per needed output, never both in one program (with
+        both, the live state of the two row loops spilled on sm_90). DO_DOM: this launch also
+        sums domega = sum dy x (exactly one launch does)."""
+        C: tl.constexpr = 4096
         d = tl.program_id(0)
         N = R * C
         w_k = ws_ptr + d.to(tl.int64) * (8 * N)                   # conj(K)/N planes
@@ -425,13 +636,14 @@ if HAVE_TRITON:
         o_r = tl.arange(0, BR)
         o_c = tl.arange(0, BC)
         if NEED_X != 0:
-            col_fwd(k_ptr + d.to(tl.int64) * L, 0, 1, 0, w_k, L, R, LOG_N, BR, BC, C)
+            col_fwd(tw_ptr, k_ptr + d.to(tl.int64) * L, 0, 1, 0, w_k, L, R, LOG_N, BR, BC, C)
             tl.debug_barrier()
             for f in range(R):
-                sr, si, o_f = row_load(w_k, f, R, C1, C2)
-                sr, si = fft2(tw_ptr, sr, si, C1, C2, 6, 6)
-                tl.store(w_k + o_f, sr * inv_n)
-                tl.store(w_k + N + o_f, -si * inv_n)
+                sr, si, _ = row_load(tw_ptr, w_k, f, R, C)
+                sr, si = fftn(tw_ptr, sr, si, 16, 4)
+                o_s = f * C + spec_offsets(tw_ptr)
+                tl.store(w_k + o_s, sr * inv_n)
+                tl.store(w_k + N + o_s, -si * inv_n)
         om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
         dom = tl.sum(tl.zeros([BR], dtype=tl.float32), 0)
         for b0 in range(0, B, 2):
@@ -439,11 +651,12 @@ if HAVE_TRITON:
             p_dy = dy_ptr + (d.to(tl.int64) * 0 + b0) * syb + d.to(tl.int64) * syd
             p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd
             has_1 = tl.minimum(B - 1 - b0, 1)                       # 1: row b0+1 exists
-            col_fwd(p_dy, syb, syt, has_1, w_z, L, R, LOG_N, BR, BC, C)
+            col_fwd(tw_ptr, p_dy, syb, syt, has_1, w_z, L, R, LOG_N, BR, BC, C)
             if NEED_K != 0:
-                col_fwd(p_x, sxb, sxt, has_1, w_p, L, R, LOG_N, BR, BC, C)
-            if HAS_SKIP != 0:                                     # domega = sum dy x
+                col_fwd(tw_ptr, p_x, sxb, sxt, has_1, w_p, L, R, LOG_N, BR, BC, C)
+            if DO_DOM != 0:                                       # domega = sum dy x
                 for c0 in range(0, C, BC):
+                    o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
                     o_n = o_r[:, None] * C + c0 + o_c[None, :]
                     m_n = (o_r[:, None] < R) & (o_n < L)
                     m_1 = m_n & (o_n < L * has_1)
@@ -454,28 +667,38 @@ if HAVE_TRITON:
                     dom += tl.sum(tl.sum(g0 * x0 + g1 * x1, 1), 0)
             tl.debug_barrier()
             for f in range(R):
-                zr, zi, o_f = row_load(w_z, f, R, C1, C2)
-                zr, zi = fft2(tw_ptr, zr, zi, C1, C2, 6, 6)
                 if NEED_K != 0:
-                    pr, pi, _ = row_load(w_p, f, R, C1, C2)
-                    pr, pi = fft2(tw_ptr, pr, pi, C1, C2, 6, 6)
+                    # x's row spectrum first, parked in place in its workspace row, so that the two
+                    # transforms of the product are never live at once (that spilled on sm_90)
+                    pr, pi, _ = row_load(tw_ptr, w_p, f, R, C)
+                    pr, pi = fftn(tw_ptr, pr, pi, 16, 4)
+                    o_s = f * C + spec_offsets(tw_ptr)
+                    tl.store(w_p + o_s, pr)
+                    tl.store(w_p + N + o_s, pi)
+                    tl.debug_barrier()
+                zr, zi, _ = row_load(tw_ptr, w_z, f, R, C)
+                zr, zi = fftn(tw_ptr, zr, zi, 16, 4)
+                if NEED_K != 0:
+                    pr, pi, o_s = spec_load(tw_ptr, w_p, f, R, C)
                     sr, si = cmul(zr, zi, pr, -pi)
-                    m_acc = tl.full([C1, C2], b0, tl.int32) > 0        # first pair: overwrite
-                    sr += tl.load(w_s + o_f, mask=m_acc, other=0.0)
-                    si += tl.load(w_s + N + o_f, mask=m_acc, other=0.0)
-                    tl.store(w_s + o_f, sr)
-                    tl.store(w_s + N + o_f, si)
+                    m_acc = tl.full([256, 16], b0, tl.int32) > 0        # first pair: overwrite
+                    sr += tl.load(w_s + o_s, mask=m_acc, other=0.0)
+                    si += tl.load(w_s + N + o_s, mask=m_acc, other=0.0)
+                    tl.store(w_s + o_s, sr)
+                    tl.store(w_s + N + o_s, si)
                 if NEED_X != 0:
-                    kr, ki, _ = row_load(w_k, f, R, C1, C2)
+                    kr, ki, _ = spec_load(tw_ptr, w_k, f, R, C)
                     sr, si = cmul(zr, zi, kr, ki)
-                    sr, si = ifft2(tw_ptr, sr, si, C1, C2, 6, 6)
+                    sr, si = ifftn(tw_ptr, sr, si, 16, 4)
+                    o_f = f * C + tile_offsets(tw_ptr, 16)
                     tl.store(w_z + o_f, sr)
                     tl.store(w_z + N + o_f, si)
             tl.debug_barrier()
             if NEED_X != 0:
                 row = (b0 * D + d).to(tl.int64) * L
                 for c0 in range(0, C, BC):
-                    gr, gi = col_inv_tile(w_z, c0, R, LOG_N, BR, BC, C)
+                    gr, gi = col_inv_tile(tw_ptr, w_z, c0, R, LOG_N, BR, BC, C)
+                    o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
                     o_n = o_r[:, None] * C + c0 + o_c[None, :]
                     m_n = (o_r[:, None] < R) & (o_n < L)
                     m_1 = m_n & (o_n < L * has_1)
@@ -486,17 +709,19 @@ if HAVE_TRITON:
         if NEED_K != 0:
             tl.debug_barrier()
             for f in range(R):
-                sr, si, o_f = row_load(w_s, f, R, C1, C2)
-                sr, si = ifft2(tw_ptr, sr, si, C1, C2, 6, 6)
+                sr, si, _ = spec_load(tw_ptr, w_s, f, R, C)
+                sr, si = ifftn(tw_ptr, sr, si, 16, 4)
+                o_f = f * C + tile_offsets(tw_ptr, 16)
                 tl.store(w_s + o_f, sr)
                 tl.store(w_s + N + o_f, si)
             tl.debug_barrier()
             for c0 in range(0, C, BC):
-                gr, gi = col_inv_tile(w_s, c0, R, LOG_N, BR, BC, C)
+                gr, gi = col_inv_tile(tw_ptr, w_s, c0, R, LOG_N, BR, BC, C)
+                o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
                 o_n = o_r[:, None] * C + c0 + o_c[None, :]
                 m_n = (o_r[:, None] < R) & (o_n < L)
                 tl.store(dk_ptr + d.to(tl.int64) * L + o_n, gr * inv_n, mask=m_n)
-        if HAS_SKIP != 0:
+        if DO_DOM != 0:
             tl.store(dom_ptr + d, dom)
 
     # ------------------------------------------------------------------ direct path (L <= 64)
@@ -558,13 +783,13 @@ if HAVE_TRITON:
 # ---------------------------------------------------------------------- launchers
 
 def _plan(L: int, direct_max_len: int):
-    """("direct", BL) | ("tile", N1, N2) | ("work", R, BR)."""
+    """("direct", BL) | ("tile", A) | ("work", R, BR)."""
     if L <= min(direct_max_len, DIRECT_MAX):
         return ("direct", max(16, triton.next_power_of_2(L)))
     N = fft_size(L)
     if N <= MAX_TILE_FFT:
-        return ("tile", *tile_shape(N))
-    R = N // (WORK_C1 * WORK_C2)
+        return ("tile", tile_factor(N))
+    R = N // WORK_C
     return ("work", R, WORK_ROWS[-1])
 
 
@@ -589,16 +814,17 @@ def conv_fwd(x, k, bias=None, omega=None, out_dtype=None, *, direct_max_len, num
         _direct_fwd_kernel[(D,)](x, k, bias_t, om, y, B, D, L, *strides, *flags,
                                  BL=plan[1], OUT_BF16=out_bf16, num_warps=direct_warps)
     elif plan[0] == "tile":
-        n1, n2 = plan[1:]
+        a = plan[1]
         _tile_fwd_kernel[(D,)](x, k, twiddle_table(x.device), bias_t, om, y, B, D, L, *strides, *flags,
-                               N1=n1, N2=n2, LOG_N1=_log2(n1), LOG_N2=_log2(n2), OUT_BF16=out_bf16,
-                               num_warps=tile_warps(n1 * n2, num_warps))
+                               A=a, LOG_A=_log2(a), OUT_BF16=out_bf16, num_warps=tile_warps(256 * a, num_warps),
+                               num_stages=FFT_STAGES)
     else:
         R, BR = plan[1:]
-        N = R * WORK_C1 * WORK_C2
+        N = R * WORK_C
         ws = torch.empty(D, 4 * N, dtype=torch.float32, device=x.device)
         _work_fwd_kernel[(D,)](x, k, twiddle_table(x.device), bias_t, om, y, ws, B, D, L, *strides, *flags, R, _log2(N),
-                               BR=BR, BC=work_bc, OUT_BF16=out_bf16, num_warps=work_warps)
+                               BR=BR, BC=work_bc, OUT_BF16=out_bf16, num_warps=work_warps,
+                               num_stages=FFT_STAGES)
     return y
 
 
@@ -622,14 +848,21 @@ def conv_bwd(dy, x, k, need_x=True, need_k=True, omega=None, *, direct_max_len, 
     if plan[0] == "direct":
         _direct_bwd_kernel[(D,)](*args, *shape, *flags, BL=plan[1], num_warps=direct_warps)
     elif plan[0] == "tile":
-        n1, n2 = plan[1:]
-        _tile_bwd_kernel[(D,)](*targs, *shape, *flags, N1=n1, N2=n2, LOG_N1=_log2(n1), LOG_N2=_log2(n2),
-                               num_warps=tile_warps(n1 * n2, num_warps))
+        a = plan[1]
+        _tile_bwd_kernel[(D,)](*targs, *shape, *flags, A=a, LOG_A=_log2(a), num_warps=tile_warps(256 * a, num_warps),
+                               num_stages=FFT_STAGES)
     else:
         R, BR = plan[1:]
-        N = R * WORK_C1 * WORK_C2
+        N = R * WORK_C
         ws = torch.empty(D, 8 * N, dtype=torch.float32, device=dev)
-        _work_bwd_kernel[(D,)](*targs, ws, *shape, *flags, R, _log2(N), BR=BR, BC=work_bc, num_warps=work_warps)
+        skip = int(omega is not None)
+        # one launch per output (they share the workspace, in stream order); domega rides on the dk
+        # launch, else on the dx launch, else on a launch that computes only domega
+        passes = [p for p, need in (((True, False), need_x), ((False, True), need_k)) if need] or [(False, False)]
+        for i, (px, pk) in enumerate(passes):
+            do_dom = int(skip and i == len(passes) - 1)
+            _work_bwd_kernel[(D,)](*targs, ws, *shape, skip, do_dom, R, _log2(N), NEED_X=px, NEED_K=pk, BR=BR,
+                                   BC=work_bc, num_warps=work_warps, num_stages=FFT_STAGES)
     return (dx if need_x else None, dk if need_k else None, dom if omega is not None else None)
 
 
@@ -688,39 +921,46 @@ def _variants(cfg, direct_tiles):
                 label=f"direct bwd x={dt} L<={bl}"))
         fwd_ptrs_t = fwd_ptrs + (("tw_ptr", "*fp32"),)
         bwd_ptrs_t = bwd_ptrs + (("tw_ptr", "*fp32"),)
-        for n1, n2 in TILE_SHAPES:
-            tile = (("N1", n1), ("N2", n2), ("LOG_N1", _log2(n1)), ("LOG_N2", _log2(n2)))
-            w = tile_warps(n1 * n2, cfg["num_warps"])
+        for a in TILE_FACTORS:
+            tile = (("A", a), ("LOG_A", _log2(a)))
+            w = tile_warps(256 * a, cfg["num_warps"])
             variants.append(Variant(
                 op="fftconv", kernel="_tile_fwd_kernel", fn=_tile_fwd_kernel, arg_types=fwd_ptrs_t + fwd_ints,
-                constexprs=tile + (("OUT_BF16", out_bf16),), div16=div16, num_warps=w,
-                label=f"tile fwd x={dt} N={n1}x{n2} warps={w}"))
+                constexprs=tile + (("OUT_BF16", out_bf16),), div16=div16, num_warps=w, num_stages=FFT_STAGES,
+                label=f"tile fwd x={dt} N={256 * a} warps={w}"))
             variants.append(Variant(
                 op="fftconv", kernel="_tile_bwd_kernel", fn=_tile_bwd_kernel, arg_types=bwd_ptrs_t + bwd_ints,
-                constexprs=tile, div16=div16, num_warps=w, label=f"tile bwd x={dt} N={n1}x{n2} warps={w}"))
+                constexprs=tile, div16=div16, num_warps=w, num_stages=FFT_STAGES,
+                label=f"tile bwd x={dt} N={256 * a} warps={w}"))
         for br in WORK_ROWS:
             work = (("R", "i32"), ("LOG_N", "i32"))
             variants.append(Variant(
                 op="fftconv", kernel="_work_fwd_kernel", fn=_work_fwd_kernel,
                 arg_types=fwd_ptrs_t + (("ws_ptr", "*fp32"),) + fwd_ints + work,
                 constexprs=(("BR", br), ("BC", cfg["work_bc"]), ("OUT_BF16", out_bf16)), div16=div16,
-                num_warps=cfg["work_warps"],
+                num_warps=cfg["work_warps"], num_stages=FFT_STAGES,
                 label=f"work fwd x={dt} BR={br} warps={cfg['work_warps']}"))
-            variants.append(Variant(
-                op="fftconv", kernel="_work_bwd_kernel", fn=_work_bwd_kernel,
-                arg_types=bwd_ptrs_t + (("ws_ptr", "*fp32"),) + bwd_ints + work,
-                constexprs=(("BR", br), ("BC", cfg["work_bc"])), div16=div16, num_warps=cfg["work_warps"],
-                label=f"work bwd x={dt} BR={br} warps={cfg['work_warps']}"))
+            work_bwd_ints = bwd_ints[:-3] + (("HAS_SKIP", "i32"), ("DO_DOM", "i32"))
+            for px, pk in ((True, False), (False, True), (False, False)):  # dx, dk, domega-only launches
+                variants.append(Variant(
+                    op="fftconv", kernel="_work_bwd_kernel", fn=_work_bwd_kernel,
+                    arg_types=bwd_ptrs_t + (("ws_ptr", "*fp32"),) + work_bwd_ints + work,
+                    constexprs=(("NEED_X", px), ("NEED_K", pk), ("BR", br), ("BC", cfg["work_bc"])), div16=div16,
+                    num_warps=cfg["work_warps"], num_stages=FFT_STAGES,
+                    label=f"work bwd {'dx' if px else 'dk' if pk else 'domega'} x={dt} BR={br} "
+                          f"warps={cfg['work_warps']}"))
     return variants
 
 
-def table_bytes(n1: int) -> int:
-    """Bytes of the distinct twiddle-table entries (cos and sin) an n1 x n1 tile transform reads: the
-    n1-point DFT matrix and the inner twiddles (f1 n2 mod n1**2); the table's other entries are never
-    touched at this size, so they are not part of the ideal."""
-    m = n1 * n1
-    idx = {(a * b % n1) * (4096 // n1) for a in range(n1) for b in range(n1)}
-    idx |= {(a * b % m) * (4096 // m) for a in range(n1) for b in range(n1)}
+def table_bytes(a: int) -> int:
+    """Bytes of the distinct twiddle-table entries (cos and sin) the N = 256 a point tile transform
+    reads: the 16-point DFT matrix, the W_16a twiddles (b f0) and the W_N twiddles (c (f0 + a f1));
+    the table's other entries are never touched at this size, so they are not part of the ideal."""
+    n, log_a = 256 * a, a.bit_length() - 1
+    idx = {(f * m % 16) * 256 for f in range(16) for m in range(16)}
+    if a > 1:
+        idx |= {(b * f0 % (16 * a)) << (8 - log_a) for b in range(16) for f0 in range(a)}
+    idx |= {(c * (f0 + a * f1) % n) << (4 - log_a) for c in range(16) for f0 in range(a) for f1 in range(16)}
     return 2 * 4 * len(idx)
 
 
