@@ -30,6 +30,12 @@ class _Backend:
     #: the op's kernels also run in float64 (double accumulation; kernels.FP64_DTYPE_CODES)
     FP64 = False
 
+    def _dtype_reason(self, name: str, t: torch.Tensor, what: str = "the CUDA kernels take") -> list[str]:
+        """Why the kernels cannot take ``t``'s dtype (empty when they can)."""
+        if t.dtype in (K.FP64_DTYPE_CODES if self.FP64 else K.DTYPE_CODES):
+            return []
+        return [f"{what} {K._dtype_names(self.FP64)} {name}, got {t.dtype} (use backend='torch')"]
+
     def __init__(self, get_ext=_product_ext, device_type: str = "cuda"):
         self._get_ext = get_ext
         self.device_type = device_type
@@ -52,10 +58,7 @@ class _Backend:
                 reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} "
                                f"(use backend='torch')")
                 break
-        t = named[dtype_of]
-        if t.dtype not in (K.FP64_DTYPE_CODES if self.FP64 else K.DTYPE_CODES):
-            reasons.append(f"the CUDA kernels take {K._dtype_names(self.FP64)} {dtype_of}, got {t.dtype} "
-                           f"(use backend='torch')")
+        reasons += self._dtype_reason(dtype_of, named[dtype_of])
         return reasons
 
 
@@ -293,9 +296,7 @@ class EmaHiddenBackend(_CemaBackend):
 
     def not_supported_reasons(self, x, p, log_q=None, hx=None, **_other_inputs) -> list[str]:
         reasons = self._cema_reasons({"x": x, "p": p, "log_q": log_q, "hx": hx}, p, p.shape[-1], x.shape[-1])
-        if x.dtype not in (K.FP64_DTYPE_CODES if self.FP64 else K.DTYPE_CODES):
-            reasons.append(f"the CUDA ema_hidden takes {K._dtype_names(self.FP64)} x, got {x.dtype} "
-                           f"(use backend='torch')")
+        reasons += self._dtype_reason("x", x, "the CUDA ema_hidden takes")
         return reasons
 
     def ema_hidden_fwd(self, x, p, log_q, hx, weighted=False):

@@ -44,10 +44,14 @@ def _dtype_names(fp64: bool) -> str:
     return "float32, bfloat16 or float64" if fp64 else "float32 or bfloat16"
 
 
+def _acc_dtype(like: torch.Tensor) -> torch.dtype:
+    """The kernels' accumulation dtype for inputs like ``like``: float64 for float64, else float32."""
+    return torch.float64 if like.dtype == torch.float64 else torch.float32
+
+
 def _acc(t: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
-    """A side input (parameters, tables) in the accumulation type of ``like``: float64 for a float64
-    ``like``, else float32; contiguous."""
-    return t.to(torch.float64 if like.dtype == torch.float64 else torch.float32).contiguous()
+    """A side input (parameters, tables) in the accumulation dtype of ``like``; contiguous."""
+    return t.to(_acc_dtype(like)).contiguous()
 
 
 def _ptr(t: torch.Tensor | None) -> int:
@@ -160,7 +164,7 @@ def timestep_norm_fwd(ext, x, scale, bias, prev_count, prev_mean, prev_var, padd
     G = int(num_groups)
     dev = x.device
     xc = x.contiguous()
-    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    acc = _acc_dtype(x)
     scale_f, bias_f = _acc(scale, x), _acc(bias, x)
     pc = prev_count.to(torch.int64).contiguous()
     pm, pv = _acc(prev_mean, x), _acc(prev_var, x)
@@ -327,18 +331,12 @@ def _attn_visible(L: int, S: int, chunk_size, block_causal: bool, device) -> tor
     return (cj == cp) | (cj == cp - 1) if block_causal else cj == cp
 
 
-def _attn_acc(q: torch.Tensor) -> torch.dtype:
-    """Arithmetic dtype of the matmul path: float64 for float64 q/k/v (matmuls and the fp64
-    dropkey_softmax kernel), float32 for the others."""
-    return torch.float64 if q.dtype == torch.float64 else torch.float32
-
-
 def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed):
     """(P (B, H, L, S), s (B, H, L, S)) of the matmul path (scores masked with -inf), both in
-    _attn_acc(q)."""
+    _acc_dtype(q): float64 q/k/v run float64 matmuls and the fp64 dropkey_softmax kernel."""
     B, L, H, _ = q.shape
     S = k.shape[1]
-    acc = _attn_acc(q)
+    acc = _acc_dtype(q)
     s = torch.matmul(q.transpose(1, 2).to(acc), k.transpose(1, 2).to(acc).transpose(-1, -2))
     s.mul_(scale)
     vis = _attn_visible(L, S, chunk_size, block_causal, q.device)
@@ -357,7 +355,7 @@ def attention_matmul_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causa
     S = k.shape[1]
     if B * H * L * S == 0:
         o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
-        return o, torch.full((B, H, L), float("-inf"), dtype=_attn_acc(q), device=q.device)
+        return o, torch.full((B, H, L), float("-inf"), dtype=_acc_dtype(q), device=q.device)
     p, s = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
     o = torch.matmul(p, v.transpose(1, 2).to(p.dtype)).transpose(1, 2).to(q.dtype).contiguous()
     # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
@@ -375,7 +373,7 @@ def attention_matmul_bwd(ext, do, q, k, v, *, scale, causal, chunk_size, block_c
     if B * H * L * S == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
     p, _ = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
-    acc = lambda x: x.transpose(1, 2).to(p.dtype)  # noqa: E731  (B, H, T, d) in _attn_acc(q)
+    acc = lambda x: x.transpose(1, 2).to(p.dtype)  # noqa: E731  (B, H, T, d) in _acc_dtype(q)
     dot, qt, kt, vt = acc(do), acc(q), acc(k), acc(v)
     dv = torch.matmul(p.transpose(-1, -2), dot)
     dp = torch.matmul(dot, vt.transpose(-1, -2)).contiguous()

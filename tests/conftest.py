@@ -97,6 +97,19 @@ def order(request, ext):
     ext.emulator_set_reverse(-1)
 
 
+@pytest.fixture
+def use_emulated_cuda(emulated, monkeypatch):
+    """Plug the test module's ``emulated`` backends ({op: cuda/backend.py class over the emulator})
+    into each op's dispatcher as backend "cuda", for the test's duration; returns them."""
+    import importlib
+
+    for op, impl in emulated.items():
+        backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
+        monkeypatch.setitem(backends._modules, "cuda", f"(emulated) megalodon_kernels.cuda.backend.{op}")
+        monkeypatch.setitem(backends._loaded, "cuda", impl)
+    return emulated
+
+
 @pytest.fixture(scope="module")
 def kernels():
     """cuda/kernels.py: the tensor API over the launchers."""

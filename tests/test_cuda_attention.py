@@ -7,7 +7,6 @@ kernels. Every path is compared forward and backward with the float64 reference
 backend="torch" on the same inputs and seed (the same DropKey mask). Shapes are small: the
 emulator runs each CUDA thread as a fiber.
 """
-import importlib
 import os
 import shutil
 
@@ -37,15 +36,13 @@ def emulated():
     from megalodon_kernels.cuda import backend, build
 
     ext = build.load_emulator()
-    return backend.AttentionBackend(lambda: ext, "cpu")
+    return {"attention": backend.AttentionBackend(lambda: ext, "cpu")}
 
 
 @pytest.fixture
-def use_emulated_cuda(emulated, monkeypatch):
-    backends = importlib.import_module("megalodon_kernels.ops.attention").BACKENDS
-    monkeypatch.setitem(backends._modules, "cuda", "(emulated) megalodon_kernels.cuda.backend.attention")
-    monkeypatch.setitem(backends._loaded, "cuda", emulated)
-    return emulated
+def attention_cuda(use_emulated_cuda):
+    """The emulated cuda attention backend, plugged into the dispatcher (conftest.use_emulated_cuda)."""
+    return use_emulated_cuda["attention"]
 
 
 @pytest.fixture(params=["forward", "reverse"])
@@ -118,9 +115,9 @@ MASKS = {
 
 
 @pytest.fixture
-def matmul_path(use_emulated_cuda, monkeypatch):
-    monkeypatch.setitem(use_emulated_cuda.DEFAULT_CONFIG, "path", "matmul")
-    return use_emulated_cuda
+def matmul_path(attention_cuda, monkeypatch):
+    monkeypatch.setitem(attention_cuda.DEFAULT_CONFIG, "path", "matmul")
+    return attention_cuda
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -166,7 +163,7 @@ def calls(monkeypatch):
 
 
 @pytest.mark.parametrize("mask", ["causal", "blockcausal", "chunk-noncausal", "full"])
-def test_float64_matmul_path_dropkey(use_emulated_cuda, fiber_order, calls, mask):
+def test_float64_matmul_path_dropkey(attention_cuda, fiber_order, calls, mask):
     # path "auto": float64 has no flash configuration, so the matmul path runs, in fp64 end to end
     # (an fp32 step anywhere would show as ~1e-7 against the 1e-10 / 1e-9 budget).
     check_case(2, 33, 40, 2, 8, 6, torch.float64, dropkey_p=0.3, seed=1234, **MASKS[mask])
@@ -181,11 +178,11 @@ def test_float64_matmul_path_shapes(matmul_path, L, S):
     check_case(1, L, S, 2, 8, 5, torch.float64, causal=True, dropkey_p=0.2, seed=8)
 
 
-def test_float64_lse_is_float64(use_emulated_cuda):
+def test_float64_lse_is_float64(attention_cuda):
     from megalodon_kernels.cuda import kernels as K
 
     q, k, v, _ = _inputs(1, 9, 12, 2, 8, 4, torch.float64)
-    o, lse = K.attention_matmul_fwd(use_emulated_cuda.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
+    o, lse = K.attention_matmul_fwd(attention_cuda.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
                                     chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0)
     _, s, allowed = ref.attention_probs(to_np(q), to_np(k), scale=0.5)
     s = np.where(allowed, s, -np.inf)
@@ -195,34 +192,34 @@ def test_float64_lse_is_float64(use_emulated_cuda):
     close("lse", lse, expected, tol("cuda", torch.float64, "fwd"))
 
 
-def test_float64_forced_flash_gives_the_reason(use_emulated_cuda, monkeypatch):
+def test_float64_forced_flash_gives_the_reason(attention_cuda, monkeypatch):
     q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
-    why = use_emulated_cuda.flash_reasons(q, q)
+    why = attention_cuda.flash_reasons(q, q)
     assert len(why) == 1 and "float64" in why[0] and "tensor-core" in why[0] and "path='matmul'" in why[0]
     # a direct call with path="flash" refuses with that reason ...
     kw = dict(scale=1.0, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0, attn_fn="softmax")
     with pytest.raises(ValueError, match="float64"):
-        use_emulated_cuda.attention_fwd(q, q, q, path="flash", **kw)
+        attention_cuda.attention_fwd(q, q, q, path="flash", **kw)
     # ... and a configured path="flash" makes the dispatcher refuse the cuda backend up front
-    monkeypatch.setitem(use_emulated_cuda.DEFAULT_CONFIG, "path", "flash")
-    reasons = use_emulated_cuda.not_supported_reasons(q, q, q)
+    monkeypatch.setitem(attention_cuda.DEFAULT_CONFIG, "path", "flash")
+    reasons = attention_cuda.not_supported_reasons(q, q, q)
     assert any("path='flash'" in r and "float64" in r and "backend='torch'" in r for r in reasons)
     with pytest.raises(ValueError, match="float64"):
         attention(q, q, q, backend="cuda")
     # fp32 under the same configuration is accepted (the reason is about the dtype)
-    assert use_emulated_cuda.not_supported_reasons(q.float(), q.float(), q.float()) == []
+    assert attention_cuda.not_supported_reasons(q.float(), q.float(), q.float()) == []
 
 
-def test_float64_laplace_is_refused_with_a_reason(use_emulated_cuda):
+def test_float64_laplace_is_refused_with_a_reason(attention_cuda):
     q = torch.randn(1, 4, 1, 8, dtype=torch.float64)
-    why = " ".join(use_emulated_cuda.not_supported_reasons(q, q, q, attn_fn="laplace"))
+    why = " ".join(attention_cuda.not_supported_reasons(q, q, q, attn_fn="laplace"))
     assert "laplace" in why and "float64" in why and "backend='torch'" in why
     with pytest.raises(ValueError, match="laplace"):
         attention(q, q, q, attn_fn="laplace", backend="cuda")
     # softmax in float64 is accepted, and an unsupported dtype still names q/k/v
-    assert use_emulated_cuda.not_supported_reasons(q, q, q) == []
+    assert attention_cuda.not_supported_reasons(q, q, q) == []
     qi = torch.zeros(1, 4, 1, 8, dtype=torch.complex64)
-    assert any("q/k/v" in r and "complex64" in r for r in use_emulated_cuda.not_supported_reasons(qi, qi, qi))
+    assert any("q/k/v" in r and "complex64" in r for r in attention_cuda.not_supported_reasons(qi, qi, qi))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -231,12 +228,12 @@ def test_float64_laplace_is_refused_with_a_reason(use_emulated_cuda):
 
 
 @pytest.fixture
-def flash_path(use_emulated_cuda, monkeypatch):
-    why = use_emulated_cuda.flash_reasons(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
+def flash_path(attention_cuda, monkeypatch):
+    why = attention_cuda.flash_reasons(torch.zeros(1, 1, 1, 8), torch.zeros(1, 1, 1, 8))
     if why:
         pytest.skip(f"flash kernel not built in the emulator: {why}")
-    monkeypatch.setitem(use_emulated_cuda.DEFAULT_CONFIG, "path", "flash")
-    return use_emulated_cuda
+    monkeypatch.setitem(attention_cuda.DEFAULT_CONFIG, "path", "flash")
+    return attention_cuda
 
 
 @pytest.mark.parametrize("mask", list(MASKS))
@@ -292,9 +289,9 @@ def test_flash_lse_matches_reference(flash_path):
     close("lse", lse, expected, 2e-6)
 
 
-def test_auto_path_picks_flash_and_falls_back(use_emulated_cuda):
-    assert use_emulated_cuda.flash_reasons(torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 8)) == []
-    why = use_emulated_cuda.flash_reasons(torch.zeros(1, 2, 1, 300), torch.zeros(1, 2, 1, 8))
+def test_auto_path_picks_flash_and_falls_back(attention_cuda):
+    assert attention_cuda.flash_reasons(torch.zeros(1, 2, 1, 64), torch.zeros(1, 2, 1, 8)) == []
+    why = attention_cuda.flash_reasons(torch.zeros(1, 2, 1, 300), torch.zeros(1, 2, 1, 8))
     assert why and "256" in why[0]
     # head dim 300 runs on the matmul path under path="auto"
     check_case(1, 5, 5, 1, 300, 3, torch.float32)
@@ -306,7 +303,7 @@ def test_flash_empty_lengths(flash_path, L, S):
     check_case(1, L, S, 2, 8, 3, torch.float32, chunk_size=2, block_causal=True, dropkey_p=0.5, seed=1)
 
 
-def test_auto_path_runs_the_flash_kernels_and_matmul_fallback_the_softmax_kernel(use_emulated_cuda, monkeypatch):
+def test_auto_path_runs_the_flash_kernels_and_matmul_fallback_the_softmax_kernel(attention_cuda, monkeypatch):
     from megalodon_kernels.cuda import kernels as K
 
     calls = []
@@ -318,7 +315,7 @@ def test_auto_path_runs_the_flash_kernels_and_matmul_fallback_the_softmax_kernel
     calls.clear()
     check_case(1, 9, 9, 1, 300, 4, torch.float32, against_torch=False)  # head dim 300: matmul path
     assert calls == ["attention_matmul_fwd", "attention_matmul_bwd"]
-    launched = " ".join(use_emulated_cuda.ext.emulator_launched_kernels())
+    launched = " ".join(attention_cuda.ext.emulator_launched_kernels())
     assert all(n in launched for n in ("flash_fwd", "flash_bwd_kv", "flash_bwd_q", "dropkey_softmax"))
 
 

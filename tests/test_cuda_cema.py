@@ -18,7 +18,6 @@ tol("cuda", float64)), plus long-L cases against a long-double evaluation of the
 double powers (double-double phase, FMA-recovered exponent products) stay ~1e-15 relative there,
 where the float64 NumPy reference itself drifts by ~L * 2**-53.
 """
-import importlib
 import math
 import os
 import shutil
@@ -502,14 +501,6 @@ def emulated(ext):
 
     get = lambda: ext  # noqa: E731
     return {"cema_kernel": backend.CemaKernelBackend(get, "cpu"), "ema_hidden": backend.EmaHiddenBackend(get, "cpu")}
-
-
-@pytest.fixture
-def use_emulated_cuda(emulated, monkeypatch):
-    for op, impl in emulated.items():
-        backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
-        monkeypatch.setitem(backends._modules, "cuda", f"(emulated) megalodon_kernels.cuda.backend.{op}")
-        monkeypatch.setitem(backends._loaded, "cuda", impl)
 
 
 @pytest.mark.parametrize("real", REALS, ids=str)

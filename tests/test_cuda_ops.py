@@ -5,7 +5,6 @@ built over the CPU emulator extension and plugged into the op's dispatcher as ba
 so the public op (argument handling, autograd Function, saved tensors, dtype casts) runs the
 CUDA kernels and must agree with backend="torch", forward and backward.
 """
-import importlib
 import os
 import shutil
 
@@ -32,15 +31,10 @@ def emulated():
         "dropkey_softmax": backend.DropKeySoftmaxBackend(get, "cpu"),
         "timestep_norm": backend.TimestepNormBackend(get, "cpu"),
         "fftconv": backend.FftconvBackend(get, "cpu"),
+        "attention": backend.AttentionBackend(get, "cpu"),
+        "cema_kernel": backend.CemaKernelBackend(get, "cpu"),
+        "ema_hidden": backend.EmaHiddenBackend(get, "cpu"),
     }
-
-
-@pytest.fixture
-def use_emulated_cuda(emulated, monkeypatch):
-    for op, impl in emulated.items():
-        backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
-        monkeypatch.setitem(backends._modules, "cuda", f"(emulated) megalodon_kernels.cuda.backend.{op}")
-        monkeypatch.setitem(backends._loaded, "cuda", impl)
 
 
 def _grads(out, inputs, seed):
@@ -159,13 +153,7 @@ def test_timestep_norm_op_fp64(use_emulated_cuda):
                   [x, scale, bias, pm, pv])
 
 
-def test_attention_op_fp64(emulated, monkeypatch):
-    from megalodon_kernels.cuda import backend, build
-
-    att = backend.AttentionBackend(build.load_emulator, "cpu")
-    backends = importlib.import_module("megalodon_kernels.ops.attention").BACKENDS
-    monkeypatch.setitem(backends._modules, "cuda", "(emulated) megalodon_kernels.cuda.backend.attention")
-    monkeypatch.setitem(backends._loaded, "cuda", att)
+def test_attention_op_fp64(use_emulated_cuda):
     q, k, v = (torch.randn(2, 11, 2, 8, dtype=torch.float64).requires_grad_() for _ in range(3))
     _compare_fp64(lambda b: ops.attention(q, k, v, scale=0.4, chunk_size=4, block_causal=True, dropkey_p=0.3,
                                           seed=5, backend=b), [q, k, v])
@@ -201,19 +189,6 @@ def test_fftconv_op_fp64(use_emulated_cuda, L):
 # float64 p with complex128 log_q/gamma/hx runs the double instantiations of cuda/cema.cuh (every
 # power, sum and output in double): the public ops with backend="cuda" agree with backend="torch"
 # (float64 too), outputs and every gradient, at the ("cuda", float64) budget.
-@pytest.fixture
-def use_emulated_cema(monkeypatch):
-    from megalodon_kernels.cuda import backend, build
-
-    ext = build.load_emulator()
-    get = lambda: ext  # noqa: E731
-    for op, impl in (("cema_kernel", backend.CemaKernelBackend(get, "cpu")),
-                     ("ema_hidden", backend.EmaHiddenBackend(get, "cpu"))):
-        backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
-        monkeypatch.setitem(backends._modules, "cuda", f"(emulated) megalodon_kernels.cuda.backend.{op}")
-        monkeypatch.setitem(backends._loaded, "cuda", impl)
-
-
 def _cema_fp64_inputs(D, N, B, seed):
     g = torch.Generator().manual_seed(seed)
     kw = dict(generator=g, dtype=torch.float64)
@@ -247,7 +222,7 @@ def _compare_cema_fp64(run, inputs, seed=1):
 
 
 @pytest.mark.parametrize("with_hx", [True, False], ids=["hx", "no_hx"])
-def test_cema_kernel_op_fp64(use_emulated_cema, with_hx):
+def test_cema_kernel_op_fp64(use_emulated_cuda, with_hx):
     p, log_q, gamma, hx = _cema_fp64_inputs(5, 20, 2, seed=3)
     inputs = [p, log_q, gamma] + ([hx] if with_hx else [])
     _compare_cema_fp64(lambda b: ops.cema_kernel(p, log_q, gamma, 300, hx if with_hx else None, backend=b), inputs)
@@ -255,7 +230,7 @@ def test_cema_kernel_op_fp64(use_emulated_cema, with_hx):
 
 @pytest.mark.parametrize("x_dtype", [torch.float64, torch.float32], ids=str)
 @pytest.mark.parametrize("with_hx", [True, False], ids=["hx", "no_hx"])
-def test_ema_hidden_op_fp64(use_emulated_cema, with_hx, x_dtype):
+def test_ema_hidden_op_fp64(use_emulated_cuda, with_hx, x_dtype):
     """x float64 is summed in double; float32 x with float64 coefficients is widened on load (the
     torch backend casts it to float64 too), its gradient rounded to float32 by the op."""
     p, log_q, _, hx = _cema_fp64_inputs(4, 16, 2, seed=4)
@@ -264,7 +239,7 @@ def test_ema_hidden_op_fp64(use_emulated_cema, with_hx, x_dtype):
     _compare_cema_fp64(lambda b: ops.ema_hidden(x, p, log_q, hx if with_hx else None, backend=b), inputs)
 
 
-def test_ema_hidden_op_fp64_without_log_q_gradient(use_emulated_cema):
+def test_ema_hidden_op_fp64_without_log_q_gradient(use_emulated_cuda):
     """log_q without requires_grad: the inference path (no weighted sums W) in double."""
     p, log_q, _, _ = _cema_fp64_inputs(3, 24, 2, seed=5)
     log_q = log_q.detach()

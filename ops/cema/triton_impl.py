@@ -26,6 +26,7 @@ from .._triton_common import dtype_reasons
 from ..cema_kernel import triton_impl as kernel_impl
 from ..ema_hidden import triton_impl as hidden_impl
 from ..fftconv import triton_impl as conv_impl
+from .torch_impl import _add  # the gradient sums of the two stages, None-aware
 
 #: the stage knobs: block_m/block_r/num_warps/analysis_warps for cema_kernel and ema_hidden, and the
 #: fftconv knobs (its num_warps as conv_warps)
@@ -95,14 +96,6 @@ def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **config):
         dlq = _add(dlq, dlqh)
         dhx = _add(dhx, dhxh)
     return dx, dp, dlq, dgamma, domega, dhx
-
-
-def _add(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
 
 
 def aot_variants(space=None):
