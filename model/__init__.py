@@ -16,11 +16,14 @@ Example::
     out = model.generate(prompt, 32, top_k=20, temperature=0.8)
 """
 from .cache import LayerState, MegalodonCache
-from .checkpoint import CheckpointMismatchError, check_state_dict, from_upstream, load_upstream, read_state_dict
+from .checkpoint import CheckpointMismatchError, check_state_dict, load_upstream, read_state_dict
 from .config import PRESETS, MegalodonConfig, get_config
 from .layers import (ComplexEMA, LayerNorm, MegalodonAttention, MegalodonBlock, NormalizedFFN, RMSNorm,
                      TimestepNorm)
 from .megalodon import Megalodon, OutputLayer, RotaryEmbedding, sample_next
+
+#: ``from_upstream(checkpoint_dir, **config_overrides)``: a Megalodon built and loaded from an upstream checkpoint
+from_upstream = Megalodon.from_upstream
 
 __all__ = [
     "MegalodonConfig", "PRESETS", "get_config",

@@ -16,7 +16,7 @@ import torch
 
 from .config import MegalodonConfig
 
-__all__ = ["CheckpointMismatchError", "read_state_dict", "check_state_dict", "load_upstream", "from_upstream"]
+__all__ = ["CheckpointMismatchError", "read_state_dict", "check_state_dict", "load_upstream"]
 
 Source = Union[str, os.PathLike, Mapping]
 
@@ -161,19 +161,3 @@ def load_upstream(model, source: Source) -> None:
             lines += [f"    {h}" for h in hints]
         raise CheckpointMismatchError("\n".join(lines), missing, unexpected, [k for k, _, _ in mismatched], other)
     model.load_state_dict(sd, strict=True)
-
-
-def from_upstream(checkpoint_dir: Union[str, os.PathLike], **config_overrides):
-    """A :class:`~.megalodon.Megalodon` built from ``checkpoint_dir/config.json`` and loaded from
-    its ``consolidated.pth``. A config without vocab_size (-1, old upstream checkpoints) takes it
-    from ``embed.weight``."""
-    from .megalodon import Megalodon
-
-    sd = read_state_dict(checkpoint_dir)
-    config_overrides.setdefault("init_mode", "none")  # as upstream: weights come from the checkpoint
-    cfg = MegalodonConfig.from_upstream(checkpoint_dir, **config_overrides)
-    if cfg.vocab_size == -1 and isinstance(sd.get("embed.weight"), torch.Tensor):
-        cfg = cfg.replace(vocab_size=sd["embed.weight"].shape[0])
-    model = Megalodon(cfg)
-    load_upstream(model, sd)
-    return model

@@ -15,6 +15,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from .cache import MegalodonCache
+from .checkpoint import load_upstream, read_state_dict
 from .config import MegalodonConfig
 from .layers import MegalodonBlock, TimestepNorm
 
@@ -193,17 +194,21 @@ class Megalodon(nn.Module):
     # ---- checkpoints ------------------------------------------------------------------------
     def load_upstream(self, source: Union[str, os.PathLike, dict]) -> "Megalodon":
         """Load an upstream consolidated state dict strictly (see :func:`.checkpoint.load_upstream`)."""
-        from .checkpoint import load_upstream
-
         load_upstream(self, source)
         return self
 
     @classmethod
     def from_upstream(cls, checkpoint_dir: Union[str, os.PathLike], **config_overrides) -> "Megalodon":
-        """Build from an upstream checkpoint directory (``config.json`` + ``consolidated.pth``)."""
-        from .checkpoint import from_upstream
-
-        return from_upstream(checkpoint_dir, **config_overrides)
+        """Build from an upstream checkpoint directory (``config.json`` + ``consolidated.pth``).
+        A config without vocab_size (-1, old upstream checkpoints) takes it from ``embed.weight``."""
+        sd = read_state_dict(checkpoint_dir)
+        config_overrides.setdefault("init_mode", "none")  # as upstream: weights come from the checkpoint
+        cfg = MegalodonConfig.from_upstream(checkpoint_dir, **config_overrides)
+        if cfg.vocab_size == -1 and isinstance(sd.get("embed.weight"), torch.Tensor):
+            cfg = cfg.replace(vocab_size=sd["embed.weight"].shape[0])
+        model = cls(cfg)
+        load_upstream(model, sd)
+        return model
 
 
 def sample_next(logits: torch.Tensor, *, greedy: bool = False, temperature: float = 1.0,
