@@ -6,9 +6,10 @@ its output fails loudly instead of passing on zero-initialised memory.
 """
 import os
 import random
+import shutil
 
 # Must precede any triton import: Triton kernels run on CPU tensors in the interpreter, and
-# fp fusion is pinned so numerics do not change with Triton's default (NO-GPU.md).
+# fp fusion is pinned so numerics do not change with Triton's default (docs/verification.md).
 os.environ.setdefault("TRITON_INTERPRET", "1")
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
 
@@ -77,13 +78,20 @@ def pytest_collection_modifyitems(session, config, items):
     items.sort(key=lambda item: item.originalname in RUN_LAST)  # stable: everything else keeps its order
 
 
-# --- the CPU SIMT emulator of the CUDA kernels (tests/test_cuda_*.py) ---------------------------
+# --- the CPU SIMT emulator of the CUDA kernels ----------------------------------------------------
+
+#: why a test of the CUDA kernels cannot run here (None: it can)
+NO_EMULATOR = (None if shutil.which(os.environ.get("CXX", "g++")) else
+               "the CUDA emulator extension needs a C++ compiler (g++ or $CXX)")
+
 
 @pytest.fixture(scope="module")
 def ext():
     """The emulator extension (built from cuda/*.cu on first use, cached); fiber order reset after."""
     from megalodon_kernels.cuda import build
 
+    if NO_EMULATOR:
+        pytest.skip(NO_EMULATOR)
     mod = build.load_emulator()
     yield mod
     mod.emulator_set_reverse(-1)
@@ -91,10 +99,42 @@ def ext():
 
 @pytest.fixture(params=[0, 1], ids=["natural", "reversed"])
 def order(request, ext):
-    """Run a test in both fiber orders: a missing barrier shows in one of them (NO-GPU.md)."""
+    """Run a test in both fiber orders: a missing barrier shows in one of them (docs/verification.md)."""
     ext.emulator_set_reverse(request.param)
     yield request.param
     ext.emulator_set_reverse(-1)
+
+
+@pytest.fixture(scope="module")
+def emulated():
+    """Every op's CUDA backend (cuda/backend.py) over the emulator extension, by op name; a test
+    module may override it with the few it needs."""
+    from megalodon_kernels.cuda import backend, build
+
+    if NO_EMULATOR:
+        pytest.skip(NO_EMULATOR)
+    ext = build.load_emulator()
+    get = lambda: ext  # noqa: E731
+    return {
+        "attention": backend.AttentionBackend(get, "cpu"),
+        "cema_kernel": backend.CemaKernelBackend(get, "cpu"),
+        "dropkey_softmax": backend.DropKeySoftmaxBackend(get, "cpu"),
+        "ema_hidden": backend.EmaHiddenBackend(get, "cpu"),
+        "fftconv": backend.FftconvBackend(get, "cpu"),
+        "rotary": backend.RotaryBackend(get, "cpu"),
+        "timestep_norm": backend.TimestepNormBackend(get, "cpu"),
+    }
+
+
+@pytest.fixture(autouse=True)
+def _cuda_backend_runs_in_the_emulator(request):
+    """A test parametrised with ``backend="cuda"`` runs the CUDA backend in the emulator
+    (:func:`use_emulated_cuda`); skipped only where the emulator cannot be built."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "cuda":
+        if NO_EMULATOR:
+            pytest.skip(NO_EMULATOR)
+        request.getfixturevalue("use_emulated_cuda")
 
 
 @pytest.fixture

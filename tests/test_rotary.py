@@ -1,3 +1,6 @@
+"""rotary (RoPE / xPos) on every backend against the float64 reference: forward and dx for one
+table of cases (torch, Triton in the interpreter, CUDA in the emulator), the CUDA kernels in both
+fiber orders, the reference's own backward, the relative-position property and bad inputs."""
 import numpy as np
 import pytest
 import torch
@@ -7,10 +10,34 @@ from megalodon_kernels import ops
 from megalodon_kernels.reference import rotary as ref
 from support import as_input, assert_close, to_np, tol
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
+
+#: (backend, dtype) pairs each case runs on
+BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b, d in [
+    ("torch", F32), ("torch", BF16), ("torch", F64),
+    ("triton", F32), ("triton", BF16), ("triton", F16),
+    ("cuda", F32), ("cuda", BF16), ("cuda", F64),
+]]
 
 
-def _check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, seed=0, backend="torch"):
+def case(L, xpos, *, B=2, H=3, d=8, downscale=False, offset=0, per_batch=False, contiguous=True, id):
+    return pytest.param(dict(B=B, L=L, H=H, d=d, xpos=xpos, downscale=downscale, offset=offset,
+                             per_batch=per_batch, contiguous=contiguous), id=id)
+
+
+CASES = [
+    *(case(L, None, id=f"rope-L{L}") for L in (1, 31, 33, 129)),
+    *(case(L, 512.0, id=f"xpos-L{L}") for L in (1, 31, 33, 129)),
+    # positions from 7 (a KV cache), a strided x, shared or per-batch positions, q or k scaling
+    *(case(33, 512.0, offset=7, per_batch=pb, downscale=ds, contiguous=False,
+           id=f"xpos-L33-from7-strided-{'per_batch' if pb else 'shared'}-{'k' if ds else 'q'}")
+      for pb in (False, True) for ds in (False, True)),
+    case(17, 512.0, H=2, offset=3, id="xpos-L17-H2-from3"),
+]
+
+
+def check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, seed=0, backend="torch"):
+    """Forward and dx of ``backend`` against the float64 reference."""
     gen = torch.Generator().manual_seed(seed)
     x0 = torch.randn(B, L, H, d, dtype=torch.float64, generator=gen)
     # xPos scales grow like zeta**(t / scale_base): keep t / scale_base moderate so the
@@ -28,15 +55,15 @@ def _check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, se
     assert_close("y", y, ref.rotary(xr, pos.numpy(), 10000.0, xpos, downscale), tol(backend, dtype, "fwd"))
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
     (dx,) = torch.autograd.grad(y, x, dy)
+    assert dx.dtype == dtype and dx.shape == x.shape
     assert_close("dx", dx, ref.rotary_bwd(to_np(dy), pos.numpy(), 10000.0, xpos, downscale),
                  tol(backend, dtype, "bwd"))
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("L", [1, 31, 33, 129])
-@pytest.mark.parametrize("xpos", [None, 512.0], ids=["rope", "xpos"])
-def test_rotary_matches_reference(dtype, L, xpos):
-    _check(2, L, 3, 8, dtype, xpos, False, 0, False, True)
+@pytest.mark.parametrize("backend, dtype", BACKEND_DTYPES)
+@pytest.mark.parametrize("c", CASES)
+def test_rotary_matches_reference(c, backend, dtype):
+    check(dtype=dtype, backend=backend, **c)
 
 
 @given(
@@ -46,17 +73,10 @@ def test_rotary_matches_reference(dtype, L, xpos):
     seed=st.integers(0, 2**31),
 )
 def test_rotary_property(B, L, H, half, xpos, downscale, offset, per_batch, contiguous, seed):
-    _check(B, L, H, 2 * half, torch.float32, xpos, downscale, offset, per_batch, contiguous, seed)
+    check(B, L, H, 2 * half, F32, xpos, downscale, offset, per_batch, contiguous, seed)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-@pytest.mark.parametrize("per_batch", [False, True], ids=["shared_pos", "per_batch_pos"])
-def test_rotary_triton_matches_reference(dtype, per_batch):
-    # Interpreter: few, large programs (block_rows=16 over B*L = 66 rows -> 5 x 1 programs).
-    _check(2, 33, 3, 8, dtype, 512.0, per_batch, 7, per_batch, False, backend="triton")
-
-
-def test_rotary_triton_equals_torch_bitwise_in_fp32():
+def test_triton_equals_torch_bitwise_in_fp32():
     x = torch.randn(2, 17, 2, 16)
     pos = torch.arange(17) * 1000
     a = ops.rotary(x, pos, backend="triton")
@@ -67,11 +87,59 @@ def test_rotary_triton_equals_torch_bitwise_in_fp32():
 def test_xpos_scores_depend_on_distance_only():
     # q_t . k_u must equal q_{t+s} . k_{u+s}: the defining property of RoPE and xPos.
     q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
+
     def score(t, u):
         qt = ops.rotary(q, torch.tensor([t]), xpos_scale_base=512.0)
         ku = ops.rotary(k, torch.tensor([u]), xpos_scale_base=512.0, xpos_downscale=True)
         return float((qt * ku).sum())
+
     assert abs(score(10, 3) - score(1010, 1003)) < 1e-9 * abs(score(10, 3)) + 1e-12
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernels themselves (cuda/kernels.py over the emulator), in both fiber orders
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("xpos,per_batch", [(None, False), (512.0, False), (None, True)],
+                         ids=["rope", "xpos", "per_batch"])
+def test_cuda_kernels(ext, kernels, order, dtype, xpos, per_batch):
+    from megalodon_kernels.ops.rotary import rotation_tables
+
+    B, L, H, d = 2, 33, 3, 8
+    x = torch.randn(B, L, H, d, generator=torch.Generator().manual_seed(5)).to(dtype)
+    pos = (torch.randint(0, 1000, (B, L), generator=torch.Generator().manual_seed(6)) if per_batch
+           else torch.arange(7, 7 + L))
+    # fp32 tables for fp32/bf16 x; float64 x gets float64 tables (fp32 ones would cap it at ~1e-7)
+    tables = F64 if dtype == F64 else F32
+    for downscale in (False, True):
+        cos, sin = rotation_tables(pos, d, 10000.0, xpos, downscale, tables)
+        y = kernels.rotary_fwd(ext, x, cos, sin)
+        assert y.dtype == dtype
+        assert_close("y", y, ref.rotary(to_np(x), pos.numpy(), 10000.0, xpos, downscale), tol("cuda", dtype, "fwd"))
+        dx = kernels.rotary_bwd(ext, x, cos, sin)
+        assert_close("dx", dx, ref.rotary_bwd(to_np(x), pos.numpy(), 10000.0, xpos, downscale),
+                     tol("cuda", dtype, "bwd"))
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference and bad inputs
+
+
+def test_reference_backward_matches_finite_differences():
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 2, 6))
+    dy = rng.standard_normal(x.shape)
+    pos = np.array([5, 70, 300])
+    dx = ref.rotary_bwd(dy, pos, 100.0, 128.0, True)
+    fd = np.zeros_like(x)
+    eps = 1e-6
+    for idx in np.ndindex(x.shape):
+        xp, xm = x.copy(), x.copy()
+        xp[idx] += eps
+        xm[idx] -= eps
+        fd[idx] = ((ref.rotary(xp, pos, 100.0, 128.0, True) - ref.rotary(xm, pos, 100.0, 128.0, True)) * dy).sum() / (2 * eps)
+    assert_close("reference dx vs finite differences", dx, fd, 1e-8)
 
 
 @pytest.mark.parametrize("bad, exc, match", [
@@ -90,19 +158,3 @@ def test_rotary_bad_inputs(bad, exc, match):
     args.update(bad)
     with pytest.raises(exc, match=match):
         ops.rotary(**args)
-
-
-def test_rotary_reference_backward_matches_finite_differences():
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((1, 3, 2, 6))
-    dy = rng.standard_normal(x.shape)
-    pos = np.array([5, 70, 300])
-    dx = ref.rotary_bwd(dy, pos, 100.0, 128.0, True)
-    fd = np.zeros_like(x)
-    eps = 1e-6
-    for idx in np.ndindex(x.shape):
-        xp, xm = x.copy(), x.copy()
-        xp[idx] += eps
-        xm[idx] -= eps
-        fd[idx] = ((ref.rotary(xp, pos, 100.0, 128.0, True) - ref.rotary(xm, pos, 100.0, 128.0, True)) * dy).sum() / (2 * eps)
-    assert_close("reference dx vs finite differences", dx, fd, 1e-8)
