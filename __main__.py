@@ -1,9 +1,11 @@
 """``python -m megalodon_kernels``: versions, backend availability, and a self-check.
 
-Prints the library/torch/triton/numpy versions and the machine, says for every backend whether
-it can run here and why not, then runs every op x usable backend x dtype on a small case against
-its float64 NumPy reference, forward and backward, and prints one table row per check
-(op, backend, dtype, pass, max abs and relative error). Exit code 1 if any check fails.
+Prints the library/torch/triton/numpy versions and the machine; then, per device, a table of op x
+backend saying whether the backend can run the op here ("yes", "no (n)", or the dtypes it runs
+when it refuses some), with every distinct reason printed once beneath it, numbered; then one row
+per check of every op x usable backend x dtype against its float64 NumPy reference, forward and
+backward (op, backend, device, dtype, pass, max abs and relative error). Exit code 1 if any check
+fails.
 
 The cases live in ``selfcheck.py``; this file only reports.
 """
@@ -12,6 +14,9 @@ from __future__ import annotations
 import os
 import platform
 import sys
+import textwrap
+
+_SHORT = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}
 
 
 def _versions() -> list[tuple[str, str]]:
@@ -39,28 +44,83 @@ def _versions() -> list[tuple[str, str]]:
     return rows
 
 
+def cell_reasons(seen) -> list[str]:
+    """The reasons a table cell points to. A backend that ran no dtype shows what stops it in
+    every dtype (not built, wrong device), not also the dtype limits behind that; a backend that
+    runs some dtypes shows why it refuses the others."""
+    per_dtype = list(seen.refused.values())
+    if not seen.ran and per_dtype:
+        common = [r for r in per_dtype[0] if all(r in other for other in per_dtype[1:])]
+        if common:
+            return common
+    return [r for reasons in per_dtype for r in reasons]
+
+
+def availability_lines(availability, claimed) -> list[str]:
+    """The op x backend table of each device, each distinct reason numbered once beneath it.
+
+    ``claimed[op]`` lists the dtype names the op's case runs in: a backend that ran all of them
+    is "yes", none "no (n, ...)", some "fp32 bf16 only (n, ...)".
+    """
+    lines: list[str] = []
+    for device, per_op in availability.items():
+        numbers: dict[str, int] = {}
+        backends = list(next(iter(per_op.values())))
+        table = []
+        for op, per_backend in per_op.items():
+            cells = []
+            for backend in backends:
+                seen = per_backend[backend]
+                refs = sorted({numbers.setdefault(reason, len(numbers) + 1) for reason in cell_reasons(seen)})
+                note = f" ({', '.join(map(str, refs))})" if refs else ""
+                if not seen.refused and set(seen.ran) == set(claimed[op]):
+                    cells.append("yes")
+                elif not seen.ran:
+                    cells.append("no" + note)
+                else:
+                    cells.append(" ".join(_SHORT.get(d, d) for d in seen.ran) + " only" + note)
+            table.append((op, cells))
+        widths = [max(len(b), *(len(cells[i]) for _, cells in table)) for i, b in enumerate(backends)]
+        op_width = max(len("op"), *(len(op) for op, _ in table))
+        lines.append(f"backends on {device} (usable here, or why not: reasons below)")
+        lines.append("  " + "  ".join([f"{'op':<{op_width}}"] + [f"{b:<{w}}" for b, w in zip(backends, widths)]))
+        for op, cells in table:
+            lines.append("  " + "  ".join([f"{op:<{op_width}}"] + [f"{c:<{w}}" for c, w in zip(cells, widths)]))
+        if numbers:
+            lines.append("")
+        for reason, n in numbers.items():
+            lines.append(textwrap.fill(reason, width=100, initial_indent=f"  ({n}) ",
+                                       subsequent_indent=" " * (len(f"({n}) ") + 2)))
+        lines.append("")
+    return lines
+
+
+def check_lines(rows) -> list[str]:
+    """One line per check (a note, such as a crash's message, on the line after)."""
+    header = (f"{'op':<16} {'backend':<8} {'device':<7} {'dtype':<9} {'pass':<5} {'check':<22} "
+              f"{'max abs err':>12} {'rel err':>10} {'tol':>8}")
+    lines = [header, "-" * len(header)]
+    for r in rows:
+        ok = "yes" if r.passed else "NO"
+        lines.append(f"{r.op:<16} {r.backend:<8} {r.device:<7} {r.dtype:<9} {ok:<5} {r.check:<22} "
+                     f"{r.max_abs:>12.3e} {r.rel:>10.3e} {r.tol:>8.1e}")
+        if r.note:
+            lines.append(f"    {r.note}")
+    return lines
+
+
 def main() -> int:
-    from .selfcheck import run_checks
+    from .selfcheck import CASES, dtype_name, run_checks
 
     print("megalodon_kernels self-check\n")
     for name, value in _versions():
         print(f"  {name:<18} {value}")
-    rows, availability = run_checks()
-    print("\nbackends (per op: usable here, or why not)")
-    for op, per_backend in availability.items():
-        for backend, status in per_backend.items():
-            print(f"  {op:<16} {backend:<7} {status}")
     print()
-    header = f"{'op':<16} {'backend':<8} {'dtype':<9} {'pass':<5} {'check':<26} {'max abs err':>12} {'rel err':>10} {'tol':>8}"
-    print(header)
-    print("-" * len(header))
-    failed = 0
-    for r in rows:
-        ok = "yes" if r.passed else "NO"
-        failed += not r.passed
-        print(f"{r.op:<16} {r.backend:<8} {r.dtype:<9} {ok:<5} {r.check:<26} {r.max_abs:>12.3e} {r.rel:>10.3e} {r.tol:>8.1e}")
-        if r.note:
-            print(f"    {r.note}")
+    rows, availability = run_checks()
+    claimed = {op: [dtype_name(d) for d in dtypes] for op, (dtypes, _) in CASES.items()}
+    print("\n".join(availability_lines(availability, claimed)))
+    print("\n".join(check_lines(rows)))
+    failed = sum(not r.passed for r in rows)
     print(f"\n{len(rows) - failed} passed, {failed} failed")
     return 1 if failed else 0
 

@@ -1,20 +1,27 @@
 """Self-check cases behind ``python -m megalodon_kernels``.
 
-One small case per op: run it with every backend usable here, in every dtype the op takes,
-forward and backward (random upstream gradients into every output), and compare with the
-float64 NumPy reference. Sizes are deliberately awkward (odd lengths, D not a power of two) and
-small, so the whole check takes seconds.
+One small case per op, run with every backend in every dtype the op takes (float32, bfloat16,
+float16 and float64; cema_kernel's inputs are the CEMA coefficients, float32 or float64 only),
+on every local device (the CPU, and the current CUDA device when there is one). A backend that
+refuses the inputs (not built, wrong device, a dtype it has no kernel for) is recorded with its
+reasons and produces no row; every case that runs is compared forward and backward (random
+upstream gradients into every output) with the float64 NumPy reference. Sizes are deliberately
+awkward (odd lengths, D not a power of two) and small, so the whole check takes seconds.
+
+In float64 every input of a case is float64 (complex128 coefficients), so the check is of the
+float64 arithmetic end to end; in the other dtypes the side inputs (CEMA coefficients, norm
+scale and state, fftconv's kernel) are float32, as the model layer passes them.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import importlib
+from dataclasses import dataclass, field
 from typing import Callable
 
 import numpy as np
 import torch
 
 from . import ops
-import importlib
 from .ops._dispatch import PRIORITY, NoBackendError
 
 # Allowed max|err| / max|ref| per dtype (forward, backward): about 2x what one rounding in that
@@ -22,14 +29,23 @@ from .ops._dispatch import PRIORITY, NoBackendError
 TOL = {
     torch.float64: (1e-10, 1e-9),
     torch.float32: (5e-5, 1e-4),
+    torch.float16: (2.5e-3, 5e-3),
     torch.bfloat16: (2e-2, 4e-2),
 }
+
+#: Every dtype a sequence op takes, in report order.
+ALL_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 @dataclass
 class Row:
     op: str
     backend: str
+    device: str
     dtype: str
     check: str
     max_abs: float
@@ -39,21 +55,29 @@ class Row:
     note: str = ""
 
 
+@dataclass
+class Availability:
+    """What one backend did with one op's case on one device: the dtypes it ran, and for each
+    dtype it refused, its reasons (one sentence each, with a hint how to fix it)."""
+
+    ran: list[str] = field(default_factory=list)
+    refused: dict[str, list[str]] = field(default_factory=dict)
+
+
 def _np(t):
     t = t.detach().cpu()
     return t.to(torch.complex128 if t.is_complex() else torch.float64).numpy()
 
 
-def _compare(op, backend, dtype, check, actual, expected, tol) -> Row:
+def _compare(where: tuple, check, actual, expected, tol) -> Row:
     a, e = _np(actual), np.asarray(expected)
     if a.shape != e.shape:
-        return Row(op, backend, str(dtype).replace("torch.", ""), check, float("nan"), float("nan"), tol, False,
-                   f"shape {a.shape} != reference {e.shape}")
+        return Row(*where, check, float("nan"), float("nan"), tol, False, f"shape {a.shape} != reference {e.shape}")
     diff = np.abs(a - e)
     max_abs = float(diff.max()) if diff.size else 0.0
     rel = max_abs / max(float(np.abs(e).max()) if e.size else 0.0, 1e-30)
     ok = bool(np.isfinite(rel) and rel <= tol)
-    return Row(op, backend, str(dtype).replace("torch.", ""), check, max_abs, rel, tol, ok)
+    return Row(*where, check, max_abs, rel, tol, ok)
 
 
 def _grads(outputs, inputs, gen):
@@ -64,20 +88,30 @@ def _grads(outputs, inputs, gen):
         g = torch.randn(o.shape, generator=gen, dtype=torch.float64)
         if o.is_complex():
             g = torch.complex(g, torch.randn(o.shape, generator=gen, dtype=torch.float64))
-        ups.append(g.to(o.dtype))
+        ups.append(g.to(o.device, o.dtype))
     grads = torch.autograd.grad(outs, inputs, ups, allow_unused=True)
     return ups, grads
 
 
+def _side(dtype):
+    """Dtype of a case's side inputs: float64 in a float64 check, else float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _leaf(t, device, dtype):
+    """A float64 CPU draw as a differentiable leaf of the given device and dtype."""
+    return t.to(device, dtype).requires_grad_()
+
+
 # ----------------------------------------------------------------------------- cases
-# Each case: (backend, dtype) -> list of (check name, actual tensor, expected ndarray, kind)
+# Each case: (backend, dtype, device) -> list of (check name, actual tensor, expected ndarray, kind)
 
 
-def _case_rotary(backend, dtype):
+def _case_rotary(backend, dtype, device):
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(2, 33, 3, 8, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    x = _leaf(torch.randn(2, 33, 3, 8, generator=gen, dtype=torch.float64), device, dtype)
     pos = torch.arange(1000, 1033)
-    y = ops.rotary(x, pos, xpos_scale_base=512.0, backend=backend)
+    y = ops.rotary(x, pos.to(device), xpos_scale_base=512.0, backend=backend)
     (dy,), (dx,) = _grads([y], [x], gen)
     return [
         ("y", y, _ref("rotary").rotary(_np(x), pos.numpy(), 10000.0, 512.0), "fwd"),
@@ -85,20 +119,20 @@ def _case_rotary(backend, dtype):
     ]
 
 
-def _cema_coeffs(gen, D, N, B, real=torch.float32):
+def _cema_coeffs(gen, D, N, B, real, device):
     cplx = torch.complex64 if real == torch.float32 else torch.complex128
     f64 = dict(generator=gen, dtype=torch.float64)
-    p = torch.rand(D, N, **f64).to(real).requires_grad_()
+    p = _leaf(torch.rand(D, N, **f64), device, real)
     # |q| in (0.5, 1): slow decays, the regime that matters for long contexts
-    log_q = torch.complex(-0.7 * torch.rand(D, N, **f64), 3.0 * torch.rand(D, N, **f64)).to(cplx).requires_grad_()
-    gamma = torch.complex(torch.randn(D, N, **f64), torch.randn(D, N, **f64)).to(cplx).requires_grad_()
-    hx = torch.complex(torch.randn(B, D, N, **f64), torch.randn(B, D, N, **f64)).to(cplx).requires_grad_()
+    log_q = _leaf(torch.complex(-0.7 * torch.rand(D, N, **f64), 3.0 * torch.rand(D, N, **f64)), device, cplx)
+    gamma = _leaf(torch.complex(torch.randn(D, N, **f64), torch.randn(D, N, **f64)), device, cplx)
+    hx = _leaf(torch.complex(torch.randn(B, D, N, **f64), torch.randn(B, D, N, **f64)), device, cplx)
     return p, log_q, gamma, hx
 
 
-def _case_cema_kernel(backend, dtype):
+def _case_cema_kernel(backend, dtype, device):
     gen = torch.Generator().manual_seed(2)
-    p, log_q, gamma, hx = _cema_coeffs(gen, 6, 5, 2, dtype)
+    p, log_q, gamma, hx = _cema_coeffs(gen, 6, 5, 2, dtype, device)
     L = 37
     k, b = ops.cema_kernel(p, log_q, gamma, L, hx, backend=backend)
     (dk, db), grads = _grads([k, b], [p, log_q, gamma, hx], gen)
@@ -109,10 +143,10 @@ def _case_cema_kernel(backend, dtype):
         (n, g, r, "bwd") for n, g, r in zip(names, grads, rgrads)]
 
 
-def _case_ema_hidden(backend, dtype):
+def _case_ema_hidden(backend, dtype, device):
     gen = torch.Generator().manual_seed(3)
-    p, log_q, _, hx = _cema_coeffs(gen, 6, 5, 2)
-    x = torch.randn(2, 6, 33, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
+    p, log_q, _, hx = _cema_coeffs(gen, 6, 5, 2, _side(dtype), device)
+    x = _leaf(torch.randn(2, 6, 33, generator=gen, dtype=torch.float64), device, dtype)
     h = ops.ema_hidden(x, p, log_q, hx, backend=backend)
     (dh,), grads = _grads([h], [x, p, log_q, hx], gen)
     r = _ref("ema_hidden")
@@ -121,11 +155,12 @@ def _case_ema_hidden(backend, dtype):
         (n, g, rg, "bwd") for n, g, rg in zip(("dx", "dp", "dlog_q", "dhx"), grads, rgrads)]
 
 
-def _case_fftconv(backend, dtype):
+def _case_fftconv(backend, dtype, device):
     gen = torch.Generator().manual_seed(4)
-    x = torch.randn(2, 5, 63, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-    k = torch.randn(5, 63, generator=gen, dtype=torch.float64).to(torch.float32 if dtype == torch.bfloat16 else dtype)
-    k.requires_grad_()
+    x = _leaf(torch.randn(2, 5, 63, generator=gen, dtype=torch.float64), device, dtype)
+    # k as CEMA passes it: float32 next to half-precision x, else x's dtype
+    k_dtype = dtype if dtype in (torch.float32, torch.float64) else torch.float32
+    k = _leaf(torch.randn(5, 63, generator=gen, dtype=torch.float64), device, k_dtype)
     y = ops.fftconv(x, k, backend=backend)
     (dy,), (dx, dk) = _grads([y], [x, k], gen)
     r = _ref("fftconv")
@@ -133,11 +168,11 @@ def _case_fftconv(backend, dtype):
     return [("y", y, r.fftconv(_np(x), _np(k)), "fwd"), ("dx", dx, rdx, "bwd"), ("dk", dk, rdk, "bwd")]
 
 
-def _case_cema(backend, dtype):
+def _case_cema(backend, dtype, device):
     gen = torch.Generator().manual_seed(5)
-    p, log_q, gamma, hx = _cema_coeffs(gen, 6, 5, 2)
-    x = torch.randn(2, 6, 31, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()
-    omega = torch.randn(6, generator=gen, dtype=torch.float64).float().requires_grad_()
+    p, log_q, gamma, hx = _cema_coeffs(gen, 6, 5, 2, _side(dtype), device)
+    x = _leaf(torch.randn(2, 6, 31, generator=gen, dtype=torch.float64), device, dtype)
+    omega = _leaf(torch.randn(6, generator=gen, dtype=torch.float64), device, _side(dtype))
     y, h = ops.cema(x, p, log_q, gamma, omega, hx, return_state=True, backend=backend)
     (dy, dh), grads = _grads([y, h], [x, p, log_q, gamma, omega, hx], gen)
     r = _ref("cema")
@@ -147,19 +182,21 @@ def _case_cema(backend, dtype):
     return [("y", y, ry, "fwd"), ("h", h, rh, "fwd")] + [(n, g, rg, "bwd") for n, g, rg in zip(names, grads, rgrads)]
 
 
-def _case_timestep_norm(backend, dtype):
+def _case_timestep_norm(backend, dtype, device):
     gen = torch.Generator().manual_seed(6)
     B, L, D, G = 2, 33, 60, 4
-    x = (torch.randn(B, L, D, generator=gen, dtype=torch.float64) * 2 + 50).to(dtype).requires_grad_()
-    scale = torch.randn(D, generator=gen, dtype=torch.float64).float().requires_grad_()
-    bias = torch.randn(D, generator=gen, dtype=torch.float64).float().requires_grad_()
+    side = _side(dtype)
+    x = _leaf(torch.randn(B, L, D, generator=gen, dtype=torch.float64) * 2 + 50, device, dtype)
+    scale = _leaf(torch.randn(D, generator=gen, dtype=torch.float64), device, side)
+    bias = _leaf(torch.randn(D, generator=gen, dtype=torch.float64), device, side)
     count0 = torch.tensor([0, 7])
-    mean0 = (torch.randn(B, G, generator=gen, dtype=torch.float64) + 50).float().requires_grad_()
-    var0 = (torch.rand(B, G, generator=gen, dtype=torch.float64) + 1).float().requires_grad_()
+    mean0 = _leaf(torch.randn(B, G, generator=gen, dtype=torch.float64) + 50, device, side)
+    var0 = _leaf(torch.rand(B, G, generator=gen, dtype=torch.float64) + 1, device, side)
     pad = torch.zeros(B, L, dtype=torch.bool)
     pad[0, :3] = True
     pad[1, 10:12] = True
-    y, count, mean, var = ops.timestep_norm(x, scale, bias, G, count0, mean0, var0, pad, backend=backend)
+    y, count, mean, var = ops.timestep_norm(x, scale, bias, G, count0.to(device), mean0, var0, pad.to(device),
+                                            backend=backend)
     (dy, dmean, dvar), grads = _grads([y, mean, var], [x, scale, bias, mean0, var0], gen)
     r = _ref("timestep_norm")
     args = (_np(x), _np(scale), _np(bias), G, count0.numpy(), _np(mean0), _np(var0), pad.numpy())
@@ -170,12 +207,12 @@ def _case_timestep_norm(backend, dtype):
             ("var", var, rvar, "fwd")] + [(n, g, rg, "bwd") for n, g, rg in zip(names, grads, rgrads)]
 
 
-def _case_attention(backend, dtype):
+def _case_attention(backend, dtype, device):
     from .ops.dropkey_rule import dropkey_mask
 
     gen = torch.Generator().manual_seed(7)
     B, L, S, H, dh, dv = 2, 33, 45, 2, 8, 12
-    mk = lambda *s: torch.randn(*s, generator=gen, dtype=torch.float64).to(dtype).requires_grad_()  # noqa: E731
+    mk = lambda *s: _leaf(torch.randn(*s, generator=gen, dtype=torch.float64), device, dtype)  # noqa: E731
     q, k, v = mk(B, L, H, dh), mk(B, S, H, dh), mk(B, S, H, dv)
     kw = dict(scale=0.4, causal=True, chunk_size=16, block_causal=True, dropkey_p=0.2, seed=1234)
     o = ops.attention(q, k, v, **kw, backend=backend)
@@ -189,11 +226,11 @@ def _case_attention(backend, dtype):
         (n, g, rg, "bwd") for n, g, rg in zip(("dq", "dk", "dv"), grads, rgrads)]
 
 
-def _case_dropkey_softmax(backend, dtype):
+def _case_dropkey_softmax(backend, dtype, device):
     from .ops.dropkey_rule import dropkey_mask
 
     gen = torch.Generator().manual_seed(8)
-    s = (3 * torch.randn(2, 3, 31, 40, generator=gen, dtype=torch.float64)).to(dtype).requires_grad_()
+    s = _leaf(3 * torch.randn(2, 3, 31, 40, generator=gen, dtype=torch.float64), device, dtype)
     y = ops.dropkey_softmax(s, True, 0.3, 99, backend=backend)
     (dy,), (ds,) = _grads([y], [s], gen)
     r = _ref("attention")
@@ -204,13 +241,13 @@ def _case_dropkey_softmax(backend, dtype):
 
 CASES: dict[str, tuple[tuple[torch.dtype, ...], Callable]] = {
     "cema_kernel": ((torch.float32, torch.float64), _case_cema_kernel),
-    "ema_hidden": ((torch.float32, torch.bfloat16), _case_ema_hidden),
-    "fftconv": ((torch.float32, torch.bfloat16), _case_fftconv),
-    "cema": ((torch.float32, torch.bfloat16), _case_cema),
-    "timestep_norm": ((torch.float32, torch.bfloat16), _case_timestep_norm),
-    "attention": ((torch.float32, torch.bfloat16), _case_attention),
-    "dropkey_softmax": ((torch.float32, torch.bfloat16), _case_dropkey_softmax),
-    "rotary": ((torch.float32, torch.bfloat16), _case_rotary),
+    "ema_hidden": (ALL_DTYPES, _case_ema_hidden),
+    "fftconv": (ALL_DTYPES, _case_fftconv),
+    "cema": (ALL_DTYPES, _case_cema),
+    "timestep_norm": (ALL_DTYPES, _case_timestep_norm),
+    "attention": (ALL_DTYPES, _case_attention),
+    "dropkey_softmax": (ALL_DTYPES, _case_dropkey_softmax),
+    "rotary": (ALL_DTYPES, _case_rotary),
 }
 
 
@@ -218,26 +255,43 @@ def _ref(name: str):
     return importlib.import_module(f"megalodon_kernels.reference.{name}")
 
 
-def run_checks() -> tuple[list[Row], dict[str, dict[str, str]]]:
-    """Run every case with every backend; returns (rows, availability[op][backend] = "usable" or why not)."""
+def local_devices() -> list[torch.device]:
+    """The CPU, and the current CUDA device when there is one (where the GPU backends can run)."""
+    devices = [torch.device("cpu")]
+    if torch.cuda.is_available():
+        devices.append(torch.device("cuda", torch.cuda.current_device()))
+    return devices
+
+
+def run_checks(devices=None) -> tuple[list[Row], dict[str, dict[str, dict[str, Availability]]]]:
+    """Run every case with every backend on every device.
+
+    Returns (rows, availability) with availability[device][op][backend] an :class:`Availability`.
+    """
     rows: list[Row] = []
-    availability: dict[str, dict[str, str]] = {}
-    for op, (dtypes, case) in CASES.items():
-        availability[op] = {}
-        for backend in PRIORITY:
-            for dtype in dtypes:
-                try:
-                    results = case(backend, dtype)
-                except NoBackendError as exc:  # this backend cannot run here: report why, no row
-                    availability[op].setdefault(backend, "no (" + "; ".join(exc.reasons.get(backend, [str(exc)])) + ")")
-                    continue
-                except Exception as exc:  # a crash is a failed check, reported, not a traceback
-                    rows.append(Row(op, backend, str(dtype).replace("torch.", ""), "run", float("nan"),
-                                    float("nan"), 0.0, False, f"{type(exc).__name__}: {exc}"))
-                    availability[op].setdefault(backend, "usable")
-                    continue
-                availability[op].setdefault(backend, "usable")
-                for check, actual, expected, kind in results:
-                    tol = TOL[dtype][0 if kind == "fwd" else 1]
-                    rows.append(_compare(op, backend, dtype, check, actual, expected, tol))
+    availability: dict[str, dict[str, dict[str, Availability]]] = {}
+    for device in devices or local_devices():
+        dev = str(device)
+        per_op = availability.setdefault(dev, {})
+        for op, (dtypes, case) in CASES.items():
+            per_backend = per_op.setdefault(op, {b: Availability() for b in PRIORITY})
+            for backend in PRIORITY:
+                seen = per_backend[backend]
+                for dtype in dtypes:
+                    where = (op, backend, dev, dtype_name(dtype))
+                    try:
+                        results = case(backend, dtype, device)
+                    except NoBackendError as exc:  # this backend cannot run these inputs here: why, no row
+                        why = getattr(exc, "reasons", {}).get(backend) or [str(exc)]
+                        seen.refused[dtype_name(dtype)] = list(why)
+                        continue
+                    except Exception as exc:  # a crash is a failed check, reported, not a traceback
+                        seen.ran.append(dtype_name(dtype))
+                        rows.append(Row(*where, "run", float("nan"), float("nan"), 0.0, False,
+                                        f"{type(exc).__name__}: {exc}"))
+                        continue
+                    seen.ran.append(dtype_name(dtype))
+                    for check, actual, expected, kind in results:
+                        tol = TOL[dtype][0 if kind == "fwd" else 1]
+                        rows.append(_compare(where, check, actual, expected, tol))
     return rows, availability
