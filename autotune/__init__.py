@@ -1,13 +1,23 @@
-"""Autotuning for megalodon_kernels (DESIGN.md section 4).
+"""Autotuning for megalodon_kernels: which backend and config each op runs, per device, dtype and
+shape key (docs/design.md, "Autotune").
 
-* ``registry``: each op declares its key function (how inputs are bucketed) and its config space
-  (backend -> knob -> allowed values); cheap to import, the ops import it.
-* ``cache``: JSON tables per device, validated on load, written atomically under a lock;
-  ``cache.lookup`` is what the dispatcher asks.
-* ``tuner``: checks every candidate against the float64 reference, then times it.
-* ``shapes``: the shape sets ``a100``, ``h100`` (paper 7B) and ``cpu``.
-* ``python -m megalodon_kernels.autotune``: regenerate, show, verify, clear.
+Two layers, so that what runs under every op call never loads the tuning tools:
 
-Importing this package imports nothing heavy: the tuner, the harnesses and the references load
-only when tuning.
+* Runtime (below the ops; imports no op and nothing from ``tuning``):
+
+  * ``registry``: each op declares its key function (how inputs are bucketed) and its config space
+    (backend -> knob -> allowed values); standard library only, the ops import it.
+  * ``cache``: JSON tables per device (``tables/`` holds the shipped ones), validated on load,
+    written atomically under a lock; ``cache.lookup`` is what the dispatcher asks.
+  * ``device``: which device a table belongs to.
+  * ``shapes``: the shape sets ``a100``, ``h100`` (paper 7B) and ``cpu``; plain data.
+
+* Tuning (above the ops; imports them, the references and NumPy):
+
+  * ``tuning.tuner``: checks every candidate against the float64 reference, then times it.
+  * ``tuning.harness.<op>``: how to build, run and check one op's tuning cases.
+  * ``python -m megalodon_kernels.autotune``: regenerate, show, verify, clear; it imports the
+    tuning layer only inside the commands that tune or verify.
+
+Importing this package imports nothing.
 """

@@ -7,6 +7,9 @@
     show [--table FILE]     print the tables this machine uses (or one file) and why others are not used
     verify [--table FILE]   re-check every winner against the reference on this machine
     clear [--dir DIR]       delete the tables in the user cache dir (shipped tables are never touched)
+
+Tuning layer: ``regenerate`` and ``verify`` import the ops and ``autotune.tuning``, inside the
+commands, so that ``show`` and ``clear`` stay as light as the runtime.
 """
 from __future__ import annotations
 
@@ -54,7 +57,7 @@ def _output_path(out: str | None, ident: dict) -> Path:
 
 
 def regenerate(args) -> int:
-    from .tuner import tune_op  # the tuner pulls in NumPy and the harnesses; only needed here
+    from .tuning.tuner import tune_op  # the tuner pulls in NumPy and the harnesses; only needed here
 
     shape_set = SHAPE_SETS[args.shapes]
     if shape_set.device_type == "cuda":
@@ -151,7 +154,7 @@ def verify(args) -> int:
             return 1
     else:
         tables = [(p, t) for d in _local_devices() for p, state, t in cache.tables_for(identity(d)) if state == "used"]
-    from .tuner import verify_entry
+    from .tuning.tuner import verify_entry
 
     failures = checked = 0
     for path, table in tables:

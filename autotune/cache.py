@@ -1,5 +1,8 @@
 """Autotune tables: JSON files, one per device; validated on load, merged and written atomically.
 
+Runtime layer: :func:`lookup` runs under op calls (on a dispatcher's cache miss); imports no op
+and nothing from ``autotune.tuning``.
+
 A table (schema version :data:`SCHEMA_VERSION`)::
 
     {"schema": 1,
@@ -28,8 +31,9 @@ Writes merge into the existing file under an exclusive ``fcntl.flock`` on a lock
 directory, and replace it atomically (temporary file in the same directory, then ``os.replace``),
 so several processes tuning at once all land their entries and a reader never sees half a file.
 
-A process reads the tables once, at its first lookup; :func:`refresh` (called after every write)
-makes it read them again.
+A process reads the tables once, at its first lookup; :func:`refresh` (called after every write
+and clear) makes it read them again. :func:`version` changes with every refresh and every
+(re)registration, so a cache of lookups (the dispatcher's) knows when to forget them.
 """
 from __future__ import annotations
 
@@ -58,7 +62,7 @@ except ImportError:  # not POSIX: writes stay atomic, but concurrent writers may
 __all__ = [
     "SCHEMA_VERSION", "ENV_CACHE", "SHIPPED_DIR", "TableError", "AutotuneWarning", "user_dir", "search_dirs",
     "table_name", "entry_id", "dtype_name", "read_table", "validate", "lookup", "find_entry", "tables_for",
-    "write_entries", "refresh", "clear", "utc_now",
+    "write_entries", "refresh", "clear", "utc_now", "version",
 ]
 
 logger = logging.getLogger("megalodon_kernels")
@@ -300,12 +304,22 @@ _parsed: dict[str, tuple[tuple, dict | None, str]] = {}  # path -> (stat signatu
 _warned: set = set()
 _index: dict[tuple, dict[str, list[tuple[dict, str]]]] = {}
 _rejected: dict[tuple, list[str]] = {}  # (path, entry id, registration) -> space problems, checked once
+_refreshes = 0
 
 
 def refresh() -> None:
     """Forget what was read; the next lookup reads the table files again."""
+    global _refreshes
     _index.clear()
     _rejected.clear()
+    _refreshes += 1
+
+
+def version() -> tuple[int, int]:
+    """Changes whenever :func:`lookup` may answer differently for the same arguments: after a
+    :func:`refresh` (every write and clear calls it) or a change of the registrations. The user
+    cache dir setting is not in it: lookups are keyed on it (``MEGALODON_KERNELS_CACHE``)."""
+    return _refreshes, registry.version()
 
 
 def _warn_once(tag, message: str) -> None:

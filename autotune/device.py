@@ -3,6 +3,9 @@
 A table is only valid on the device it was measured on (Kernel Tuner refuses foreign cache
 files too): a GPU is identified by its name and compute capability, a CPU by its model string
 and core count. Identities are plain dicts so they go into JSON as they are and compare with ==.
+
+Runtime layer: the dispatcher's table lookups identify the device here; imports torch and the
+standard library only.
 """
 from __future__ import annotations
 

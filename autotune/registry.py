@@ -1,12 +1,14 @@
 """What can be tuned: per op, a key function over its inputs and a declared config space.
 
+Runtime layer: imported by every op and consulted by the dispatcher on every call; imports only
+the standard library (no op, nothing from ``autotune.tuning``).
+
 An op registers itself once, at import, in its ``__init__.py``::
 
     registry.register(
         "rotary",
         key=lambda x: {"H": x.shape[2], "d": x.shape[3], "L": registry.pow2_bucket(x.shape[1])},
         space={"torch": {}},                                   # backend -> knob -> allowed values
-        harness="megalodon_kernels.autotune.harness.rotary",   # loaded by the tuner only
     )
 
 * The key function receives the same ``inputs`` dict the op passes to its dispatcher (and to each
@@ -17,17 +19,18 @@ An op registers itself once, at import, in its ``__init__.py``::
   the backend's ``DEFAULT_CONFIG`` value. Candidates are the product of the knobs. A table entry
   whose config is outside this space is rejected (tables are data, not trusted code).
 * The harness (how to build a test case for a shape, run it forward and backward, and compute the
-  float64 reference) is named by module path so that ops never import references (DESIGN.md
-  section 1 layering); the tuner imports it. Tests may pass a :class:`Harness` object directly.
+  float64 reference) imports the op and its reference, so it lives in the tuning layer, in
+  ``megalodon_kernels.autotune.tuning.harness.<op>``, where the tuner finds it by the op's name.
+  Tests may register a :class:`Harness` object instead (``harness=``), which the tuner then uses.
 
 :func:`force` is how the tuner makes the dispatcher use one particular candidate: the dispatcher
 calls :func:`forced` (with its inputs) first and, if it returns a choice, uses it.
 
-This module imports only the standard library.
+:func:`version` changes whenever a registration does, so that what was derived from the
+registrations (the dispatcher's cached choices) can tell it is stale.
 """
 from __future__ import annotations
 
-import importlib
 import itertools
 import re
 from contextlib import contextmanager
@@ -37,7 +40,7 @@ from typing import Any, Callable, Mapping
 
 __all__ = [
     "Case", "Part", "Harness", "Tunable", "register", "unregister", "get", "registered", "pow2_bucket",
-    "key_string", "force", "forced", "is_scalar",
+    "key_string", "force", "forced", "is_scalar", "version",
 ]
 
 _NAME = re.compile(r"^[A-Za-z0-9_.+-]{1,64}$")
@@ -143,12 +146,13 @@ class Harness:
 
 @dataclass(frozen=True)
 class Tunable:
-    """A registered op: its key function, config space and (lazily loaded) harness."""
+    """A registered op: its key function, config space and, for tests, a harness object (None:
+    the tuner uses the op's module in ``autotune.tuning.harness``)."""
 
     op: str
     key_fn: Callable[..., Mapping]
     space: Mapping[str, Mapping[str, tuple]]
-    harness_ref: Harness | str | None = None
+    harness: Harness | None = None
 
     def key(self, inputs: Mapping) -> dict:
         return check_key(self.op, self.key_fn(**inputs))
@@ -182,19 +186,19 @@ class Tunable:
                 problems.append(f"{self.op}/{backend} knob {name}={value!r} is not one of {list(allowed)}")
         return problems
 
-    def harness(self) -> Harness:
-        """The harness object, importing its module on first use (the module defines ``HARNESS``)."""
-        ref = self.harness_ref
-        if ref is None:
-            raise LookupError(f"op {self.op} registered no tuning harness")
-        if isinstance(ref, str):
-            ref = getattr(importlib.import_module(ref), "HARNESS")
-        if not isinstance(ref, Harness):
-            raise TypeError(f"harness of {self.op} must be a Harness, got {type(ref).__name__}")
-        return ref
-
 
 _OPS: dict[str, Tunable] = {}
+_version = 0  # bumped by every register/unregister
+
+
+def version() -> int:
+    """A number that changes whenever an op is registered, re-registered or unregistered."""
+    return _version
+
+
+def _changed() -> None:
+    global _version
+    _version += 1
 
 
 def _check_space(op: str, space) -> dict:
@@ -218,24 +222,27 @@ def _check_space(op: str, space) -> dict:
     return out
 
 
-def register(op: str, *, key: Callable[..., Mapping], space: Mapping, harness: Harness | str | None = None,
+def register(op: str, *, key: Callable[..., Mapping], space: Mapping, harness: Harness | None = None,
              replace: bool = False) -> Tunable:
     """Declare ``op`` tunable (see the module docstring). Registering an op twice is an error
-    unless ``replace=True``."""
+    unless ``replace=True``. ``harness``: a :class:`Harness` object to tune with instead of the
+    op's harness module (tests tune fake ops this way)."""
     if not isinstance(op, str) or not _NAME.match(op):
         raise TypeError(f"op name must match {_NAME.pattern}, got {op!r}")
     if not callable(key):
         raise TypeError(f"key of {op} must be callable")
-    if harness is not None and not isinstance(harness, (Harness, str)):
-        raise TypeError(f"harness of {op} must be a Harness or a module path, got {type(harness).__name__}")
+    if harness is not None and not isinstance(harness, Harness):
+        raise TypeError(f"harness of {op} must be a Harness or None, got {type(harness).__name__}")
     if op in _OPS and not replace:
         raise ValueError(f"op {op} is already registered for autotuning")
     _OPS[op] = Tunable(op, key, _check_space(op, space), harness)
+    _changed()
     return _OPS[op]
 
 
 def unregister(op: str) -> None:
-    _OPS.pop(op, None)
+    if _OPS.pop(op, None) is not None:
+        _changed()
 
 
 def get(op: str) -> Tunable | None:

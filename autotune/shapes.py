@@ -8,8 +8,11 @@ Paper 7B (Megalodon, section 4): D=4096, CEMA order N=16, G=64 TimestepNorm grou
 head dims dz=256 (q/k) and dv=2048 (v), attention chunk 4096, L in {4096, 32768}, 16K tokens per
 GPU (at L=32768 that is one sequence, split across devices by chunk parallelism upstream).
 
-The shape dicts use each op's own argument letters (DESIGN.md section 2); the op's tuning harness
-turns them into tensors.
+The shape dicts use each op's own argument letters (as in the ops' docstrings); the op's tuning
+harness turns them into tensors.
+
+Plain data shared by the tuner and the benchmarks (bench/shapes.py): imports nothing, so reading
+it pulls in no op and no tuning tool.
 """
 from __future__ import annotations
 

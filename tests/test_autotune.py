@@ -1,13 +1,14 @@
 """Autotune infrastructure, exercised with a small fake op (the real ops register themselves).
 
-Covers DESIGN.md section 4: foreign-device tables ignored; corrupt, truncated, ill-typed and
+Covers the autotune contract (docs/design.md, "Autotune"): foreign-device tables ignored; corrupt, truncated, ill-typed and
 schema-invalid tables skipped with one warning; concurrent writers all land; out-of-space configs
 rejected; batch size and lengths within a bucket share a key (no re-tuning); lookup (and `auto`)
-return the table's winner; the tuner checks before it times and a wrong candidate never wins.
+return the table's winner; the tuner checks before it times and a wrong candidate never wins;
+the runtime half of the package loads no op and no tuning tool.
 """
-import inspect
 import json
 import multiprocessing
+import subprocess
 import sys
 import time
 import types
@@ -17,8 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from megalodon_kernels.autotune import cache, registry, tuner
+from megalodon_kernels.autotune import cache, registry
 from megalodon_kernels.autotune.__main__ import main as cli
+from megalodon_kernels.autotune.tuning import tuner
 from megalodon_kernels.ops._dispatch import NoBackendError
 
 OP = "fake_scale"
@@ -331,7 +333,7 @@ def test_same_bucket_is_not_tuned_again(fake_op, dirs):
     cache.write_entries(user / cache.table_name(ident), ident, entries, VERSIONS)
     # Any batch size and any L in the bucket finds the same winner.
     for B, L in [(1, 257), (3, 300), (64, 512)]:
-        case = fake_op.harness().make_case({"B": B, "L": L, "D": 8}, torch.float32, "cpu", 0)
+        case = fake_op.harness.make_case({"B": B, "L": L, "D": 8}, torch.float32, "cpu", 0)
         assert cache.lookup(OP, "cpu", torch.float32, fake_op.key(case.inputs)) == ("torch", {"block": 32})
     # Already-tuned keys can be skipped entirely.
     RUNS.clear()
@@ -425,14 +427,6 @@ def test_harness_whose_inputs_drift_from_the_dispatch_is_refused(fake_op):
 
 # --- the dispatcher and the CLI ---------------------------------------------------------------------------
 
-def _dispatch_consults_table():
-    from megalodon_kernels.ops import _dispatch
-
-    return "autotune" in inspect.getsource(_dispatch.OpBackends.select)
-
-
-@pytest.mark.skipif(not _dispatch_consults_table(),
-                    reason="ops/_dispatch.py does not consult the autotune table yet (proposed in issue 5's report)")
 def test_auto_picks_the_table_winner(fake_op, dirs, monkeypatch):
     from megalodon_kernels.ops._dispatch import OpBackends
 
@@ -502,24 +496,12 @@ def test_interleaved_timing_cuts_hopeless_candidates_and_records_failures():
 
 # --- end to end with the real rotary op ------------------------------------------------------------
 
-@pytest.fixture
-def rotary_registered():
-    """The registration proposed for ops/rotary (used as is once the op registers itself)."""
-    import megalodon_kernels.ops.rotary  # noqa: F401  (its own registration, when it has one)
-
-    ours = registry.get("rotary") is None
-    if ours:
-        registry.register("rotary", key=lambda x: {"H": x.shape[2], "d": x.shape[3],
-                                                   "L": registry.pow2_bucket(x.shape[1])},
-                          space={"torch": {}}, harness="megalodon_kernels.autotune.harness.rotary")
-    yield registry.get("rotary")
-    if ours:
-        registry.unregister("rotary")
-
-
-def test_rotary_regenerate_show_verify_clear(rotary_registered, dirs, capsys, monkeypatch):
+def test_rotary_regenerate_show_verify_clear(dirs, capsys, monkeypatch):
     from megalodon_kernels.autotune import shapes
+    from megalodon_kernels.ops import rotary  # noqa: F401  (registers the op)
 
+    rotary_registered = registry.get("rotary")
+    assert rotary_registered is not None and rotary_registered.harness is None  # the tuner finds its module
     user, _ = dirs
     small = shapes.ShapeSet("cpu", "cpu", D=8, N=2, G=2, H=2, dz=8, dv=8, chunk=16, lengths=(24, 31), tokens=48,
                             dtypes=("float32",))
@@ -536,3 +518,51 @@ def test_rotary_regenerate_show_verify_clear(rotary_registered, dirs, capsys, mo
     assert cli(["show"]) == 0 and "W" in capsys.readouterr().out
     assert cli(["verify"]) == 0 and "0 problem(s)" in capsys.readouterr().out
     assert cli(["clear"]) == 0 and not path.exists()
+
+
+# --- layering ------------------------------------------------------------------------------------------
+
+def test_runtime_modules_load_no_op_no_tuning_tool_no_reference():
+    # A fresh interpreter: what the runtime modules pull in, not what this test session already holds.
+    code = ("import sys\n"
+            "from megalodon_kernels.autotune import cache, device, registry\n"
+            "print('\\n'.join(sorted(m for m in sys.modules if m.startswith('megalodon_kernels'))))\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    loaded = done.stdout.split()
+    print(loaded)
+    assert "megalodon_kernels.autotune.cache" in loaded  # the probe imported what it meant to
+    forbidden = ("megalodon_kernels.ops", "megalodon_kernels.autotune.tuning", "megalodon_kernels.reference",
+                 "megalodon_kernels.bench", "megalodon_kernels.model")
+    bad = [m for m in loaded if any(m == f or m.startswith(f + ".") for f in forbidden)]
+    assert not bad, f"the autotune runtime imported {bad}"
+
+
+def test_the_tuner_finds_a_real_ops_harness_by_name_and_explains_a_missing_one():
+    from megalodon_kernels.autotune.tuning.harness import rotary as rotary_harness
+    from megalodon_kernels.ops import rotary  # noqa: F401  (registers the op)
+
+    assert tuner.harness_for(registry.get("rotary")) is rotary_harness.HARNESS
+    orphan = registry.register("orphan_op", key=fake_key, space={"torch": {}})
+    try:
+        with pytest.raises(LookupError, match="orphan_op has no tuning harness"):
+            tuner.harness_for(orphan)
+    finally:
+        registry.unregister("orphan_op")
+
+
+def test_register_takes_a_harness_object_not_a_module_path():
+    with pytest.raises(TypeError, match="must be a Harness"):
+        registry.register("by_path", key=fake_key, space={"torch": {}},
+                          harness="megalodon_kernels.autotune.tuning.harness.rotary")
+    assert registry.get("by_path") is None
+
+
+def test_registration_changes_the_cache_version():
+    before = cache.version()
+    registry.register("versioned_op", key=fake_key, space={"torch": {}})
+    registered = cache.version()
+    registry.unregister("versioned_op")
+    assert len({before, registered, cache.version()}) == 3
+    cache.refresh()
+    assert cache.version() != registered

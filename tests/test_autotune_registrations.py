@@ -1,9 +1,10 @@
 """Each real op's autotune registration agrees with its backends, its harness and the shape sets.
 
-Skipped for ops that do not register yet. Checked: every backend in the declared space has a
+Every op package registers itself (a lost registration fails here). Checked: every backend in the declared space has a
 module ``ops/<op>/<backend>_impl.py`` whose DEFAULT_CONFIG has exactly the declared knobs, with the
-FIRST declared value of each (what the tuner records as the default); the harness loads; the cpu
-shape set covers the op and its cases map to a key the registration accepts.
+FIRST declared value of each (what the tuner records as the default); the tuner finds the op's
+harness (``autotune/tuning/harness/<op>.py``); the cpu shape set covers the op and its cases map to
+a key the registration accepts.
 """
 import importlib
 import pkgutil
@@ -14,6 +15,7 @@ import torch
 import megalodon_kernels.ops as ops_pkg
 from megalodon_kernels.autotune import registry
 from megalodon_kernels.autotune.shapes import SHAPE_SETS
+from megalodon_kernels.autotune.tuning import tuner
 
 OPS = sorted(info.name for info in pkgutil.iter_modules(ops_pkg.__path__) if info.ispkg)
 
@@ -21,8 +23,7 @@ OPS = sorted(info.name for info in pkgutil.iter_modules(ops_pkg.__path__) if inf
 def _registered(op):
     importlib.import_module(f"megalodon_kernels.ops.{op}")
     tunable = registry.get(op)
-    if tunable is None:
-        pytest.skip(f"{op} does not register for autotuning yet")
+    assert tunable is not None, f"ops/{op}/__init__.py does not register {op} for autotuning"
     return tunable
 
 
@@ -43,7 +44,7 @@ def test_space_matches_default_config(op):
 @pytest.mark.parametrize("op", OPS)
 def test_harness_and_cpu_shapes(op):
     tunable = _registered(op)
-    harness = tunable.harness()
+    harness = tuner.harness_for(tunable)
     shapes = SHAPE_SETS["cpu"].shapes(op)
     assert shapes, f"the cpu shape set has no shapes for {op}"
     for shape in shapes:

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from megalodon_kernels.autotune import harness as harness_pkg
-from megalodon_kernels.autotune import registry, tuner
+from megalodon_kernels.autotune import registry
+from megalodon_kernels.autotune.tuning import harness as harness_pkg
+from megalodon_kernels.autotune.tuning import tuner
 
 SMALL = {
     "fftconv": {"B": 2, "D": 7, "L": 16},
@@ -24,7 +25,7 @@ SMALL = {
 
 
 def _harness(op):
-    return importlib.import_module(f"megalodon_kernels.autotune.harness.{op}").HARNESS
+    return importlib.import_module(f"megalodon_kernels.autotune.tuning.harness.{op}").HARNESS
 
 
 def test_sample_rows_keeps_the_edges_and_respects_the_budget(monkeypatch):

@@ -26,10 +26,14 @@ For one (op, shape, dtype) the tuner
 
 Shapes whose key was already tuned in this run are not tuned again: a new batch size or a length
 in the same power-of-two bucket is the same key.
+
+Tuning layer: runs the ops through their harnesses (``tuning/harness/<op>.py``, found by the op's
+name) and writes nothing itself; the command line merges the entries into a table.
 """
 from __future__ import annotations
 
 import gc
+import importlib
 import math
 import time
 from dataclasses import dataclass
@@ -38,11 +42,11 @@ from typing import Callable, Iterable, Mapping
 import numpy as np
 import torch
 
-from . import cache, registry
-from .device import identity
+from .. import cache, registry
+from ..device import identity
 
 __all__ = ["Timing", "time_interleaved", "rel_error", "tune_shape", "tune_op", "verify_entry", "HarnessError",
-           "DEFAULT_BUDGET_S"]
+           "DEFAULT_BUDGET_S", "harness_for"]
 
 DEFAULT_BUDGET_S = 0.25
 MIN_REPS, MAX_REPS = 5, 200
@@ -159,7 +163,7 @@ def rel_error(outputs: Mapping, expected: Mapping) -> float:
 
 def _no_backend_error():
     try:
-        from ..ops._dispatch import NoBackendError
+        from ...ops._dispatch import NoBackendError
 
         return NoBackendError
     except Exception:  # the ops package is not importable: only tests' fake ops are being tuned
@@ -168,7 +172,7 @@ def _no_backend_error():
 
 def _default_priority() -> tuple[str, ...]:
     try:
-        from ..ops._dispatch import PRIORITY
+        from ...ops._dispatch import PRIORITY
 
         return tuple(PRIORITY)
     except Exception:
@@ -177,6 +181,27 @@ def _default_priority() -> tuple[str, ...]:
 
 class HarnessError(RuntimeError):
     """A harness that does not exercise what it claims to; a bug to fix, not a failed candidate."""
+
+
+def harness_for(tunable: registry.Tunable) -> registry.Harness:
+    """The harness that tunes ``tunable``: the object it was registered with if any (tests), else
+    ``HARNESS`` of the module ``megalodon_kernels.autotune.tuning.harness.<op>``."""
+    if tunable.harness is not None:
+        return tunable.harness
+    module_name = f"{__package__}.harness.{tunable.op}"
+    try:
+        module = importlib.import_module(module_name) if tunable.op.isidentifier() else None
+    except ModuleNotFoundError as exc:
+        if exc.name != module_name:
+            raise  # the harness exists but something it imports does not
+        module = None
+    if module is None:
+        raise LookupError(f"op {tunable.op} has no tuning harness: write {module_name} (a module defining "
+                          "HARNESS = registry.Harness(...)) or register the op with harness=")
+    harness = getattr(module, "HARNESS", None)
+    if not isinstance(harness, registry.Harness):
+        raise TypeError(f"{module_name}.HARNESS must be a registry.Harness, got {type(harness).__name__}")
+    return harness
 
 
 def _run(tunable: registry.Tunable, harness: registry.Harness, case: registry.Case, backend: str, config: dict,
@@ -217,7 +242,7 @@ def tune_shape(tunable: registry.Tunable, shape: Mapping, dtype: torch.dtype, de
                progress: Callable[[str], None] = lambda s: None) -> tuple[str, dict]:
     """Check and time every candidate of ``tunable`` on ``shape``; return (entry id, table entry)."""
     device = torch.device(device)
-    harness = tunable.harness()
+    harness = harness_for(tunable)
     shape = dict(shape)
     check_shape = dict(harness.check_shape(shape)) if harness.check_shape else dict(shape)
 
@@ -341,7 +366,7 @@ def tune_op(op: str, shapes: Iterable[Mapping], dtypes: Iterable[torch.dtype], d
     tunable = registry.get(op)
     if tunable is None:
         raise LookupError(f"op {op} is not registered for autotuning")
-    harness = tunable.harness()
+    harness = harness_for(tunable)
     shapes, dtypes = [dict(s) for s in shapes], list(dtypes)
     done, entries = set(skip), {}
     for i, shape in enumerate(shapes):
@@ -374,7 +399,7 @@ def verify_entry(entry: Mapping, device) -> tuple[bool, str]:
     problems = tunable.config_problems(winner["backend"], winner["config"])
     if problems:
         return False, "; ".join(problems)
-    harness = tunable.harness()
+    harness = harness_for(tunable)
     dtype = getattr(torch, entry["dtype"])
     tolerance = float(harness.tolerance[entry["dtype"]])
     case = harness.make_case(dict(entry["check_shape"]), dtype, torch.device(device), entry["seed"])

@@ -1,14 +1,14 @@
 """Tuning harnesses, one module per op: how the tuner builds inputs for a shape, runs a candidate
 forward and backward through the public op, and computes the float64 reference.
 
-They live here, not in ops/, because they import the references (DESIGN.md section 1: ops never
-import reference/; the tuner may). Each module defines ``HARNESS = registry.Harness(...)`` and is
-named in the op's ``registry.register(..., harness="megalodon_kernels.autotune.harness.<op>")``.
+Tuning layer: they import the ops and the references, which ops never do (docs/design.md,
+"Layering"). The module of op ``<op>`` is ``megalodon_kernels.autotune.tuning.harness.<op>`` and
+defines ``HARNESS = registry.Harness(...)``; the tuner finds it by the op's name.
 """
 import numpy as np
 import torch
 
-from .. import registry
+from ... import registry
 
 #: Allowed max|err| / max|ref| over every output and gradient, per dtype: the gradient column of
 #: tests/support.py's torch table. The check is there to throw out broken candidates; the tests
@@ -97,19 +97,19 @@ def triton_prune(op: str):
     """A :attr:`registry.Harness.prune` for an op with a Triton backend: on a CUDA device of a
     known arch (sm_80, sm_90), a Triton config is pruned before it is timed when any kernel it
     launches does not compile, does not fit the per-block shared memory or spills
-    (``ops._triton_aot.config_problems``: ahead-of-time compilation, cached per process).
+    (``bench.aot.config_problems``: ahead-of-time compilation, cached per process).
     Other backends and other devices are not pruned here (on CPU the tuner never times the
     Triton interpreter anyway)."""
 
     def prune(backend, config, shape, dtype_name, ident) -> list[str]:
         if backend != "triton" or ident.get("type") != "cuda":
             return []
-        from ...ops import _triton_aot
+        from ....bench import aot  # the Triton compiler toolchain: only when pruning for a GPU
 
         major, minor = (int(v) for v in str(ident.get("capability", "0.0")).split("."))
         cc = 10 * major + minor
-        if cc not in _triton_aot.SMEM_LIMIT:
+        if cc not in aot.SMEM_LIMIT:
             return []  # no offline limit known for this arch: the timing run decides
-        return _triton_aot.config_problems(op, dict(config), cc)
+        return aot.config_problems(op, dict(config), cc)
 
     return prune

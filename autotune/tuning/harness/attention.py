@@ -9,9 +9,9 @@ stays small at L = 32768.
 import numpy as np
 import torch
 
-from ...ops.attention import attention
-from ...reference import attention as ref
-from .. import registry
+from ....ops.attention import attention
+from ....reference import attention as ref
+from ... import registry
 from . import TOLERANCE, grads, random, to_np, triton_prune
 
 

@@ -1,9 +1,9 @@
 """Tuning harness of cema (kernel + fftconv + skip): shape {B, D, N, L}; y and every gradient."""
 import torch
 
-from ...ops.cema import cema
-from ...reference import cema as ref
-from .. import registry
+from ....ops.cema import cema
+from ....reference import cema as ref
+from ... import registry
 from . import TOLERANCE, cema_coefficients, grads, part, random, sample_rows, take, to_np, triton_prune
 
 

@@ -2,9 +2,9 @@
 gradient. It dispatches on p's dtype (float32 unless float64), so that is the entry's dtype."""
 import torch
 
-from ...ops.cema_kernel import cema_kernel
-from ...reference import cema_kernel as ref
-from .. import registry
+from ....ops.cema_kernel import cema_kernel
+from ....reference import cema_kernel as ref
+from ... import registry
 from . import TOLERANCE, cema_coefficients, grads, part, real_dtype, sample_rows, take, to_np, triton_prune
 
 

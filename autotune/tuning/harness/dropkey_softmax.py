@@ -2,9 +2,9 @@
 import numpy as np
 import torch
 
-from ...ops.dropkey_softmax import dropkey_softmax
-from ...reference import attention as ref
-from .. import registry
+from ....ops.dropkey_softmax import dropkey_softmax
+from ....reference import attention as ref
+from ... import registry
 from . import TOLERANCE, grads, part, random, sample_rows, take, to_np, triton_prune
 
 

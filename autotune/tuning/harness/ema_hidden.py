@@ -1,9 +1,9 @@
 """Tuning harness of ema_hidden: shape {B, D, N, L}; h and the gradients of x, p, log_q."""
 import torch
 
-from ...ops.ema_hidden import ema_hidden
-from ...reference import ema_hidden as ref
-from .. import registry
+from ....ops.ema_hidden import ema_hidden
+from ....reference import ema_hidden as ref
+from ... import registry
 from . import TOLERANCE, cema_coefficients, grads, part, random, sample_rows, take, to_np, triton_prune
 
 

@@ -1,9 +1,9 @@
 """Tuning harness of fftconv: shape {B, D, L}; k in float32 (as CEMA passes it); y, dx, dk."""
 import torch
 
-from ...ops.fftconv import fftconv
-from ...reference import fftconv as ref
-from .. import registry
+from ....ops.fftconv import fftconv
+from ....reference import fftconv as ref
+from ... import registry
 from . import TOLERANCE, grads, part, random, real_dtype, sample_rows, take, to_np, triton_prune
 
 

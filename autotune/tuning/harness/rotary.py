@@ -1,9 +1,9 @@
 """Tuning harness of rotary: shape {B, L, H, d}; output y and gradient dx; RoPE positions 0..L-1."""
 import torch
 
-from ...ops.rotary import rotary
-from ...reference import rotary as ref
-from .. import registry
+from ....ops.rotary import rotary
+from ....reference import rotary as ref
+from ... import registry
 from . import TOLERANCE, random, to_np, triton_prune
 
 

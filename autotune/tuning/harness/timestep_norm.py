@@ -3,9 +3,9 @@ y, mean, var and the gradients of x, scale, bias from all three."""
 import numpy as np
 import torch
 
-from ...ops.timestep_norm import timestep_norm
-from ...reference import timestep_norm as ref
-from .. import registry
+from ....ops.timestep_norm import timestep_norm
+from ....reference import timestep_norm as ref
+from ... import registry
 from . import TOLERANCE, grads, part, random, sample_rows, take, to_np, triton_prune
 
 
