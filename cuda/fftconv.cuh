@@ -1,4 +1,5 @@
-// fftconv (spec 3): y[t] = sum_{s <= t} k[t - s] x[s] per (b, d) row, by zero-padded real FFTs of
+// fftconv (docs/math.md, fftconv; the algorithm: docs/fft.md): y[t] = sum_{s <= t} k[t - s] x[s]
+// per (b, d) row, by zero-padded real FFTs of
 // length 2N (N = max(32, nextpow2(L)) complex points), one thread block per row, everything in
 // shared memory.
 //

@@ -1,4 +1,5 @@
-// TimestepNorm (spec 4, with the fixes of spec 8): causal cumulative group norm over time.
+// TimestepNorm (docs/math.md, TimestepNorm, also for where and why it deviates from upstream):
+// causal cumulative group norm over time.
 //
 // Forward, per batch b and group g of Dg = D / G features, every unmasked step t is one Welford
 // observation (its group mean gmu_t and population variance gvar_t), merged into the running
@@ -9,17 +10,17 @@
 //      summaries (Chan's merge, the prior at the root) gives every chunk its prefix state, and a
 //      second Kahan-Welford pass from that prefix writes cummean_t and cumrstd_t = 1/sqrt(var_t + eps)
 //   3. tsn_normalize_kernel y = (x - mu_t) * rstd_t * scale + bias, 0 on padded steps.
-// Backward (spec 4.3): the reverse recursion of the carries (u, v) = (dL/dmu, dL/dvar) is affine,
+// Backward (docs/math.md, TimestepNorm): the reverse recursion of the carries (u, v) = (dL/dmu, dL/dvar) is affine,
 //   (u, v)_before_t = M_t (u, v)_after_t,  M_t(u, v) = (c1 u + b_t v + beta_t, c1 v + alpha_t),
 // so each chunk composes its steps' maps into one exact affine map (the chunk Jacobian plus an
 // offset), the maps carry (dmean, dvar) across chunks, and a last pass per chunk writes dgmu_t and
 // dgvar_t; then dx elementwise and deterministic dscale/dbias partial sums.
-// Fixes of upstream's defects: padded steps hold the carried state in cummean/cumrstd (so
-// cummean[t-1] is the mean entering t, spec 8.2); a padded step is an identity map, so no 0/0
-// from empty leading chunks (8.4); no thread returns before a barrier (8.5); no +inf sentinel,
-// genuine inf/NaN inputs propagate (8.6); the statistics are fp32 whatever the input dtype (8.7),
-// fp64 for double x: every kernel computes in A = acc_t<T> and the statistics, state, side inputs
-// (scale, bias, prev stats) and workspace are arrays of A.
+// Where upstream's kernels go wrong and these do not: padded steps hold the carried state in
+// cummean/cumrstd (so cummean[t-1] is the mean entering t); a padded step is an identity map, so
+// no 0/0 from empty leading chunks; no thread returns before a barrier; no +inf sentinel, genuine
+// inf/NaN inputs propagate; the statistics are fp32 whatever the input dtype, fp64 for double x:
+// every kernel computes in A = acc_t<T> and the statistics, state, side inputs (scale, bias,
+// prev stats) and workspace are arrays of A.
 #pragma once
 
 #include "common.cuh"

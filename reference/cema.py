@@ -1,4 +1,4 @@
-"""Reference CEMA (complex exponential moving average, spec sections 1-3 and 7.3), float64 NumPy.
+"""Reference CEMA (complex exponential moving average; docs/math.md, cema), float64 NumPy.
 
 Runs the defining recurrence directly, per time step:
 

@@ -1,4 +1,4 @@
-"""Reference CEMA kernel and bias (spec section 1), forward and backward, float64 NumPy.
+"""Reference CEMA kernel and bias (docs/math.md, CEMA kernel), forward and backward, float64 NumPy.
 
     k[d, j]    = Re sum_n p[d,n] gamma[d,n] q[d,n]**j                j < L
     b[b, d, t] = Re sum_n gamma[d,n] hx[b,d,n] q[d,n]**(t+1)         t < L

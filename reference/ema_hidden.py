@@ -1,4 +1,4 @@
-"""Reference CEMA last hidden state (spec section 2), forward and backward, float64 NumPy.
+"""Reference CEMA last hidden state (docs/math.md, ema_hidden), forward and backward, float64 NumPy.
 
     h[b, d, n] = p[d,n] sum_j q[d,n]**(L-1-j) x[b,d,j] + q[d,n]**L hx[b,d,n]
 

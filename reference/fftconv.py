@@ -1,4 +1,4 @@
-"""Reference causal long convolution (spec section 3), forward and backward, float64 NumPy.
+"""Reference causal long convolution (docs/math.md, fftconv), forward and backward, float64 NumPy.
 
     y[b, d, t] = sum_{s <= t} k[d, t-s] x[b, d, s]        t < L
 

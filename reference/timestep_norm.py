@@ -1,6 +1,6 @@
 """Reference TimestepNorm (causal cumulative group norm), forward and backward, float64 NumPy.
 
-Spec section 4.2/4.3 with our fixes (spec 8.2, 8.6): per batch b and group g (Dg = D/G
+The definition of docs/math.md, TimestepNorm: per batch b and group g (Dg = D/G
 contiguous features), each unmasked step t is ONE Welford observation carrying the step's group
 mean gmu_t and population variance gvar_t. Starting from (prev_count, prev_mean, prev_var)::
 
@@ -10,9 +10,10 @@ mean gmu_t and population variance gvar_t. Starting from (prev_count, prev_mean,
     y_t  = (x_t - mu_t) / sqrt(var_t + eps) * scale + bias      (stats include step t)
 
 A padded step (padding_mask True) outputs y = 0 and leaves (n, mu, var) untouched; whatever its x
-holds (NaN included) never reaches anything. The backward is the reverse scan of spec 4.3 with the
-carries (u, v) started at the gradients of the returned (mean, var), and mu_prev = the CARRIED
-mean before step t (the upstream CPU path used cummean[t-1], wrong after a padded step).
+holds (NaN included) never reaches anything; genuine inf/NaN inputs propagate (upstream skipped
+infinities). The backward is the reverse scan of docs/math.md, TimestepNorm, with the carries
+(u, v) started at the gradients of the returned (mean, var), and mu_prev = the CARRIED mean
+before step t (the upstream CPU path used cummean[t-1], wrong after a padded step).
 
 Sequential on purpose: one Python loop over time, vectorised only over (batch, group) where the
 formula is the same for every element. This is the oracle, not a fast path.

@@ -135,7 +135,8 @@ __global__ void divergent_shuffle_sites(const float* in, float* out, int n) {
     v = __shfl_xor_sync(kFullMask, v, 2);
   out[threadIdx.x] = v;
 }
-// Threads past n return, the rest meet a barrier (upstream TimestepNorm's defect, spec 8.5).
+// Threads past n return, the rest meet a barrier (upstream Megalodon's TimestepNorm kernels do
+// this when the feature or group count is not a multiple of 32: undefined behaviour in CUDA).
 __global__ void barrier_after_return(const float* in, float* out, int n) {
   if (static_cast<int>(threadIdx.x) >= n) return;
   __shared__ float buf[1024];
