@@ -1,6 +1,6 @@
 """Installs the repository as ONE import package, ``megalodon_kernels``.
 
-The repository's top level *is* the package (DESIGN.md section 1): ``ops/`` becomes
+The repository's top level *is* the package (docs/design.md, Layout): ``ops/`` becomes
 ``megalodon_kernels.ops``, ``reference/`` becomes ``megalodon_kernels.reference`` and so on.
 Nothing installs as a top-level ``ops`` or ``reference``.
 

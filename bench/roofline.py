@@ -8,7 +8,7 @@ Datasheet numbers used (dense, no sparsity):
 * H100 SXM5: HBM3 3.35 TB/s; 67 TFLOP/s fp32; 989 TFLOP/s bf16 tensor cores.
 
 Lower bound per call = max(bytes / bandwidth, FLOPs / peak). Only attention's two matmuls may use the
-tensor-core peak (bf16 inputs); every other op computes in fp32 whatever its I/O dtype (DESIGN.md),
+tensor-core peak (bf16 inputs); every other op computes in fp32 whatever its I/O dtype (docs/design.md, The ops),
 so it is held to the fp32 peak. These are bounds, not predictions: no GPU time is measured here.
 
 Byte conventions ("ideal": every input read once, every output written once, nothing else; es =

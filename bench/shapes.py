@@ -6,7 +6,7 @@ autotune tables are keyed on. The bench ``cpu`` set adds two lengths between the
 tokens / L), so every point does the same number of tokens' work.
 
 Each op's benchmark builds its tensors from ``shape(op, set, L)``, the dict of that op's argument
-letters (DESIGN.md section 2).
+letters (the ops' signatures in docs/design.md).
 """
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """Megalodon model layer: blocks and a causal LM composed from ``megalodon_kernels.ops``.
 
-Follows upstream Megalodon (spec section 7) with the upstream state_dict names, so upstream
+Follows upstream Megalodon (docs/math.md, model) with the upstream state_dict names, so upstream
 consolidated checkpoints load strictly; adds exact streaming inference through a constant-size
 cache, and construction without CUDA or torch.distributed.
 

@@ -1,4 +1,4 @@
-"""Streaming state of a Megalodon LM (spec 7.8), of constant size per sequence.
+"""Streaming state of a Megalodon LM, of constant size per sequence.
 
 Per layer (:class:`LayerState`):
 

@@ -1,7 +1,7 @@
-"""Loading upstream Megalodon consolidated checkpoints, strictly (spec 7.7).
+"""Loading upstream Megalodon consolidated checkpoints, strictly.
 
 Upstream reloads with ``load_state_dict(strict=False)``, so a renamed or missing key silently
-leaves a layer at its random init (spec 8.17). Here every key must match by name and shape;
+leaves a layer at its random init. Here every key must match by name and shape;
 otherwise one :class:`CheckpointMismatchError` lists every missing key, unexpected key and shape
 mismatch at once, with hints for the usual causes (a config flag that adds or removes a
 parameter, a wrapper prefix such as ``module.``, a different preset).

@@ -1,11 +1,11 @@
 """MegalodonConfig: upstream ``ModelConf`` field names, plus our extras, plus the registered presets.
 
-The first block of fields is upstream's ``ModelConf`` (spec 7.6), with the same names, types and
+The first block of fields is upstream's ``ModelConf``, with the same names, types and
 defaults, so the ``"model"`` section of an upstream ``config.json`` loads unchanged
 (:meth:`MegalodonConfig.from_upstream`). The second block is ours; each has a default, so an
 upstream config never needs them.
 
-Presets (spec 7.6): ``mega200M``, ``mega1.3B``, ``mega1.3B_pg19``, ``mega7.1B``, ``mega7.3B``, and a
+Presets (upstream's registered configs): ``mega200M``, ``mega1.3B``, ``mega1.3B_pg19``, ``mega7.1B``, ``mega7.3B``, and a
 ``tiny`` one for CPU tests and examples. ``vocab_size`` is -1 in the upstream presets (upstream sets
 it from the tokenizer); pass it with ``get_config(name, vocab_size=...)``.
 """
@@ -80,7 +80,7 @@ class MegalodonConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or v < 1:
                 raise ValueError(f"{name} must be a positive int, got {v!r}")
-        # Upstream asserts z_dim % z_dim (a typo, spec 8.13); we check what was meant.
+        # Upstream asserts z_dim % z_dim (a typo for num_heads); we check what was meant.
         if self.z_dim % self.num_heads:
             raise ValueError(f"z_dim ({self.z_dim}) must be divisible by num_heads ({self.num_heads})")
         if self.value_dim % self.num_heads:
@@ -177,7 +177,7 @@ def _preset(**kw) -> MegalodonConfig:
     return MegalodonConfig(**kw)
 
 
-#: Upstream's registered ModelStore configs (spec 7.6), plus ``tiny``.
+#: Upstream's registered ModelStore configs, plus ``tiny``.
 PRESETS: dict[str, MegalodonConfig] = {
     "mega200M": _preset(num_layers=12, model_dim=1024, num_heads=1, z_dim=256, value_dim=2048,
                         ffn_hidden_dim=2560, chunk_size=2048, norm_num_groups=32),

@@ -1,6 +1,6 @@
-"""Megalodon layers on top of megalodon_kernels.ops (spec section 7).
+"""Megalodon layers on top of megalodon_kernels.ops (the composition: docs/math.md, model).
 
-Module and parameter names follow upstream exactly (spec 7.7), so ``state_dict()`` keys match the
+Module and parameter names follow upstream exactly, so ``state_dict()`` keys match the
 upstream consolidated checkpoints. Every sequence-mixing computation (TimestepNorm, CEMA, RoPE,
 attention) goes through ``megalodon_kernels.ops`` with the configured backend; what stays in
 plain PyTorch is per-position work (linear layers, RMSNorm / LayerNorm, gates).
@@ -61,14 +61,14 @@ def init_linear(layer: nn.Linear, mode: str) -> None:
 
 
 class TimestepNorm(nn.Module):
-    """Causal cumulative group norm (spec 4.1) through ``ops.timestep_norm``.
+    """Causal cumulative group norm (docs/math.md, TimestepNorm) through ``ops.timestep_norm``.
 
     State (upstream names): buffer ``prior_count`` () int64; ``prior_mean`` and ``prior_logv`` (G,)
     (Parameters if prior_count > 0, else buffers); Parameters ``weight`` and ``bias`` (D,), zeros,
     the applied scale being ``weight + 1``. The default previous state is
     (prior_count, prior_mean, exp(prior_logv)).
 
-    Upstream refuses num_groups None / == D unless prior_count > 1 (spec 8.3); the group op handles
+    Upstream refuses num_groups None / == D unless prior_count > 1; the group op handles
     G == D fine, so we allow it.
     """
 
@@ -102,7 +102,7 @@ class TimestepNorm(nn.Module):
             prev_mean = self.prior_mean.to(acc).expand(B, -1).contiguous()
         if prev_var is None:
             prev_var = self.prior_logv.to(acc).exp().expand(B, -1).contiguous()
-        # +1 in fp32 (upstream adds it in the parameter dtype, rounding in bf16: spec 8.16).
+        # +1 in fp32 (upstream adds it in the parameter dtype, which rounds in bf16).
         scale = self.weight.to(acc) + 1.0
         return ops.timestep_norm(x, scale, self.bias, self.num_groups, prev_count, prev_mean, prev_var,
                                  padding_mask, self.eps, backend=self.backend)
@@ -112,7 +112,7 @@ class TimestepNorm(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    """y = x / sqrt(mean(x^2) + eps) * (weight + 1), statistics in fp32 (spec 7.5)."""
+    """y = x / sqrt(mean(x^2) + eps) * (weight + 1), statistics in fp32."""
 
     def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True):
         super().__init__()
@@ -134,7 +134,7 @@ class RMSNorm(nn.Module):
 
 
 class LayerNorm(nn.Module):
-    """y = (x - mean) / sqrt(var + eps) * (weight + 1) + bias (spec 7.5)."""
+    """y = (x - mean) / sqrt(var + eps) * (weight + 1) + bias."""
 
     def __init__(self, dim: int, eps: float = 1e-5, affine: bool = True):
         super().__init__()
@@ -159,11 +159,11 @@ class LayerNorm(nn.Module):
 
 
 class ComplexEMA(nn.Module):
-    """Multi-dimensional complex EMA (spec 7.3) through ``ops.cema``.
+    """Multi-dimensional complex EMA (docs/math.md, cema and model) through ``ops.cema``.
 
     Parameters (upstream names and shapes): alpha (D, N, 1), delta (D, N, 1), theta (D, 1, 1),
     gamma (D, N, 2) (real view of a complex weight), omega (D, 1). Coefficients, recomputed on
-    every call (no eval-mode cache that could go stale, spec 8.15), in fp32 (fp64 for fp64
+    every call (no eval-mode cache that could go stale), in fp32 (fp64 for fp64
     parameters) whatever the parameter dtype:
 
         p      = sigmoid(alpha)
@@ -190,7 +190,7 @@ class ComplexEMA(nn.Module):
 
     @torch.no_grad()
     def reset_parameters(self, generator: Optional[torch.Generator] = None) -> None:
-        """Upstream init (spec 7.3) without torch.distributed: the theta permutation comes from
+        """Upstream init without torch.distributed: the theta permutation comes from
         ``generator`` (or torch's default one)."""
         D = self.embed_dim
         if self.alpha.is_meta:
@@ -237,7 +237,7 @@ class ComplexEMA(nn.Module):
 
 
 class MegalodonAttention(nn.Module):
-    """Upstream's MovingAverageGatedAttention (spec 7.1 / 7.2); state_dict names ``timenorm.*``,
+    """Upstream's MovingAverageGatedAttention (docs/math.md, model); state_dict names ``timenorm.*``,
     ``cema.*``, ``rmsnorm.weight``, ``wv``, ``wz``, ``wr``, ``wh1``, ``wh2``, ``gamma``, ``beta``.
 
     forward(x r(B L D), state=None) -> r(B L D), the block input plus the attention branch.
@@ -352,7 +352,7 @@ class MegalodonAttention(nn.Module):
 
 
 class NormalizedFFN(nn.Module):
-    """Upstream's NormalizedFeedForwardNetwork (spec 7.4): names ``norm.*``, ``fc1``, ``fc2``,
+    """Upstream's NormalizedFeedForwardNetwork: names ``norm.*``, ``fc1``, ``fc2``,
     ``fc3`` (SwiGLU only), ``alpha`` (rescale only, init 0.1 * 0.5**layer_id).
 
     forward(y, residual) = residual + alpha * dropout(fc2(dropout(act(LN(y))))), with
@@ -392,7 +392,7 @@ class NormalizedFFN(nn.Module):
 
 
 class MegalodonBlock(nn.Module):
-    """mega then nffn with the two-hop residual: out = x + alpha * FFN(LN(mega(x)))  (spec 7.4)."""
+    """mega then nffn with the two-hop residual: out = x + alpha * FFN(LN(mega(x)))."""
 
     def __init__(self, cfg: MegalodonConfig, layer_id: int = 0):
         super().__init__()

@@ -1,6 +1,6 @@
-"""The Megalodon causal LM (spec 7.6): embedding, blocks, final TimestepNorm, output head.
+"""The Megalodon causal LM (docs/math.md, model): embedding, blocks, final TimestepNorm, output head.
 
-state_dict names (spec 7.7): ``embed.weight``, ``rope.freqs``, ``layers.{i}.mega.*``,
+state_dict names (upstream's): ``embed.weight``, ``rope.freqs``, ``layers.{i}.mega.*``,
 ``layers.{i}.nffn.*``, ``output.final_norm.*``, ``output.output.weight``.
 """
 from __future__ import annotations
@@ -26,7 +26,7 @@ class RotaryEmbedding(nn.Module):
     """Holds upstream's ``rope.freqs`` buffer, freqs_j = base^(-2j/dz), for checkpoint compatibility.
 
     The rotation itself is ``ops.rotary``, which forms its angles in float64 from ``base`` and
-    the integer positions; so a checkpoint whose buffer was rounded to bf16 (spec 8.16) still
+    the integer positions; so a checkpoint whose buffer was rounded to bf16 (as upstream's ``model.to(bf16)`` does) still
     rotates with the exact frequencies. :func:`~.checkpoint.load_upstream` checks that a loaded
     buffer is consistent with ``rope_base``.
     """

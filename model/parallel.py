@@ -1,4 +1,4 @@
-"""Chunk (sequence) parallelism for the Megalodon LM over ``torch.distributed`` (spec 7.8).
+"""Chunk (sequence) parallelism for the Megalodon LM over ``torch.distributed``.
 
 One long sequence of length L is split over the P ranks of a process group: rank r holds the
 positions [r L/P, (r+1) L/P). Attention is block-diagonal over chunks of ``chunk_size``, so when
@@ -7,7 +7,7 @@ layer, the CEMA hidden state ``hx`` c(B D N) and the TimestepNorm statistics (me
 plus the final output TimestepNorm's (mean, var), and the TimestepNorm count (positions seen so
 far, sent exactly as two float halves and without gradient): so slices may have different lengths,
 as long as each is a whole number of attention chunks (with equal slices the count received by
-rank r is ``prior_count + r L_local``, spec 7.8).
+rank r is ``prior_count + r L_local``, as upstream's chunk parallelism assumes).
 
 Per layer, rank r
 
