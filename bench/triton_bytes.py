@@ -93,26 +93,18 @@ def count_bytes():
             builder.create_atomic_rmw = orig_rmw
 
 
-def nbytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
-
-
 # ------------------------------------------------------------------ per-op measurement cases
-# Each ops/<op>/triton_impl.py defines ``bytes_cases()``, yielding (kernel name, shape text,
-# run) where ``run()`` launches the kernel(s) at a medium shape and returns the ideal byte count
-# (every input read once, every output written once); it is called inside count_bytes().
-
-
-def _cases(op):
-    import importlib
-
-    return importlib.import_module(f"megalodon_kernels.ops.{op}.triton_impl").bytes_cases()
+# bench/triton_variants.py declares each op's ``bytes_cases``: (kernel name, shape text, run) where
+# ``run()`` launches the kernel(s) at a medium shape and returns the ideal byte count (every input
+# read once, every output written once); it is called inside count_bytes().
 
 
 def measure(op):
     """[(kernel, shape, ByteCount, ideal bytes)] for one op."""
+    from .triton_variants import bytes_cases
+
     rows = []
-    for name, shape, run in _cases(op):
+    for name, shape, run in bytes_cases(op):
         with count_bytes() as c:
             ideal = run()
         rows.append((name, shape, c, ideal))
@@ -121,7 +113,7 @@ def measure(op):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description="bytes moved per Triton kernel vs the ideal")
-    from megalodon_kernels.ops._triton_aot import TRITON_OPS
+    from .aot import TRITON_OPS
 
     ap.add_argument("--ops", nargs="*", default=list(TRITON_OPS), choices=list(TRITON_OPS))
     a = ap.parse_args(argv)

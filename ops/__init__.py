@@ -1,4 +1,4 @@
-"""Public ops of megalodon_kernels (DESIGN.md section 2), each a PyTorch autograd function.
+"""Public ops of megalodon_kernels (docs/design.md, The ops), each a PyTorch autograd function.
 
 Every op takes ``backend="auto" | "torch" | "triton" | "cuda"``; see ``_dispatch.py`` for how
 "auto" resolves and ``MEGALODON_KERNELS_BACKEND`` to force one.

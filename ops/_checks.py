@@ -86,6 +86,35 @@ def check_choice(name: str, value, choices: Sequence) -> None:
         raise ValueError(f"{name} must be one of {list(choices)}, got {value!r}")
 
 
+COEF_DTYPES = (torch.float32, torch.float64)
+
+
+def check_sequence(x):
+    """x r(B D L) with L >= 1 (fftconv, ema_hidden, cema); returns (B, D, L)."""
+    check_tensor("x", x, (None, None, None), REAL_DTYPES, dims="(B, D, L)")
+    B, D, L = x.shape
+    if L < 1:
+        raise ValueError(f"x must have length L >= 1 in its last dimension (B, D, L), got shape {tuple(x.shape)}")
+    return B, D, L
+
+
+def check_coefficients(p, log_q, gamma=None, hx=None, *, D=None, B=None, device=None):
+    """Validate the CEMA coefficients (cema_kernel, ema_hidden, cema); returns (D, N).
+
+    p r(D N) float32/float64; log_q, gamma c(D N) and hx c(B D N) of the matching complex dtype.
+    """
+    check_tensor("p", p, (D, None), COEF_DTYPES, device=device, dims="(D, N)")
+    device = p.device
+    D, N = p.shape
+    cdt = (complex_of(p.dtype),)
+    check_tensor("log_q", log_q, (D, N), cdt, device=device, dims="(D, N)")
+    if gamma is not None:
+        check_tensor("gamma", gamma, (D, N), cdt, device=device, dims="(D, N)")
+    if hx is not None:
+        check_tensor("hx", hx, (B, D, N), cdt, device=device, dims="(B, D, N)")
+    return D, N
+
+
 def acc_dtype(dtype: torch.dtype) -> torch.dtype:
     """Accumulation dtype: float64 stays float64, everything else computes in float32."""
     return torch.float64 if dtype in (torch.float64, torch.complex128) else torch.float32

@@ -1,7 +1,9 @@
-"""Shared pieces of every Triton backend: availability rules and interpreter-safe bf16 stores.
+"""Shared pieces of every Triton backend: availability rules, interpreter-safe bf16 stores, and the
+device functions more than one op's kernels call (complex multiply, short-range sin/cos, the
+DropKey hash).
 
 Triton kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (how the test
-suite executes them here). Facts that shape this file (NO-GPU.md): in the interpreter bf16 values
+suite executes them here). In the interpreter bf16 values
 are raw uint16 bits, so kernels convert to fp32 right after ``tl.load``, compute in fp32, and round
 to bf16 once, on store, with round-to-nearest-even done in integer arithmetic (the interpreter's
 own ``.to(tl.bfloat16)`` truncates). On a GPU the same code compiles to the same rounding.
@@ -11,6 +13,8 @@ from __future__ import annotations
 import os
 
 import torch
+
+from .dropkey_rule import MIX_M1, MIX_M2
 
 # Pin fp fusion (Triton 3.9 warns that its default flips in 3.10; the flip changes numerics).
 os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
@@ -71,3 +75,42 @@ if HAVE_TRITON:
             tl.store(ptr, fp32_to_bf16_rne(x), mask=mask)
         else:
             tl.store(ptr, x.to(ptr.dtype.element_ty), mask=mask)
+
+    @triton.jit
+    def cmul(ar, ai, br, bi):
+        """(ar + i ai) (br + i bi) as (re, im)."""
+        return ar * br - ai * bi, ar * bi + ai * br
+
+    @triton.jit
+    def sincos_quarter(x):
+        """(sin x, cos x) for |x| <= pi/4: Taylor polynomials, truncation < 2e-9 (no libdevice, whose
+        full-range reduction is unneeded here and costs local memory)."""
+        x2 = x * x
+        s = x * (1.0 + x2 * (-1.6666666666666666e-01 + x2 * (8.333333333333333e-03 + x2 * (
+            -1.984126984126984e-04 + x2 * 2.7557319223985893e-06))))
+        c = 1.0 + x2 * (-0.5 + x2 * (4.1666666666666664e-02 + x2 * (-1.388888888888889e-03 + x2 * (
+            2.48015873015873e-05 + x2 * -2.755731922398589e-07))))
+        return s, c
+
+    MIX_M1_C = tl.constexpr(MIX_M1)
+    MIX_M2_C = tl.constexpr(MIX_M2)
+
+    @triton.jit
+    def mix32(x):
+        """``dropkey_rule.mix32`` on uint32 values: the multiplies wrap mod 2**32, exactly the
+        rule's ``& MASK32``."""
+        x = x ^ (x >> 16)
+        x = x * MIX_M1_C
+        x = x ^ (x >> 15)
+        x = x * MIX_M2_C
+        return x ^ (x >> 15)
+
+    @triton.jit
+    def dropkey_row_keys(seed_k, bh, Hf, o_i):
+        """The DropKey rule's per-query-row keys (uint32) of plane ``bh = b * Hf + h`` for rows
+        ``o_i``; ``seed_k`` is ``dropkey_rule.seed_key(seed)`` as int32 bits."""
+        b = (bh // Hf).to(tl.uint32)
+        h = (bh % Hf).to(tl.uint32)
+        s = seed_k.to(tl.uint32, bitcast=True)
+        hk = mix32(mix32(s ^ b) ^ h)
+        return mix32(hk ^ o_i.to(tl.uint32))

@@ -3,7 +3,7 @@
 DropKey (Li et al., CVPR 2023) sets attention logits to -inf *before* the softmax, with no
 rescaling. Every backend (torch, Triton, CUDA) and every backward pass regenerates the identical
 mask from this rule, so nothing is stored and results do not depend on thread layout (upstream's
-curand-based mask did, spec section 5.2).
+curand-based mask did; docs/math.md, DropKey).
 
 The rule, in 32-bit unsigned arithmetic (written so each step is one line of Triton or CUDA)::
 

@@ -1,36 +1,37 @@
 """Ahead-of-time pruning of Triton configs in the tuner (issue: configs that do not compile or
 do not fit shared memory for the target arch are pruned before they are timed).
 
-``ops._triton_aot.config_problems`` compiles every kernel variant one config launches for one
-arch (spawned workers, no GPU); ``autotune.harness.triton_prune`` is the harness hook that asks
+``bench.aot.config_problems`` compiles every kernel variant one config launches for one arch
+(spawned workers, no GPU); ``autotune.tuning.harness.triton_prune`` is the harness hook that asks
 it for Triton candidates on CUDA devices; the tuner records such candidates as ``pruned``."""
 import importlib
 
 import pytest
 import torch
 
-from megalodon_kernels.autotune import registry, tuner
-from megalodon_kernels.autotune.harness import triton_prune
-from megalodon_kernels.ops import _triton_aot
+from megalodon_kernels.autotune import registry
+from megalodon_kernels.autotune.tuning import tuner
+from megalodon_kernels.autotune.tuning.harness import triton_prune
+from megalodon_kernels.bench import aot
 
 ROTARY_DEFAULT = {"block_rows": 16, "block_pairs": 64, "num_warps": 4}
 
 
 @pytest.fixture(autouse=True)
 def fresh_problem_cache(monkeypatch):
-    monkeypatch.setattr(_triton_aot, "_PROBLEMS", {})
+    monkeypatch.setattr(aot, "_PROBLEMS", {})
 
 
-@pytest.mark.parametrize("op", _triton_aot.TRITON_OPS)
+@pytest.mark.parametrize("op", aot.TRITON_OPS)
 def test_one_config_selects_a_nonempty_subset_of_the_variants(op):
     importlib.import_module(f"megalodon_kernels.ops.{op}")
     space = registry.get(op).space["triton"]
-    every = {v.label + v.kernel for v in _triton_aot.all_variants((op,))}
+    every = {v.label + v.kernel for v in aot.all_variants((op,))}
     seen = set()
     for backend, config in registry.get(op).candidates():
         if backend != "triton":
             continue
-        chosen = {v.label + v.kernel for v in _triton_aot.all_variants((op,), tuple(sorted(config.items())))}
+        chosen = {v.label + v.kernel for v in aot.all_variants((op,), tuple(sorted(config.items())))}
         assert chosen and chosen <= every, f"{op} {config}"
         seen |= chosen
     assert seen == every, f"{op}: variants no registered config launches: {sorted(every - seen)[:3]}"
@@ -38,28 +39,28 @@ def test_one_config_selects_a_nonempty_subset_of_the_variants(op):
 
 
 def test_config_problems_names_every_failing_variant(monkeypatch):
-    variants = _triton_aot.all_variants(("rotary",), tuple(sorted(ROTARY_DEFAULT.items())))
+    variants = aot.all_variants(("rotary",), tuple(sorted(ROTARY_DEFAULT.items())))
     assert len(variants) == 3  # fp16, bf16, fp32
-    limit = _triton_aot.SMEM_LIMIT[80]
+    limit = aot.SMEM_LIMIT[80]
     fake = [("rotary", 0, 80, (40, 1024, 0), None),          # fine
             ("rotary", 1, 80, (40, limit + 16, 0), None),    # shared memory does not fit
             ("rotary", 2, 80, None, "CompilationError: boom")]  # does not compile
     calls = []
-    monkeypatch.setattr(_triton_aot, "_run_jobs", lambda jobs, workers=None: calls.append(jobs) or fake)
-    problems = _triton_aot.config_problems("rotary", ROTARY_DEFAULT, 80)
+    monkeypatch.setattr(aot, "_run_jobs", lambda jobs, workers=None: calls.append(jobs) or fake)
+    problems = aot.config_problems("rotary", ROTARY_DEFAULT, 80)
     assert len(problems) == 2
     assert f"{limit + 16} B shared memory > {limit} B on sm_80" in problems[0] and variants[1].label in problems[0]
     assert "does not compile for sm_80: CompilationError: boom" in problems[1]
-    assert _triton_aot.config_problems("rotary", ROTARY_DEFAULT, 80) == problems and len(calls) == 1  # cached
+    assert aot.config_problems("rotary", ROTARY_DEFAULT, 80) == problems and len(calls) == 1  # cached
     fake[0] = ("rotary", 0, 80, (255, 1024, 96), None)
-    assert any("spills 96 B" in p for p in _triton_aot.config_problems("rotary", ROTARY_DEFAULT, 90))
+    assert any("spills 96 B" in p for p in aot.config_problems("rotary", ROTARY_DEFAULT, 90))
     with pytest.raises(ValueError, match="cc must be one of"):
-        _triton_aot.config_problems("rotary", ROTARY_DEFAULT, 75)
+        aot.config_problems("rotary", ROTARY_DEFAULT, 75)
 
 
 def test_hook_asks_only_for_triton_on_a_known_cuda_arch(monkeypatch):
     asked = []
-    monkeypatch.setattr(_triton_aot, "config_problems", lambda op, config, cc: asked.append((op, cc)) or ["no"])
+    monkeypatch.setattr(aot, "config_problems", lambda op, config, cc: asked.append((op, cc)) or ["no"])
     prune = triton_prune("rotary")
     a100 = {"type": "cuda", "name": "NVIDIA A100-SXM4-80GB", "capability": "8.0"}
     h100 = {"type": "cuda", "name": "NVIDIA H100 80GB HBM3", "capability": "9.0"}
@@ -105,4 +106,4 @@ def test_tuner_never_runs_a_pruned_candidate():
 def test_real_compile_of_one_config_for_sm80():
     # Spawned workers compile rotary's three dtype variants of the default config with
     # triton.compile for GPUTarget("cuda", 80, 32): they fit and do not spill.
-    assert _triton_aot.config_problems("rotary", ROTARY_DEFAULT, 80) == []
+    assert aot.config_problems("rotary", ROTARY_DEFAULT, 80) == []

@@ -3,8 +3,8 @@ and Mega's Laplace attention function, as one autograd op.
 
 Why one op for all of them: every variant is "scores, a visibility mask, an attention function,
 P v", and a fused backend must never materialise the L x S matrix, so the masks have to be
-known to the kernel rather than added as a tensor. The semantics (upstream spec section 5,
-DESIGN.md section 2) are in :func:`attention`'s docstring.
+known to the kernel rather than added as a tensor. The semantics (docs/math.md,
+attention) are in :func:`attention`'s docstring.
 
 The DropKey mask is a pure function of (seed, b, h, i, j) (``ops/dropkey_rule.py``): the
 forward saves only the resolved seed and the backward regenerates the identical mask.
@@ -41,7 +41,6 @@ autotune.register(
            "triton": {"BLOCK_M": [64], "BLOCK_N": [64], "num_warps": [8], "num_stages": [2], "num_stages_bwd": [1],
                       "maxnreg_bwd": [255]},
            "torch": {"block_q": [128, 64, 256], "chunks_per_step": [64, 0, 4, 16], "max_block_elems": [1 << 22]}},
-    harness="megalodon_kernels.autotune.harness.attention",
 )
 ATTN_FNS = ("softmax", "laplace")
 

@@ -24,7 +24,7 @@ one program owns one (batch, head) plane and one block of rows.
   tiles in a loop inside the kernel. The extra cost is the QK^T recomputation per dv tile.
 
 Numerics: inputs are converted to fp32 right after loading (the interpreter cannot compute on
-bf16, NO-GPU.md), every product is accumulated in fp32, and each output is rounded once on
+bf16; docs/verification.md), every product is accumulated in fp32, and each output is rounded once on
 store (bf16 by integer round-to-nearest-even). On the GPU the dots of fp16/bf16 inputs use TF32
 (exact fp32 in the interpreter): its 10-bit mantissa holds q, k, v and dO exactly (q is
 multiplied by ``scale`` after the dot, not before, for that reason), so only P and dS are
@@ -82,7 +82,7 @@ def not_supported_reasons(q, k, v, **_) -> list[str]:
 
 
 if HAVE_TRITON:
-    from ..dropkey_softmax.triton_impl import _mix32, _row_keys  # the DropKey rule in uint32 (shared)
+    from .._triton_common import dropkey_row_keys, mix32  # the DropKey rule in uint32
 
     MU_C = tl.constexpr(LAPLACE_MU)
     INV_C = tl.constexpr(1.0 / (LAPLACE_SIGMA * math.sqrt(2.0)))  # erf argument scale
@@ -109,7 +109,7 @@ if HAVE_TRITON:
     @triton.jit
     def _keep(row_key, o_j, thr):
         """DropKey keep-mask from per-row keys and key indices, broadcast like them (dropkey_rule)."""
-        return _mix32(row_key ^ o_j.to(tl.uint32)) >= thr
+        return mix32(row_key ^ o_j.to(tl.uint32)) >= thr
 
     @triton.jit
     def _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
@@ -180,7 +180,7 @@ if HAVE_TRITON:
         k_base = k_ptr + (b.to(tl.int64) * S * rq + h * DH)
         v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
         if DROP:
-            row_key = _row_keys(seed_k, bh, H, o_i)
+            row_key = dropkey_row_keys(seed_k, bh, H, o_i)
             thr = thr_i.to(tl.uint32, bitcast=True)
         lo, hi = _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -277,7 +277,7 @@ if HAVE_TRITON:
             b_st = tl.dot(b_k, b_qt, input_precision=PREC) * scale  # [BN, BM] scores, transposed
             ok = _allowed(o_i[None, :], o_j[:, None], L, S, shift, causal, chunk, bc)
             if DROP:
-                ok = ok & _keep(_row_keys(seed_k, bh, H, o_i)[None, :], o_j[:, None], thr)
+                ok = ok & _keep(dropkey_row_keys(seed_k, bh, H, o_i)[None, :], o_j[:, None], thr)
             if LAPLACE:
                 b_pt = tl.where(ok, _laplace(b_st), 0.0)
                 b_gt = tl.where(ok, _laplace_grad(b_st), 0.0)
@@ -344,7 +344,7 @@ if HAVE_TRITON:
             b_do = tl.load(do_base + o_i[:, None].to(tl.int64) * rv + o_dv[None, :],
                            mask=m_i[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BM, BDV]
         if DROP:
-            row_key = _row_keys(seed_k, bh, H, o_i)
+            row_key = dropkey_row_keys(seed_k, bh, H, o_i)
             thr = thr_i.to(tl.uint32, bitcast=True)
         if not LAPLACE:
             lse = tl.load(lse_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
@@ -514,170 +514,3 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
         _attn_bwd_dq_kernel[(triton.cdiv(L, bm_q), B * H)](*ptrs, dq, L, S, H, dh, dv, *args, ONE_DV=one,
                                                            BLOCK_M=bm_q, BLOCK_N=bn_q, **flags)
     return dq, dk, dvv
-
-
-# ---------------------------------------------------------------------------------------------
-# Ahead-of-time variants and byte counts
-
-#: (dh, dv) pairs compiled ahead of time: realistic head dims, and the 7B config (z_dim 256, value 2048)
-AOT_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (256, 2048))
-
-_SCALARS = (("L", "i32"), ("S", "i32"), ("H", "i32"), ("DH", "i32"), ("DV", "i32"), ("shift", "i32"),
-            ("causal", "i32"), ("chunk", "i32"), ("bc", "i32"), ("seed_k", "i32"), ("thr_i", "i32"),
-            ("scale", "fp32"))
-
-
-def _launches(dh, dv, BLOCK_M, BLOCK_N, exact=False):
-    """Every (kernel, fn, pointer names, extra constexprs, tile constexprs) a forward + backward
-    launches for head dims (dh, dv), and the delta kernel's (rows, BLOCK_DV)."""
-    t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact)
-    d = (("BLOCK_DH", t["BLOCK_DH"]), ("BLOCK_DV", t["BLOCK_DV"]))
-    tiles = {name: (("BLOCK_M", t[name][0]), ("BLOCK_N", t[name][1])) + d for name in ("fwd", "dq", "dkdv")}
-    out = [("_attn_fwd_kernel", _attn_fwd_kernel, ("q_ptr", "k_ptr", "v_ptr", "o_ptr"), (), tiles["fwd"])]
-    ptrs = ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dk_ptr", "dv_ptr")
-    if t["ONE_DV"]:
-        out.append(("_attn_bwd_dkdv_kernel", _attn_bwd_dkdv_kernel, ptrs,
-                    (("COMPUTE_DK", True), ("COMPUTE_DV", True), ("ONE_DV", True)), tiles["dkdv"]))
-    else:
-        for dk_, dv_ in ((True, False), (False, True)):
-            out.append(("_attn_bwd_dkdv_kernel", _attn_bwd_dkdv_kernel, ptrs,
-                        (("COMPUTE_DK", dk_), ("COMPUTE_DV", dv_), ("ONE_DV", False)), tiles["dkdv"]))
-    out.append(("_attn_bwd_dq_kernel", _attn_bwd_dq_kernel, ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr"),
-                (("ONE_DV", t["ONE_DV"]),), tiles["dq"]))
-    return out, (t["dq"][0], t["BLOCK_DV"])
-
-
-def aot_variants(space=None):
-    """Every kernel x config x dtype x (DROP, LAPLACE) x tiling this backend launches for the head
-    dims in AOT_HEAD_DIMS (identical specialisations are compiled once)."""
-    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
-    from itertools import product
-
-    from .._triton_aot import Variant
-
-    variants, seen = [], set()
-    for dt, bm0, bn0, nw, ns_f, ns_b, mr in product(("fp16", "bf16", "fp32"), space["BLOCK_M"], space["BLOCK_N"],
-                                                  space["num_warps"], space["num_stages"],
-                                                  space.get("num_stages_bwd", [1]), space.get("maxnreg_bwd", [None])):
-        prec = _prec(dt)
-        for dh, dv in AOT_HEAD_DIMS:
-            if _exact(dt) and dh > MAX_EXACT_HEAD_DIM:
-                continue  # refused on the GPU by not_supported_reasons: never launched there
-            launches, (bm, bdv) = _launches(dh, dv, bm0, bn0, exact=_exact(dt))
-            key = ("delta", dt, bm, bdv, nw, ns_b, mr)
-            if key not in seen:
-                seen.add(key)
-                variants.append(Variant(
-                    op="attention", kernel="_attn_bwd_delta_kernel", fn=_attn_bwd_delta_kernel,
-                    arg_types=(("o_ptr", f"*{dt}"), ("do_ptr", f"*{dt}"), ("delta_ptr", "*fp32"), ("L", "i32"),
-                               ("H", "i32"), ("DV", "i32")),
-                    constexprs=(("BLOCK_M", bm), ("BLOCK_DV", bdv)), div16=frozenset({"L", "DV"}),
-                    num_warps=nw, num_stages=ns_b, maxnreg=mr,
-                    label=f"bwd delta {dt} m={bm} dv={bdv} warps={nw} maxnreg={mr}"))
-            for (name, fn, ptrs, extra, tiles), drop, lap in product(launches, (False, True), (False, True)):
-                consts = (("OUT_BF16", dt == "bf16"), ("DROP", drop), ("LAPLACE", lap), ("PREC", prec)) + extra + tiles
-                fwd = name == "_attn_fwd_kernel"
-                ns, cap = (ns_f, None) if fwd else (ns_b, mr)
-                key = (name, dt, consts, nw, ns, cap)
-                if key in seen:
-                    continue
-                seen.add(key)
-                types = tuple((n, f"*{dt}") for n in ptrs) + (("lse_ptr", "*fp32"), ("delta_ptr", "*fp32"))
-                tag = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts[1:])
-                variants.append(Variant(
-                    op="attention", kernel=name, fn=fn, arg_types=types + _SCALARS, constexprs=consts,
-                    div16=frozenset({"L", "S", "DH", "DV"}), num_warps=nw, num_stages=ns, maxnreg=cap,
-                    label=f"{name} {dt} (dh={dh} dv={dv}) {tag} warps={nw} stages={ns}"
-                          + ("" if fwd else f" maxnreg={cap}")))
-    return variants
-
-
-def _visited_tiles(L, S, causal, chunk, bc, rows, keys, by_keys=False):
-    """Number of (rows x keys) score tiles the kernels visit: the Python twin of _key_range /
-    _query_range (``by_keys``: programs own key blocks and walk query blocks, as dk/dv does)."""
-    shift, n = S - L, 0
-    if not by_keys:
-        for i0 in range(0, L, rows):
-            p0, p1 = i0 + shift, min(i0 + rows, L) - 1 + shift
-            lo, hi = 0, (min(S, p1 + 1) if causal else S)
-            if chunk:
-                lo, hi = (p0 // chunk - bc) * chunk, min(hi, (p1 // chunk + 1) * chunk)
-            lo = max(lo, 0) // keys * keys
-            n += max(0, -(-(hi - lo) // keys))
-        return n
-    for j0 in range(0, S, keys):
-        j1 = min(j0 + keys, S)
-        lo = j0 - shift if causal else 0
-        hi = L
-        if chunk:
-            lo, hi = max(lo, j0 // chunk * chunk - shift), min(L, ((j1 - 1) // chunk + 1 + bc) * chunk - shift)
-        lo = max(lo, 0) // rows * rows
-        n += max(0, -(-(hi - lo) // rows))
-    return n
-
-
-def flop_counts(B, L, S, H, dh, dv, causal=True, chunk_size=None, block_causal=False, BLOCK_M=64, BLOCK_N=64,
-                exact=False):
-    """{"fwd"|"bwd": (ideal FLOPs, executed tile FLOPs)} of the matmuls.
-
-    Ideal (bench/roofline.py's convention without the elementwise 5 P): fwd 2 P (dh + dv), bwd
-    2 P (3 dh + 2 dv) with P the visible (i, j) pairs. Executed: every visited tile at its padded
-    size (BLOCK_DH, BLOCK_DV), including the QK^T recomputed per dv tile when dv is tiled."""
-    vis = 0
-    for i in range(L):
-        pos = i + S - L
-        for j in range(S):
-            ok = (not causal) or j <= pos
-            if chunk_size:
-                ok = ok and (j // chunk_size == pos // chunk_size
-                             or (block_causal and j // chunk_size == pos // chunk_size - 1))
-            vis += ok
-    P = B * H * vis
-    t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact)
-    bdh, bdv, nt = t["BLOCK_DH"], t["BLOCK_DV"], -(-dv // t["BLOCK_DV"])
-    m = (causal, chunk_size or 0, int(bool(block_causal and chunk_size)))
-    bh = B * H
-    fm, fn = t["fwd"]
-    fwd = bh * _visited_tiles(L, S, *m, fm, fn) * nt * 2 * fm * fn * (bdh + bdv)
-    qm, qn = t["dq"]
-    dq = bh * _visited_tiles(L, S, *m, qm, qn) * 2 * qm * qn * (2 * bdh + nt * bdv)
-    km, kn = t["dkdv"]
-    kt = bh * _visited_tiles(L, S, *m, km, kn, by_keys=True)
-    if t["ONE_DV"]:
-        dkdv = kt * 2 * km * kn * (2 * bdh + 2 * bdv)
-    else:  # dk launch (dP over all dv tiles) + dv launch (scores recomputed per dv tile)
-        dkdv = kt * 2 * km * kn * (2 * bdh + nt * bdv) + kt * nt * 2 * km * kn * (bdh + bdv)
-    return {"fwd": (2 * P * (dh + dv), fwd), "bwd": (2 * P * (3 * dh + 2 * dv), dq + dkdv)}
-
-
-def bytes_cases():
-    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py).
-
-    Ideal forward: q, k, v read once, o and lse written once. Ideal backward: q, k, v, o, dO and
-    lse read once, dq, dk, dv written once, plus the [B, H, L] fp32 delta (written by the
-    preprocess kernel, read back) that the flash backward needs. The shape text carries the
-    matmul FLOPs: ideal (visible pairs) and executed (visited tiles, see flop_counts)."""
-    B, H, L, dh, dv = 1, 2, 256, 64, 64
-    f = 4
-    gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(B, L, H, d, generator=gen) for d in (dh, dh, dv))
-    lse_bytes = B * H * L * f
-    for label, kw in (("causal", dict(causal=True, chunk_size=None, block_causal=False)),
-                      ("chunk64 block_causal p=0.1", dict(causal=True, chunk_size=64, block_causal=True))):
-        kw = dict(scale=dh ** -0.5, dropkey_p=0.1 if "p=0.1" in label else 0.0, seed=3, attn_fn="softmax", **kw)
-        fl = flop_counts(B, L, L, H, dh, dv, kw["causal"], kw["chunk_size"], kw["block_causal"], exact=True)
-        shape = f"B={B} H={H} L=S={L} dh={dh} dv={dv} {label} fp32"
-
-        def fwd(kw=kw):
-            attention_fwd(q, k, v, **kw)
-            return (2 * q.numel() + 2 * v.numel()) * f + lse_bytes
-
-        yield "attention fwd", f"{shape}; GFLOP ideal {fl['fwd'][0] / 1e9:.3f} kernel {fl['fwd'][1] / 1e9:.3f}", fwd
-        o, lse = attention_fwd(q, k, v, **kw)
-        do = torch.randn(o.shape, generator=gen)
-
-        def bwd(kw=kw, o=o, lse=lse, do=do):
-            attention_bwd(do, q, k, v, o, lse, **kw)
-            return (2 * (q.numel() + k.numel() + v.numel()) + 2 * o.numel()) * f + lse_bytes + 2 * lse_bytes
-
-        yield "attention bwd", f"{shape}; GFLOP ideal {fl['bwd'][0] / 1e9:.3f} kernel {fl['bwd'][1] / 1e9:.3f}", bwd

@@ -1,4 +1,4 @@
-"""CEMA, the complex exponential moving average layer of Megalodon (spec sections 1-3, 7.3).
+"""CEMA, the complex exponential moving average layer of Megalodon (docs/math.md, cema).
 
     h_t = p x_t + q h_{t-1}  (h_{-1} = hx),   y_t = Re sum_n gamma_n h_t,n + omega x_t,   q = exp(log_q)
 
@@ -14,12 +14,11 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import REAL_DTYPES, check_tensor
+from .._checks import REAL_DTYPES, check_coefficients, check_sequence, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends
-from ..cema_kernel import check_coefficients
-from ..ema_hidden import check_sequence
-from ..fftconv import fftconv as _fftconv  # noqa: F401  (registers fftconv, whose Triton space ours extends)
+from ..cema_kernel import TRITON_SPACE as KERNEL_TRITON_SPACE
+from ..fftconv import TRITON_SPACE as CONV_TRITON_SPACE
 
 __all__ = ["cema"]
 
@@ -34,10 +33,8 @@ autotune.register(
                                                "hx": hx is not None},
     space={"torch": {"power_block": [64, 32, 128], "direct_max_len": [16, 0, 256]},
            # Triton: the stage kernels' knobs (cema_kernel's, and fftconv's with its num_warps as conv_warps)
-           "triton": {**autotune.get("cema_kernel").space["triton"],
-                      **{("conv_warps" if k == "num_warps" else k): v
-                         for k, v in autotune.get("fftconv").space["triton"].items()}}},
-    harness="megalodon_kernels.autotune.harness.cema",
+           "triton": {**KERNEL_TRITON_SPACE,
+                      **{("conv_warps" if k == "num_warps" else k): v for k, v in CONV_TRITON_SPACE.items()}}},
 )
 
 

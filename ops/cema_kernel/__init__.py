@@ -1,4 +1,4 @@
-"""CEMA kernel and bias: the Vandermonde sums of the complex EMA (spec section 1).
+"""CEMA kernel and bias: the Vandermonde sums of the complex EMA (docs/math.md, CEMA kernel).
 
 For coefficients p r(D N), q = exp(log_q) c(D N), gamma c(D N) and an optional initial state
 hx c(B D N)::
@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import check_int, check_tensor, complex_of
+from .._checks import check_coefficients, check_int
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends
 
-__all__ = ["cema_kernel", "check_coefficients"]
+__all__ = ["cema_kernel"]
 
 BACKENDS = OpBackends("cema_kernel", {
     "cuda": "megalodon_kernels.ops.cema_kernel.cuda_impl",
@@ -31,34 +31,15 @@ BACKENDS = OpBackends("cema_kernel", {
     "triton": "megalodon_kernels.ops.cema_kernel.triton_impl",
 })
 
+#: the Triton backend's tiling knobs (the first values are the default); cema's space extends it
+TRITON_SPACE = {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}
+
 autotune.register(
     "cema_kernel",
     key=lambda p, log_q, gamma, length, hx: {"D": p.shape[0], "N": p.shape[1], "L": autotune.pow2_bucket(length),
                                              "hx": hx is not None},
-    space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]},
-           "triton": {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}},
-    harness="megalodon_kernels.autotune.harness.cema_kernel",
+    space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]}, "triton": TRITON_SPACE},
 )
-
-COEF_DTYPES = (torch.float32, torch.float64)
-
-
-def check_coefficients(p, log_q, gamma=None, hx=None, *, D=None, B=None, device=None):
-    """Validate the CEMA coefficients; returns (D, N). Shared by cema_kernel, ema_hidden and cema.
-
-    p r(D N) float32/float64; log_q, gamma c(D N) and hx c(B D N) of the matching complex dtype.
-    """
-    check_tensor("p", p, (D, None), COEF_DTYPES, device=device, dims="(D, N)")
-    device = p.device
-    D, N = p.shape
-    cdt = (complex_of(p.dtype),)
-    check_tensor("log_q", log_q, (D, N), cdt, device=device, dims="(D, N)")
-    if gamma is not None:
-        check_tensor("gamma", gamma, (D, N), cdt, device=device, dims="(D, N)")
-    if hx is not None:
-        check_tensor("hx", hx, (B, D, N), cdt, device=device, dims="(B, D, N)")
-    return D, N
-
 
 class CemaKernelFunction(torch.autograd.Function):
     @staticmethod

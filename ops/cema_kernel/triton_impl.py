@@ -45,6 +45,7 @@ import math
 import torch
 
 from ...autotune import registry as autotune
+from .._complex import interleaved
 from .._triton_common import HAVE_TRITON, device_reasons, tl, triton
 
 #: every config this backend may launch with, declared with the op's autotune registration in
@@ -85,23 +86,8 @@ def phase_fraction(log_q: torch.Tensor) -> torch.Tensor:
     return (hi.to(torch.int64) * (1 << 32) + lo.to(torch.int64)).contiguous()
 
 
-def _re(t: torch.Tensor) -> torch.Tensor:
-    """Interleaved (re, im) float view of a complex tensor, contiguous."""
-    return torch.view_as_real(t.resolve_conj().contiguous())
-
-
 if HAVE_TRITON:
-
-    @triton.jit
-    def sincos_quarter(x):
-        """(sin x, cos x) for |x| <= pi/4: Taylor polynomials, truncation < 2e-9 (no libdevice, whose
-        full-range reduction is unneeded here and costs local memory)."""
-        x2 = x * x
-        s = x * (1.0 + x2 * (-1.6666666666666666e-01 + x2 * (8.333333333333333e-03 + x2 * (
-            -1.984126984126984e-04 + x2 * 2.7557319223985893e-06))))
-        c = 1.0 + x2 * (-0.5 + x2 * (4.1666666666666664e-02 + x2 * (-1.388888888888889e-03 + x2 * (
-            2.48015873015873e-05 + x2 * -2.755731922398589e-07))))
-        return s, c
+    from .._triton_common import cmul, sincos_quarter
 
     @triton.jit
     def load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N: tl.constexpr):
@@ -130,10 +116,6 @@ if HAVE_TRITON:
         cs = tl.where((kq == 1) | (kq == 2), -cs, cs)
         sn = tl.where(kq >= 2, -sn, sn)
         return mag * cs, mag * sn
-
-    @triton.jit
-    def cmul(ar, ai, br, bi):
-        return ar * br - ai * bi, ar * bi + ai * br
 
     @triton.jit
     def synth_tile(ar, ai, q1r, q1i):
@@ -278,10 +260,10 @@ def cema_kernel_fwd(p, log_q, gamma, length, hx, *, block_m=32, block_r=32, num_
     D, N = p.shape
     L = int(length)
     p = p.contiguous()
-    lq, g, f = _re(log_q), _re(gamma), phase_fraction(log_q)
+    lq, g, f = interleaved(log_q), interleaved(gamma), phase_fraction(log_q)
     k = torch.empty(D, L, dtype=p.dtype, device=p.device)
     B = 0 if hx is None else hx.shape[0]
-    hxr = _re(hx) if hx is not None else g
+    hxr = interleaved(hx) if hx is not None else g
     b = torch.empty(B, D, L, dtype=p.dtype, device=p.device) if hx is not None else k
     M = triton.cdiv(L, block_r)
     grid = (D, triton.cdiv(M, block_m))
@@ -296,13 +278,13 @@ def cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True
     D, N = p.shape
     L = int(length)
     p = p.contiguous()
-    lq, g, f = _re(log_q), _re(gamma), phase_fraction(log_q)
+    lq, g, f = interleaved(log_q), interleaved(gamma), phase_fraction(log_q)
     has_dk = dk is not None
     has_db = db is not None and hx is not None
     dk = dk.to(torch.float32).contiguous() if has_dk else p
     B = hx.shape[0] if hx is not None else 0
     dbc = db.to(torch.float32).contiguous() if has_db else p
-    hxr = _re(hx) if hx is not None else g
+    hxr = interleaved(hx) if hx is not None else g
     dp = torch.empty(D, N, dtype=p.dtype, device=p.device)
     dlq = torch.empty(D, N, dtype=log_q.dtype, device=p.device)
     dgamma = torch.empty(D, N, dtype=gamma.dtype, device=p.device)
@@ -316,64 +298,3 @@ def cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True
         BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n(N), num_warps=analysis_warps,
     )
     return dp, dlq, dgamma, dhx
-
-
-def aot_variants(space=None):
-    """Every (kernel x config x n tile) this backend can launch, for ahead-of-time compilation (fp32 only)."""
-    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
-    from itertools import product
-
-    from .._triton_aot import Variant
-
-    common = (("p_ptr", "*fp32"), ("lq_ptr", "*fp32"), ("f_ptr", "*i64"), ("g_ptr", "*fp32"),
-              ("hx_ptr", "*fp32"), ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"))
-    div16 = frozenset({"D", "N", "L"})
-    variants = []
-    for bm, br, nw, aw, bn in product(space["block_m"], space["block_r"], space["num_warps"],
-                                      space["analysis_warps"], N_TILES):
-        size = f"m={bm} r={br} n={bn}"
-        variants.append(Variant(
-            op="cema_kernel", kernel="_cema_fwd_kernel", fn=_cema_fwd_kernel,
-            arg_types=common + (("k_ptr", "*fp32"), ("b_ptr", "*fp32")),
-            constexprs=(("BLOCK_M", bm), ("BLOCK_R", br), ("BLOCK_N", bn)),
-            div16=div16, num_warps=nw, label=f"fwd {size} warps={nw}"))
-        variants.append(Variant(
-            op="cema_kernel", kernel="_cema_bwd_kernel", fn=_cema_bwd_kernel,
-            arg_types=common + (("LK", "i32"), ("dk_ptr", "*fp32"), ("db_ptr", "*fp32"), ("dp_ptr", "*fp32"),
-                                ("dlq_ptr", "*fp32"), ("dg_ptr", "*fp32"), ("dhx_ptr", "*fp32")),
-            constexprs=(("BLOCK_M", bm), ("BLOCK_R", br), ("BLOCK_N", bn)),
-            div16=div16 | {"LK"}, num_warps=aw, label=f"bwd {size} warps={aw}"))
-    return variants
-
-
-def _coefficients(D, N, B, seed=0):
-    gen = torch.Generator().manual_seed(seed)
-    p = torch.rand(D, N, generator=gen) * 0.9 + 0.05
-    log_q = torch.complex(-torch.rand(D, N, generator=gen) * 0.1, (2 * torch.rand(D, N, generator=gen) - 1) * math.pi)
-    gamma = torch.complex(torch.randn(D, N, generator=gen), torch.randn(D, N, generator=gen)) / math.sqrt(2 * N)
-    hx = torch.complex(torch.randn(B, D, N, generator=gen), torch.randn(B, D, N, generator=gen))
-    return p, log_q, gamma, hx
-
-
-def bytes_cases():
-    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py).
-
-    Ideal: every kernel input read once (p, log|q| = Re log_q, gamma, hx, dk, db, and the D*N int64
-    phase table F the launcher derives from arg q in place of Im log_q) and every output written once."""
-    from ...bench.triton_bytes import nbytes
-
-    D, N, B, L = 4, 16, 2, 4096
-    p, log_q, gamma, hx = _coefficients(D, N, B)
-    f = phase_fraction(log_q)
-
-    def fwd():
-        k, b = cema_kernel_fwd(p, log_q, gamma, L, hx)
-        return nbytes(p, log_q.real, gamma, hx, f, k, b)
-
-    def bwd():
-        dk, db = torch.randn(D, L), torch.randn(B, D, L)
-        out = cema_kernel_bwd(dk, db, p, log_q, gamma, L, hx)
-        return nbytes(dk, db, p, log_q.real, gamma, hx, f, *out)
-
-    yield "cema_kernel fwd", f"D={D} N={N} B={B} L={L} fp32", fwd
-    yield "cema_kernel bwd", f"D={D} N={N} B={B} L={L} fp32", bwd

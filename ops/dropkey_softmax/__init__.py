@@ -1,4 +1,4 @@
-"""DropKey softmax over an existing score tensor (upstream's ``attention_softmax``, spec 5.4).
+"""DropKey softmax over an existing score tensor (upstream's ``attention_softmax``; docs/math.md, DropKey).
 
 For callers that build scores themselves (extra biases, custom score functions): the same
 bottom-right causal mask and the same DropKey rule as :func:`ops.attention.attention`, so
@@ -29,7 +29,6 @@ autotune.register(
     key=lambda scores: {"L": autotune.pow2_bucket(scores.shape[-2]), "S": autotune.pow2_bucket(scores.shape[-1])},
     space={"cuda": {}, "torch": {"block_q": [256, 64, 128, 512], "max_block_elems": [1 << 22]},
            "triton": {"block_elems": [4096], "num_warps": [8]}},
-    harness="megalodon_kernels.autotune.harness.dropkey_softmax",
 )
 
 

@@ -23,7 +23,7 @@ import torch
 
 from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
-from ..dropkey_rule import MIX_M1, MIX_M2, seed_key, threshold
+from ..dropkey_rule import seed_key, threshold
 
 #: every config this backend may launch with, declared with the op's autotune registration in
 #: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
@@ -41,32 +41,13 @@ def not_supported_reasons(scores) -> list[str]:
 
 
 if HAVE_TRITON:
-
-    @triton.jit
-    def _mix32(x):
-        # x is uint32: multiplies wrap mod 2**32, exactly the rule's `& MASK32`
-        x = x ^ (x >> 16)
-        x = x * MIX_M1_C
-        x = x ^ (x >> 15)
-        x = x * MIX_M2_C
-        return x ^ (x >> 15)
-
-    MIX_M1_C = tl.constexpr(MIX_M1)
-    MIX_M2_C = tl.constexpr(MIX_M2)
+    from .._triton_common import dropkey_row_keys, mix32  # the DropKey rule in uint32
 
     @triton.jit
     def _keep(row_key, o_j, thr):
         """Keep-mask [BM, BS] from per-row keys [BM] (uint32) and key indices [BS]."""
-        u = _mix32(row_key[:, None] ^ o_j[None, :].to(tl.uint32))
+        u = mix32(row_key[:, None] ^ o_j[None, :].to(tl.uint32))
         return u >= thr
-
-    @triton.jit
-    def _row_keys(seed_k, bh, Hf, o_i):
-        b = (bh // Hf).to(tl.uint32)
-        h = (bh % Hf).to(tl.uint32)
-        s = seed_k.to(tl.uint32, bitcast=True)
-        hk = _mix32(_mix32(s ^ b) ^ h)
-        return _mix32(hk ^ o_i.to(tl.uint32))
 
     @triton.jit
     def _row_block(L, S, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
@@ -100,7 +81,7 @@ if HAVE_TRITON:
         o_i, m_i, p_row, hi = _row_block(L, S, shift, CAUSAL, BLOCK_M)
         thr = thr_i.to(tl.uint32, bitcast=True)
         if DROP:
-            row_key = _row_keys(seed_k, tl.program_id(1), Hf, o_i)
+            row_key = dropkey_row_keys(seed_k, tl.program_id(1), Hf, o_i)
         if ONE_PASS:
             o_j = tl.arange(0, BLOCK_S)
             m_st, allowed = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
@@ -229,84 +210,3 @@ def dropkey_softmax_bwd(dy, y, *, causal, dropkey_p, seed, block_elems=4096, num
         BLOCK_M=bm, BLOCK_S=bs, num_warps=num_warps,
     )
     return dx
-
-
-def _launch_shapes(block_elems):
-    """Every (BLOCK_M, BLOCK_S, ONE_PASS) a launch with ``block_elems`` can pick."""
-    shapes = [(max(1, block_elems // bs), bs, True) for bs in BLOCK_S_TIERS]
-    shapes.append((max(1, block_elems // BLOCK_S_TIERS[-1]), BLOCK_S_TIERS[-1], False))
-    return shapes
-
-
-def aot_variants(space=None):
-    """Every (dtype x config x tiling x CAUSAL x DROP) this backend can launch, for ahead-of-time compilation."""
-    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
-    from itertools import product
-
-    from .._triton_aot import Variant
-
-    variants = []
-    for dt, be, nw in product(("fp16", "bf16", "fp32"), space["block_elems"], space["num_warps"]):
-        for bm, bs, one in _launch_shapes(be):
-            for causal, drop in product((True, False), (True, False)):
-                tag = f"{dt} m={bm} s={bs} {'1pass' if one else '2pass'} causal={causal} drop={drop} warps={nw}"
-                variants.append(Variant(
-                    op="dropkey_softmax", kernel="_dropkey_softmax_fwd_kernel", fn=_dropkey_softmax_fwd_kernel,
-                    arg_types=(("x_ptr", f"*{dt}"), ("y_ptr", f"*{dt}"), ("L", "i32"), ("S", "i32"),
-                               ("Hf", "i32"), ("shift", "i32"), ("seed_k", "i32"), ("thr_i", "i32")),
-                    constexprs=(("OUT_BF16", dt == "bf16"), ("CAUSAL", causal), ("DROP", drop), ("ONE_PASS", one),
-                                ("BLOCK_M", bm), ("BLOCK_S", bs)),
-                    div16=frozenset({"L", "S"}), num_warps=nw, label="fwd " + tag,
-                ))
-                if drop:  # the backward has no DropKey replay: one variant per CAUSAL
-                    continue
-                tag = f"{dt} m={bm} s={bs} {'1pass' if one else '2pass'} causal={causal} warps={nw}"
-                variants.append(Variant(
-                    op="dropkey_softmax", kernel="_dropkey_softmax_bwd_kernel", fn=_dropkey_softmax_bwd_kernel,
-                    arg_types=(("dy_ptr", f"*{dt}"), ("y_ptr", f"*{dt}"), ("dx_ptr", f"*{dt}"), ("L", "i32"),
-                               ("S", "i32"), ("shift", "i32")),
-                    constexprs=(("OUT_BF16", dt == "bf16"), ("CAUSAL", causal), ("ONE_PASS", one),
-                                ("BLOCK_M", bm), ("BLOCK_S", bs)),
-                    div16=frozenset({"L", "S"}), num_warps=nw, label="bwd " + tag,
-                ))
-    return variants
-
-
-def _visible_elems(BH, L, S, causal):
-    if not causal:
-        return BH * L * S
-    return BH * sum(max(0, min(S, i + S - L + 1)) for i in range(L))
-
-
-def bytes_cases():
-    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py).
-
-    Ideal: the causally visible scores (and y, dy in the backward) read once, every output
-    entry written once (entries past the causal limit are written 0 without being read)."""
-    B, H, L, S = 2, 4, 256, 256
-    x = torch.randn(B, H, L, S)
-    kw = dict(causal=True, dropkey_p=0.1, seed=5)
-    vis = _visible_elems(B * H, L, S, True)
-
-    def fwd():
-        dropkey_softmax_fwd(x, **kw)
-        return 4 * vis + x.numel() * 4
-
-    yield "dropkey_softmax fwd", f"B={B} H={H} L={L} S={S} causal p=0.1 fp32", fwd
-
-    y = dropkey_softmax_fwd(x, **kw)
-    dy = torch.randn_like(x)
-
-    def bwd():
-        dropkey_softmax_bwd(dy, y, **kw)
-        return 2 * 4 * vis + x.numel() * 4
-
-    yield "dropkey_softmax bwd", f"B={B} H={H} L={L} S={S} causal fp32", bwd
-
-    xs = torch.randn(1, 2, 20, 5000)  # S > widest window: the multi-pass kernels
-
-    def fwd_long():
-        dropkey_softmax_fwd(xs, causal=False, dropkey_p=0.0, seed=0)
-        return 2 * xs.numel() * 4
-
-    yield "dropkey_softmax fwd", "B=1 H=2 L=20 S=5000 2-pass fp32", fwd_long

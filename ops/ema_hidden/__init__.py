@@ -1,4 +1,4 @@
-"""CEMA last hidden state (spec section 2): the state that continues the EMA in the next segment.
+"""CEMA last hidden state (docs/math.md, ema_hidden): the state that continues the EMA in the next segment.
 
     h[b, d, n] = p[d,n] sum_j q[d,n]**(L-1-j) x[b,d,j] + q[d,n]**L hx[b,d,n]
 
@@ -13,10 +13,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import REAL_DTYPES, check_tensor
+from .._checks import check_coefficients, check_sequence
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends
-from ..cema_kernel import check_coefficients
 
 __all__ = ["ema_hidden"]
 
@@ -32,7 +31,6 @@ autotune.register(
                                  "hx": hx is not None},
     space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]},
            "triton": {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}},
-    harness="megalodon_kernels.autotune.harness.ema_hidden",
 )
 
 
@@ -54,15 +52,6 @@ class EmaHiddenFunction(torch.autograd.Function):
             dh, p, log_q, hx, V, W, ctx.length, ctx.needs_input_grad[:4], **ctx.impl.config)
         return (None if dx is None else dx.to(ctx.x_dtype), dp.to(p.dtype), dlq.to(log_q.dtype),
                 None if dhx is None else dhx.to(hx.dtype), None)
-
-
-def check_sequence(x):
-    """x r(B D L) with L >= 1; returns (B, D, L)."""
-    check_tensor("x", x, (None, None, None), REAL_DTYPES, dims="(B, D, L)")
-    B, D, L = x.shape
-    if L < 1:
-        raise ValueError(f"x must have length L >= 1 in its last dimension (B, D, L), got shape {tuple(x.shape)}")
-    return B, D, L
 
 
 def ema_hidden(x: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, hx: torch.Tensor | None = None, *,

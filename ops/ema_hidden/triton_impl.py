@@ -27,8 +27,9 @@ from __future__ import annotations
 import torch
 
 from ...autotune import registry as autotune
+from .._complex import interleaved
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, triton
-from ..cema_kernel.triton_impl import MAX_LENGTH, MAX_N, N_TILES, _re, block_n, phase_fraction
+from ..cema_kernel.triton_impl import MAX_LENGTH, MAX_N, block_n, phase_fraction
 from .torch_impl import coefficient_grads
 
 #: every config this backend may launch with, declared with the op's autotune registration in
@@ -52,7 +53,8 @@ def not_supported_reasons(x=None, p=None, log_q=None, hx=None, **_) -> list[str]
 
 
 if HAVE_TRITON:
-    from ..cema_kernel.triton_impl import analyze_tile, cmul, load_coefficients, qpow, synth_tile
+    from .._triton_common import cmul
+    from ..cema_kernel.triton_impl import analyze_tile, load_coefficients, qpow, synth_tile
 
     @triton.jit
     def _ema_hidden_fwd_kernel(
@@ -135,14 +137,14 @@ def ema_hidden_fwd(x, p, log_q, hx, weighted=False, *, block_m=32, block_r=32, n
     B, D, L = x.shape
     N = p.shape[1]
     x, p = x.contiguous(), p.contiguous()
-    lq, f = _re(log_q), phase_fraction(log_q)
+    lq, f = interleaved(log_q), phase_fraction(log_q)
     cdt = log_q.dtype
     h = torch.empty(B, D, N, dtype=cdt, device=x.device)
     V = torch.empty(B, D, N, dtype=cdt, device=x.device)
     W = torch.empty(B, D, N, dtype=cdt, device=x.device) if weighted else None
     hr, vr = torch.view_as_real(h), torch.view_as_real(V)
     wr = torch.view_as_real(W) if weighted else vr
-    hxr = _re(hx) if hx is not None else lq
+    hxr = interleaved(hx) if hx is not None else lq
     M = triton.cdiv(L, block_r)
     _ema_hidden_fwd_kernel[(D,)](
         x, p, lq, f, hxr, hr, vr, wr, D, N, L, B, M, int(hx is not None), int(bool(weighted)),
@@ -162,64 +164,8 @@ def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True
         dx = torch.empty(B, D, L, dtype=p.dtype, device=p.device)
         M = triton.cdiv(L, block_r)
         _ema_hidden_dx_kernel[(D, triton.cdiv(M, block_m))](
-            _re(dh), p.contiguous(), _re(log_q), phase_fraction(log_q), dx, D, N, L, B, M,
+            interleaved(dh), p.contiguous(), interleaved(log_q), phase_fraction(log_q), dx, D, N, L, B, M,
             BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n(N), num_warps=num_warps,
         )
     # the O(B D N) coefficient gradients are small products of the saved sums: shared with torch
     return (dx, *coefficient_grads(dh, p, log_q, hx, V, W, L, need_p, need_lq))
-
-
-def aot_variants(space=None):
-    """Every (x dtype x config x n tile) this backend can launch, for ahead-of-time compilation."""
-    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
-    from itertools import product
-
-    from .._triton_aot import Variant
-
-    div16 = frozenset({"D", "N", "L"})
-    variants = []
-    for bm, br, nw, aw, bn in product(space["block_m"], space["block_r"], space["num_warps"],
-                                      space["analysis_warps"], N_TILES):
-        size = f"m={bm} r={br} n={bn}"
-        for dt in ("fp16", "bf16", "fp32"):
-            variants.append(Variant(
-                op="ema_hidden", kernel="_ema_hidden_fwd_kernel", fn=_ema_hidden_fwd_kernel,
-                arg_types=(("x_ptr", f"*{dt}"), ("p_ptr", "*fp32"), ("lq_ptr", "*fp32"), ("f_ptr", "*i64"),
-                           ("hx_ptr", "*fp32"), ("h_ptr", "*fp32"), ("v_ptr", "*fp32"), ("w_ptr", "*fp32"),
-                           ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"), ("M", "i32"),
-                           ("HAS_HX", "i32"), ("WEIGHTED", "i32")),
-                constexprs=(("BLOCK_M", bm), ("BLOCK_R", br), ("BLOCK_N", bn)),
-                div16=div16, num_warps=aw, label=f"fwd x={dt} {size} warps={aw}"))
-        variants.append(Variant(
-            op="ema_hidden", kernel="_ema_hidden_dx_kernel", fn=_ema_hidden_dx_kernel,
-            arg_types=(("dh_ptr", "*fp32"), ("p_ptr", "*fp32"), ("lq_ptr", "*fp32"), ("f_ptr", "*i64"),
-                       ("dx_ptr", "*fp32"), ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"), ("M", "i32")),
-            constexprs=(("BLOCK_M", bm), ("BLOCK_R", br), ("BLOCK_N", bn)),
-            div16=div16, num_warps=nw, label=f"dx {size} warps={nw}"))
-    return variants
-
-
-def bytes_cases():
-    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py).
-
-    Ideal: every kernel input read once (x, p, Re log_q, hx / dh, p, Re log_q, and the D*N int64
-    phase table F derived from arg q in place of Im log_q) and every output written once (h, V, W / dx)."""
-    from ...bench.triton_bytes import nbytes
-    from ..cema_kernel.triton_impl import _coefficients
-
-    B, D, N, L = 2, 4, 16, 4096
-    p, log_q, _, hx = _coefficients(D, N, B)
-    f = phase_fraction(log_q)
-    x = torch.randn(B, D, L)
-
-    def fwd():
-        h, V, W = ema_hidden_fwd(x, p, log_q, hx, True)
-        return nbytes(x, p, log_q.real, hx, f, h, V, W)
-
-    def bwd():
-        dh = torch.complex(torch.randn(B, D, N), torch.randn(B, D, N))
-        dx, *_ = ema_hidden_bwd(dh, p, log_q, None, None, None, L, (True, False, False, False))
-        return nbytes(dh, p, log_q.real, f, dx)
-
-    yield "ema_hidden fwd", f"B={B} D={D} N={N} L={L} fp32", fwd
-    yield "ema_hidden bwd (dx)", f"B={B} D={D} N={N} L={L} fp32", bwd

@@ -1,4 +1,4 @@
-"""Causal long convolution (spec section 3):  y[b, d, t] = sum_{s <= t} k[d, t-s] x[b, d, s].
+"""Causal long convolution (docs/math.md, fftconv; algorithms in docs/fft.md):  y[b, d, t] = sum_{s <= t} k[d, t-s] x[b, d, s].
 
 A linear convolution truncated to L (no wrap-around). CEMA calls it with k in float32 and x in
 bf16/fp16: arithmetic runs in float32 (float64 if x or k is float64) whatever the input dtypes,
@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from .._checks import REAL_DTYPES, check_tensor
+from .._checks import REAL_DTYPES, check_sequence, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends
-from ..ema_hidden import check_sequence
 
 __all__ = ["fftconv"]
 
@@ -24,17 +23,19 @@ BACKENDS = OpBackends("fftconv", {
     "triton": "megalodon_kernels.ops.fftconv.triton_impl",
 })
 
+#: the Triton backend's knobs (the first values are the default): direct path up to direct_max_len;
+#: warps of the tile, workspace and direct kernels; work_bc columns per workspace-pass program.
+#: cema's space extends it.
+TRITON_SPACE = {"direct_max_len": [64, 32, 0], "num_warps": [8], "work_warps": [8], "work_bc": [16],
+                "direct_warps": [4]}
+
 autotune.register(
     "fftconv",
     key=lambda x, k: {"D": x.shape[1], "L": autotune.pow2_bucket(x.shape[2]), "k": str(k.dtype).replace("torch.", "")},
     # direct (Toeplitz) path for L <= direct_max_len, FFT above; 0 = always FFT.
     space={"cuda": {"max_workspace_bytes": [256 << 20]},  # the multi-pass FFT's workspace cap (L > 16384)
            "torch": {"direct_max_len": [16, 0, 64, 256, 1024]},
-           # Triton: direct path up to direct_max_len; warps of the tile, workspace and direct
-           # kernels; work_bc columns per workspace-pass program
-           "triton": {"direct_max_len": [64, 32, 0], "num_warps": [8], "work_warps": [8], "work_bc": [16],
-                      "direct_warps": [4]}},
-    harness="megalodon_kernels.autotune.harness.fftconv",
+           "triton": TRITON_SPACE},
 )
 
 

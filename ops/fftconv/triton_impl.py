@@ -1,116 +1,13 @@
-"""Triton backend of fftconv: a multi-level (Monarch-style) FFT whose every dense factor is 16 wide.
+"""Triton backend of fftconv: an FFT convolution whose every dense factor is a 16-point DFT matrix.
 
-Transform. The convolution runs on complex FFTs of size N = max(256, 2 * nextpow2(L)) (N >= 2L - 1,
-so the circular product of the zero-padded rows never wraps into t < L). The tile path rounds N up
-to 256 A with A in {1, 4, 16} (256, 1024, 4096: more zero padding is still a linear convolution) and
-splits n = 16 b + c + 256 a, f = f0 + A f1 + 16 A f2:
-
-    X[f] = sum_c W_16^(c f2) W_N^(c (f0 + A f1)) sum_b W_16^(b f1) W_16A^(b f0) sum_a W_A^(a f0) x[n]
-
-On the [256, A] tile (16 b + c, a) of x: the A-point DFT along the last axis (A = 16: a [256, 16] @
-[16, 16] product; A = 4: an exact radix-4 butterfly through split/join, since tl.dot needs K >= 16;
-A = 1: nothing), the W_16A twiddle, a permute to [(c, f0), b] and [16 A, 16] @ [16, 16], the W_N
-twiddle, a permute to [(f0, f1), c] and [16 A, 16] @ [16, 16] (``fftn``). The spectrum stays in that
-[(f0, f1), f2] order (every pointwise product pairs two spectra in the same order, so no digit
-reversal is ever done); ``ifftn`` runs the steps backwards with conjugated factors and returns the
-natural order. Complex values are (re, im) planes; every complex matrix product is 4 accumulating
-real ``tl.dot`` with K = 16 and fp32 accumulation. Why 16-wide factors only: with input_precision
-"tf32x3" Triton holds each warp's operand fragments over the whole K extent, head and tail, in
-registers; with K = 32 or 64 (the former 32 x 32 and 64 x 64 square tiles) that alone exceeded 255
-registers and spilled, with K = 16 a level costs ~140 registers at 8 warps (measured), which leaves
-room for k's spectrum. Dot precision (DOT_PRECISION, env FFTCONV_DOT at import): "tf32x3" on the GPU
-(tensor cores; each fp32 operand split into a TF32 head and tail, 3 products, only tail*tail dropped:
-about 3 * 2**-22 relative per product, ~1e-6 on y after the three dot levels, under the 2e-5 fp32
-budget; plain TF32 would be ~1e-3). The interpreter ignores the precision and computes exact fp32
-products, so the tests measure the algorithm, not TF32 rounding.
-
-Register discipline (what made the variants spill-free, each measured with ops/_triton_aot): the
-compiler otherwise hoists every loop-invariant index / pointer tensor and table load of the transforms
-out of the loop over row pairs and shares identical ones between the forward and inverse transforms
-(~30 registers per [256, 16] pointer tensor); so (a) every level starts with ``tl.debug_barrier``
-(no table load moves across it), (b) the index tensors of twiddles and tile offsets are rooted in
-``opaque_zero`` (a value the compiler cannot fold, read from the table), so they are recomputed where
-used, (c) the x / dy tiles are re-read for the fused epilogues instead of held across the transforms
-(L1/L2 hits: "total" bytes, not "unique"), (d) the stage-A product is a right product on the
-transposed [256, A] tile (a left [16, 16] @ [16, 256] product and its [16, 256] -> 3-D permute made
-sm_80 code with a 14 KB stack), (e) num_stages = 1 (``FFT_STAGES``), and (f) the N = 4096 backward
-makes two passes over the pairs when dx is needed: k's spectrum, the dk accumulator and dy's spectrum
-(3 x 32 registers) next to a transform in flight spilled on sm_80, so the dk pass runs first without
-k's spectrum and the dx pass recomputes dy's transform (4 transforms per pair instead of 3).
-
-Real rows in pairs. All rows are real, so two rows are packed into one complex row (row b in re,
-row b+1 in im): conv with the real k is linear, so IFFT(FFT(x_b + i x_b+1) K) = y_b + i y_b+1, and
-for the k gradient, Re IFFT(sum_pairs Z conj(P)) with Z, P the packed dy and x spectra equals
-sum_b corr(dy_b, x_b) exactly (the cross terms are purely imaginary). Half the transforms of a
-real-to-complex scheme, with no Hermitian unpacking step.
-
-Twiddles. The 16-point DFT matrix and the W_16A / W_N twiddles of the tile transform (all powers of
-the 4096th root of unity) and the R-point DFT of the workspace column passes are gathered from a
-[2, 4096] fp32 table of cos/sin evaluated in float64 on the host (``twiddle_table``, exact to half an
-ulp). The column-level twiddles W_N^(f c) of the workspace path (N up to 2**18) are computed
-exact-angle: (f c mod N) in integers, the nearest quarter turn applied as an exact rotation, the
-remainder (|angle| <= pi/4) rounded once to fp32 and evaluated with cema_kernel's short Taylor
-polynomials (truncation < 2e-9); no libdevice, no error growth with N.
-
-Two layouts (both one program per feature d, looping over the batch pairs, so k's spectrum is
-computed once per d and reused for every batch row, and the k gradient sums over b in registers /
-in the program's own workspace: deterministic, no atomics):
-
-* tile path, N <= 4096 (A = 1, 4, 16; three compiled sizes, at most 2x the points): the whole row
-  pair, k's spectrum (and in the backward the dk accumulator) live in registers; x (and dy) come
-  from global memory once per use (see (c) above), y (dx, dk) are written once.
-* workspace path, 8192 <= N <= 2**18: N = R * C with C = 4096 and R = N / 4096 <= 64 (a 64-row
-  tile, rows >= R masked). A column pass (the R-point DFT as [64, 16] @ [16, BC] dots over K = 16
-  chunks of the rows, each chunk loaded from memory when used, then the W_N twiddle) writes the row
-  pair to a per-d fp32 workspace, a row pass runs the 16 x 16 x 16 tile transform on each of the R
-  rows of length C, multiplies by k's spectrum (kept in the workspace) and runs the inverse, and an
-  inverse column pass (same K = 16 chunks) produces the output. Every dot has K = 16; the passes go
-  through global memory because 2 N fp32 (2 MB at N = 2**18) cannot stay on chip;
-  ``tl.debug_barrier`` orders the passes inside the program (one program per d owns its workspace:
-  4 N fp32 per d forward, 8 N backward, as much as torch.fft's spectra of the same rows).
-
-FLOPs per complex transform (real flops of the dot levels, + 6 N per twiddle product): N = 4096
-(A = 16): 3 levels x 8 N 16 = 8 N 48 = 1.57 MFLOP + 2 twiddles 0.05 MFLOP = 1.62 MFLOP (the former
-64 x 64 tiles: 8 N 128 = 4.19 MFLOP); N = 1024 (A = 4): 2 levels 8 N 32 = 0.26 MFLOP + radix-4 4 N +
-2 twiddles = 0.28 MFLOP (32 x 32 tiles: 0.52 MFLOP); N = 256 (A = 1): 8 N 32 = 0.066 MFLOP + one
-twiddle (unchanged). A radix-2 FFT is ~5 N log2 N (N = 4096: 0.25 MFLOP): the dense 16-wide factors
-trade ~6.5x the FLOPs for tensor-core-shaped work (tf32x3 issues 3 tensor-core products per product).
-A forward convolution is 2 transforms per row pair plus k's (amortised over B); the backward is 3
-per pair (4 at N = 4096 with dx and dk, see (f)) plus k's and dk's inverse. Workspace path per
-transform: row pass R x 8 C 48 = 8 N 48, column pass 8 N 64 max(R, 16) / R (the 64-row tile): R = 64
-gives 8 N 112 (the former 64 x 64 rows and 64-row column tiles: 8 N 192).
-
-GPU resources (AOT, tf32x3, ops/_triton_aot.compile_variant, fp32 and bf16 x, default config,
-registers / local bytes per thread, sm_80 | sm_90): every direct and tile variant is spill-free on
-both archs: N = 256 fwd 166 | 130-176, bwd 215-227 | 221-230; N = 1024 fwd 168 | 127-156, bwd
-240-250 | 192-212; N = 4096 fwd 254-255 | 210-217, bwd 255 | 240-246 (shared memory <= 16 KB). The
-former 32 x 32 / 64 x 64 tiles spilled 0.8-4.4 KB (sm_90) and up to 27 KB (sm_80). Workspace path
-(work_bc = 16 columns per column tile, 8 warps; 32 / 64 spill: the column passes' [64, BC]
-accumulators): forward 255 | 251-253, spill-free. The backward is one launch per output (dx, dk,
-or domega alone when neither is needed; domega rides on the last launch), and in the dk launch x's
-row spectrum is parked in its workspace row before dy's row is transformed, so two transforms are
-never live at once: dx 255 | 255, dk 255 | 254, domega 163-165 | 120, all spill-free (one launch
-computing dx and dk together spilled 112 B on sm_90; without the parking the dk launch spilled
-208 B). The cost: with both gradients dy's column pass and row transforms run twice. Register
-counts at 254-255 leave no margin: re-measure after any change (python -m
-megalodon_kernels.bench.resources --ops fftconv).
-
-Bytes (python -m megalodon_kernels.bench.triton_bytes --ops fftconv cema; interpreter byte counter,
-fp32, B=4 D=2; "unique" = distinct addresses, "total" = every access):
-* tile path (L = 2048): unique = ideal exactly (x, k / dy, x, k read once; y / dx, dk written once,
-  plus the twiddle-table entries the transform uses, ``table_bytes``); total / ideal = 5.3 (fwd),
-  7.6 (bwd) (64 x 64 tiles: 7.2, 7.5): the DFT matrices and twiddles are re-gathered from the 32 KB
-  table for every transform and x / dy re-read for the epilogues (L1 hits on a GPU, never DRAM);
-  the backward's second pass re-reads dy. cema's fused convolution: 4.4 (fwd), 7.6 (bwd).
-* direct path (L = 64): unique = ideal; total 4.5x / 12.3x (the Toeplitz / lagged-x gathers, L1).
-* workspace path (measured, B=2 D=1 L=8192, one pair, k's spectrum not amortised): total / ideal =
-  13.3 (fwd), 14.1 (bwd) (before: 14.6, 15.5). Per pair and forward the data passes are x 2L + 2N
-  written (column pass), 2N read + 2N k spectrum + 2N written (row pass), 2N read + y 2L (inverse
-  column pass) = 4L + 10N = 24L floats vs 4L ideal, plus the table re-reads of the row transforms
-  and of the column DFT chunks (masked to the R x R entries used): the price of N not fitting on chip.
-
-Short L: the direct path (L <= ``direct_max_len``) is an elementwise Toeplitz product per d (O(L^2),
-cheaper than a 256-point FFT there); ``direct_max_len = 0`` forces the FFT path (tests use both).
+Three paths, chosen by length (``_plan``): a direct Toeplitz product for L <= ``direct_max_len``;
+the tile path for FFT sizes N <= 4096 (256 A points, A in 1/4/16, whole row pair and k's spectrum
+in registers); the workspace path for 8192 <= N <= 2**18 (four steps: column pass, row pass with
+the 4096-point tile transform, inverse column pass, through a per-feature fp32 workspace). One
+program per feature d loops over the batch row pairs (two real rows packed into one complex row),
+so k's spectrum is built once per d and dk is summed over b without atomics. Dots run in
+``DOT_PRECISION`` ("tf32x3" unless env FFTCONV_DOT says otherwise). The algorithms, twiddles,
+register discipline, costs and limits are described in docs/fft.md.
 """
 from __future__ import annotations
 
@@ -186,11 +83,10 @@ def tile_warps(N: int, num_warps: int) -> int:
 
 
 if HAVE_TRITON:
-    from .._triton_common import store_rounded
+    from .._triton_common import cmul, sincos_quarter, store_rounded
 
-    #: tensor-core fp32 emulation (3 TF32 products per product, fp32 accumulation): see the docstring
+    #: tensor-core fp32 emulation (3 TF32 products per product, fp32 accumulation): see docs/fft.md, Precision
     DOT_PRECISION = tl.constexpr(os.environ.get("FFTCONV_DOT", "tf32x3"))
-    from ..cema_kernel.triton_impl import sincos_quarter
 
     @triton.jit
     def twiddle(e, LOG_M):
@@ -209,10 +105,6 @@ if HAVE_TRITON:
         cs = tl.where((q == 1) | (q == 2), -cs, cs)
         sn = tl.where(q >= 2, -sn, sn)
         return cs, sn
-
-    @triton.jit
-    def cmul(ar, ai, br, bi):
-        return ar * br - ai * bi, ar * bi + ai * br
 
     @triton.jit
     def table_twiddle(tw_ptr, e, LOG_M: tl.constexpr):
@@ -875,117 +767,3 @@ def fftconv_bwd(dy, x, k, need_x=True, need_k=True, **config):
     """-> (dx r(B D L) or None, dk r(D L) or None), both float32 (the compute dtype)."""
     dx, dk, _ = conv_bwd(dy, x, k, need_x, need_k, **config)
     return dx, dk
-
-
-# ---------------------------------------------------------------------- AOT + bytes
-
-def aot_variants(space=None):
-    """Every kernel x config x tile size x x dtype this backend can launch (``space``: one config, for
-    the autotuner's AOT pruning; direct_max_len only selects which direct tiles are reachable)."""
-    from itertools import product
-
-    space = CONFIG_SPACE if space is None else space
-    variants = []
-    for values in product(*(space[k] for k in ("num_warps", "work_warps", "work_bc", "direct_warps"))):
-        cfg = dict(zip(("num_warps", "work_warps", "work_bc", "direct_warps"), values))
-        longest = max(space["direct_max_len"])
-        tiles = tuple(bl for bl in DIRECT_TILES if longest > 0 and bl <= max(16, triton.next_power_of_2(longest)))
-        variants += _variants(cfg, tiles)
-    return variants
-
-
-def _variants(cfg, direct_tiles):
-    from .._triton_aot import Variant
-
-    variants = []
-    fwd_ints = (("B", "i32"), ("D", "i32"), ("L", "i32"), ("sxb", "i32"), ("sxd", "i32"), ("sxt", "i32"),
-                ("HAS_BIAS", "i32"), ("HAS_SKIP", "i32"))
-    bwd_ints = (("B", "i32"), ("D", "i32"), ("L", "i32"), ("syb", "i32"), ("syd", "i32"), ("syt", "i32"),
-                ("sxb", "i32"), ("sxd", "i32"), ("sxt", "i32"), ("NEED_X", "i32"), ("NEED_K", "i32"),
-                ("HAS_SKIP", "i32"))
-    div16 = frozenset({"D", "L", "sxb", "sxd", "syb", "syd"})
-    for dt in ("fp32", "bf16"):
-        fwd_ptrs = (("x_ptr", f"*{dt}"), ("k_ptr", "*fp32"), ("b_ptr", "*fp32"), ("om_ptr", "*fp32"),
-                    ("y_ptr", f"*{dt}"))
-        bwd_ptrs = (("dy_ptr", f"*{dt}"), ("x_ptr", f"*{dt}"), ("k_ptr", "*fp32"), ("om_ptr", "*fp32"),
-                    ("dx_ptr", "*fp32"), ("dk_ptr", "*fp32"), ("dom_ptr", "*fp32"))
-        out_bf16 = dt == "bf16"
-        for bl in direct_tiles:
-            variants.append(Variant(
-                op="fftconv", kernel="_direct_fwd_kernel", fn=_direct_fwd_kernel, arg_types=fwd_ptrs + fwd_ints,
-                constexprs=(("BL", bl), ("OUT_BF16", out_bf16)), div16=div16, num_warps=cfg["direct_warps"],
-                label=f"direct fwd x={dt} L<={bl}"))
-            variants.append(Variant(
-                op="fftconv", kernel="_direct_bwd_kernel", fn=_direct_bwd_kernel, arg_types=bwd_ptrs + bwd_ints,
-                constexprs=(("BL", bl),), div16=div16, num_warps=cfg["direct_warps"],
-                label=f"direct bwd x={dt} L<={bl}"))
-        fwd_ptrs_t = fwd_ptrs + (("tw_ptr", "*fp32"),)
-        bwd_ptrs_t = bwd_ptrs + (("tw_ptr", "*fp32"),)
-        for a in TILE_FACTORS:
-            tile = (("A", a), ("LOG_A", _log2(a)))
-            w = tile_warps(256 * a, cfg["num_warps"])
-            variants.append(Variant(
-                op="fftconv", kernel="_tile_fwd_kernel", fn=_tile_fwd_kernel, arg_types=fwd_ptrs_t + fwd_ints,
-                constexprs=tile + (("OUT_BF16", out_bf16),), div16=div16, num_warps=w, num_stages=FFT_STAGES,
-                label=f"tile fwd x={dt} N={256 * a} warps={w}"))
-            variants.append(Variant(
-                op="fftconv", kernel="_tile_bwd_kernel", fn=_tile_bwd_kernel, arg_types=bwd_ptrs_t + bwd_ints,
-                constexprs=tile, div16=div16, num_warps=w, num_stages=FFT_STAGES,
-                label=f"tile bwd x={dt} N={256 * a} warps={w}"))
-        for br in WORK_ROWS:
-            work = (("R", "i32"), ("LOG_N", "i32"))
-            variants.append(Variant(
-                op="fftconv", kernel="_work_fwd_kernel", fn=_work_fwd_kernel,
-                arg_types=fwd_ptrs_t + (("ws_ptr", "*fp32"),) + fwd_ints + work,
-                constexprs=(("BR", br), ("BC", cfg["work_bc"]), ("OUT_BF16", out_bf16)), div16=div16,
-                num_warps=cfg["work_warps"], num_stages=FFT_STAGES,
-                label=f"work fwd x={dt} BR={br} warps={cfg['work_warps']}"))
-            work_bwd_ints = bwd_ints[:-3] + (("HAS_SKIP", "i32"), ("DO_DOM", "i32"))
-            for px, pk in ((True, False), (False, True), (False, False)):  # dx, dk, domega-only launches
-                variants.append(Variant(
-                    op="fftconv", kernel="_work_bwd_kernel", fn=_work_bwd_kernel,
-                    arg_types=bwd_ptrs_t + (("ws_ptr", "*fp32"),) + work_bwd_ints + work,
-                    constexprs=(("NEED_X", px), ("NEED_K", pk), ("BR", br), ("BC", cfg["work_bc"])), div16=div16,
-                    num_warps=cfg["work_warps"], num_stages=FFT_STAGES,
-                    label=f"work bwd {'dx' if px else 'dk' if pk else 'domega'} x={dt} BR={br} "
-                          f"warps={cfg['work_warps']}"))
-    return variants
-
-
-def table_bytes(a: int) -> int:
-    """Bytes of the distinct twiddle-table entries (cos and sin) the N = 256 a point tile transform
-    reads: the 16-point DFT matrix, the W_16a twiddles (b f0) and the W_N twiddles (c (f0 + a f1));
-    the table's other entries are never touched at this size, so they are not part of the ideal."""
-    n, log_a = 256 * a, a.bit_length() - 1
-    idx = {(f * m % 16) * 256 for f in range(16) for m in range(16)}
-    if a > 1:
-        idx |= {(b * f0 % (16 * a)) << (8 - log_a) for b in range(16) for f0 in range(a)}
-    idx |= {(c * (f0 + a * f1) % n) << (4 - log_a) for c in range(16) for f0 in range(a) for f1 in range(16)}
-    return 2 * 4 * len(idx)
-
-
-def bytes_cases():
-    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py): the tile path
-    and the direct path. Ideal: x, k (dy) read once, y (dx, dk) written once, plus, on the tile path,
-    the twiddle-table entries the transform uses (``table_bytes``; read once, their re-reads per
-    transform are L1 hits on a GPU and show only in the "total" column)."""
-    from ...bench.triton_bytes import nbytes
-
-    cfg = dict(DEFAULT_CONFIG)
-    gen = torch.Generator().manual_seed(0)
-    for B, D, L in ((4, 2, 2048), (4, 2, 64)):
-        x = torch.randn(B, D, L, generator=gen)
-        k = torch.randn(D, L, generator=gen)
-        dy = torch.randn(B, D, L, generator=gen)
-        path = _plan(L, cfg["direct_max_len"])[0]
-
-        table = table_bytes(_plan(L, cfg["direct_max_len"])[1]) if path == "tile" else 0
-
-        def fwd(x=x, k=k, table=table):
-            return nbytes(x, k, fftconv_fwd(x, k, **cfg)) + table
-
-        def bwd(x=x, k=k, dy=dy, table=table):
-            return nbytes(dy, x, k, *fftconv_bwd(dy, x, k, True, True, **cfg)) + table
-
-        yield f"fftconv fwd ({path})", f"B={B} D={D} L={L} fp32", fwd
-        yield f"fftconv bwd ({path})", f"B={B} D={D} L={L} fp32", bwd

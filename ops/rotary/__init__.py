@@ -1,7 +1,7 @@
 """Rotary position embedding (RoPE) and its length-extrapolatable xPos variant (LeX Transformer).
 
 Pairs are ADJACENT features (x[..., 2j], x[..., 2j+1]) read as the complex number
-x[2j] + i x[2j+1], the layout of upstream Megalodon (spec section 6) and of torchscale's xPos.
+x[2j] + i x[2j+1], the layout of upstream Megalodon (docs/math.md, rotary) and of torchscale's xPos.
 For position t and pair j, with theta_j = base**(-2j/d)::
 
     out_j = zeta_j**(s * t / xpos_scale_base) * exp(i * t * theta_j) * x_j
@@ -34,7 +34,6 @@ autotune.register(
     key=lambda x: {"H": x.shape[2], "d": x.shape[3], "L": autotune.pow2_bucket(x.shape[1])},
     space={"cuda": {}, "torch": {},
            "triton": {"block_rows": [16, 4], "block_pairs": [64, 128], "num_warps": [4]}},
-    harness="megalodon_kernels.autotune.harness.rotary",
 )
 
 

@@ -14,7 +14,7 @@ the FIRST chunk, ``tl.sort``) as in the torch backend, which takes the median ov
 merge weights are formed in fp32 (the torch backend also rounds them to fp32).
 
 Backward (one pass over x and dy, in reverse). Chunks are visited from the last to the first,
-with the spec 4.3 reverse scan in the torch backend's scaled form: per chunk, the in-chunk
+with the reverse scan (docs/math.md, TimestepNorm) in the torch backend's scaled form: per chunk, the in-chunk
 reverse inclusive sums of the V and U increments come from ``tl.cumsum(..., reverse=True)``,
 the carries from later chunks are float64 scalars (exact chunk-level Jacobian: each step adds
 its term, no rescaling), then dx is written. dscale / dbias: each program sums its features
@@ -302,71 +302,3 @@ def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, block_elems=4096, num_
     dscale = dscale_p.to(torch.float64).sum(0).to(f32)
     dbias = dbias_p.to(torch.float64).sum(0).to(f32)
     return dx, dscale, dbias, dpm, dpv
-
-
-def aot_variants(space=None):
-    """Every (dtype x config x feature tile) this backend can launch, for ahead-of-time compilation."""
-    space = CONFIG_SPACE if space is None else space  # one config: the autotuner's AOT pruning
-    from itertools import product
-
-    from .._triton_aot import Variant
-
-    variants = []
-    for dt, be, nw in product(("fp16", "bf16", "fp32"), space["block_elems"], space["num_warps"]):
-        for bd in BLOCK_D_TIERS:
-            T, _ = _tiling(bd, be)
-            c = (("OUT_BF16", dt == "bf16"), ("BLOCK_T", T), ("BLOCK_D", bd))
-            tag = f"{dt} T={T} D={bd} warps={nw}"
-            variants.append(Variant(
-                op="timestep_norm", kernel="_timestep_norm_fwd_kernel", fn=_timestep_norm_fwd_kernel,
-                arg_types=(("x_ptr", f"*{dt}"), ("y_ptr", f"*{dt}"), ("scale_ptr", "*fp32"), ("bias_ptr", "*fp32"),
-                           ("pad_ptr", "*u8"), ("pc_ptr", "*i64"), ("pm_ptr", "*fp32"), ("pv_ptr", "*fp32"),
-                           ("mu_ptr", "*fp32"), ("rstd_ptr", "*fp32"), ("gmu_ptr", "*fp32"), ("k_ptr", "*fp32"),
-                           ("mean_ptr", "*fp32"), ("var_ptr", "*fp32"),
-                           ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32"), ("eps", "fp32")),
-                constexprs=c, div16=frozenset({"L", "D", "Dg"}), num_warps=nw, label="fwd " + tag,
-            ))
-            variants.append(Variant(
-                op="timestep_norm", kernel="_timestep_norm_bwd_kernel", fn=_timestep_norm_bwd_kernel,
-                arg_types=(("x_ptr", f"*{dt}"), ("dy_ptr", f"*{dt}"), ("dx_ptr", f"*{dt}"), ("scale_ptr", "*fp32"),
-                           ("pad_ptr", "*u8"), ("pc_ptr", "*i64"), ("nend_ptr", "*i64"), ("mu_ptr", "*fp32"),
-                           ("rstd_ptr", "*fp32"), ("gmu_ptr", "*fp32"), ("mu0_ptr", "*fp32"), ("k_ptr", "*fp32"),
-                           ("dmean_ptr", "*fp32"), ("dvar_ptr", "*fp32"), ("dscale_ptr", "*fp32"),
-                           ("dbias_ptr", "*fp32"), ("dpm_ptr", "*fp32"), ("dpv_ptr", "*fp32"),
-                           ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32")),
-                constexprs=c, div16=frozenset({"L", "D", "Dg"}), num_warps=nw, label="bwd " + tag,
-            ))
-    return variants
-
-
-def bytes_cases():
-    """Medium-shape launches for the interpreter byte counter (bench/triton_bytes.py).
-
-    Ideal forward: x, padding mask, prev state, scale, bias read once; y, the saved per-step
-    statistics (mu, rstd, gmu: [B, L, G] each), K and (mean, var) written once. Ideal backward:
-    x, dy, the saved statistics, the mask and small per-(b, g) inputs read once; dx and the
-    [B, D] dscale / dbias partials and dprev written once."""
-    B, L, D, G = 2, 256, 256, 4
-    x = torch.randn(B, L, D)
-    scale, bias = torch.randn(D), torch.randn(D)
-    pc = torch.full((B,), 3, dtype=torch.int64)
-    pm, pv = torch.randn(B, G), torch.rand(B, G) + 0.5
-    pad = torch.zeros(B, L, dtype=torch.bool)
-    f = 4
-    stats = 3 * B * L * G * f
-
-    def fwd():
-        timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5)
-        return (2 * x.numel() * f + stats + B * L + 2 * D * f + 8 * B + 2 * B * G * f + 3 * B * G * f)
-
-    yield "timestep_norm fwd", f"B={B} L={L} D={D} G={G} fp32", fwd
-    _, _, _, _, saved = timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5)
-    dy = torch.randn_like(x)
-    dm, dv = torch.randn(B, G), torch.randn(B, G)
-
-    def bwd():
-        timestep_norm_bwd(dy, dm, dv, saved, G)
-        return (3 * x.numel() * f + stats + B * L + D * f + 16 * B + 4 * B * G * f + 2 * B * D * f
-                + 2 * B * G * f)
-
-    yield "timestep_norm bwd", f"B={B} L={L} D={D} G={G} fp32", bwd

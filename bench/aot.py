@@ -1,0 +1,250 @@
+"""Ahead-of-time compilation of Triton kernels for sm_80 / sm_90, without a GPU.
+
+The variants (each kernel x each config it can launch with x each input dtype) are declared in
+:mod:`megalodon_kernels.bench.triton_variants`. :func:`compile_variant` compiles one with
+``triton.compile(ASTSource(...), target=GPUTarget("cuda", cc, 32))`` and reads its resources:
+shared memory from the metadata, registers and local memory (spills) from the bundled
+``cuobjdump --dump-resource-usage`` on the cubin. Used by the test suite (every variant must
+compile, fit shared memory and not spill), by ``python -m megalodon_kernels.bench.resources``
+(which writes the committed report bench/results/aot_sm*.json) and by the autotuner to prune
+configs before timing them (:func:`config_problems`).
+
+The signature carries the specialisation hints the JIT adds for aligned production shapes
+(pointers and the integer arguments named in ``div16`` divisible by 16): without them the compiled
+code and its register count differ from what runs (docs/verification.md).
+"""
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import tempfile
+from dataclasses import dataclass, field
+
+#: per-block shared memory limits (bytes) of the target architectures
+SMEM_LIMIT = {80: 166912, 90: 232448}
+ARCH_NAME = {80: "sm_80 (A100)", 90: "sm_90 (H100)"}
+#: the committed resources report of one arch: every variant's registers, shared memory, spills
+RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results")
+REPORT_COMMAND = "python -m megalodon_kernels.bench.resources --write"
+
+
+def report_path(cc: int) -> str:
+    return os.path.join(RESULTS_DIR, f"aot_sm{cc}.json")
+
+
+def _discover_triton_ops() -> tuple[str, ...]:
+    """Every op with an ops/<op>/triton_impl.py (each must have its variants declared in triton_variants)."""
+    ops_dir = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "ops")
+    return tuple(sorted(d for d in os.listdir(ops_dir) if os.path.isfile(os.path.join(ops_dir, d, "triton_impl.py"))))
+
+
+#: ops with a Triton backend, found on disk so a new backend cannot be left out of the AOT checks
+TRITON_OPS = _discover_triton_ops()
+
+
+@dataclass(frozen=True)
+class Variant:
+    op: str
+    kernel: str
+    fn: object  # the @triton.jit function
+    arg_types: tuple  # ((name, "*fp32" | "i32" | "fp32" | ...), ...) for the runtime arguments
+    constexprs: tuple  # ((name, value), ...)
+    div16: frozenset = frozenset()
+    num_warps: int = 4
+    num_stages: int = 2
+    label: str = ""
+    maxnreg: int | None = None  # ptxas register cap per thread (Triton's `maxnreg` option); None: ptxas decides
+
+    @property
+    def ident(self) -> tuple[str, str, str]:
+        """(op, kernel, label): how the resources report names this variant."""
+        return self.op, self.kernel, self.label
+
+
+@dataclass
+class Resources:
+    variant: Variant
+    cc: int
+    regs: int
+    shared: int
+    local: int  # stack + local memory per thread in bytes: > 0 means spills
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def fits(self) -> bool:
+        return self.shared <= SMEM_LIMIT[self.cc]
+
+    @property
+    def spills(self) -> bool:
+        return self.local > 0
+
+
+def _source(v: Variant):
+    from triton.compiler import ASTSource
+
+    types = dict(v.arg_types)
+    consts = dict(v.constexprs)
+    signature, attrs = {}, {}
+    for i, name in enumerate(v.fn.arg_names):
+        if name in consts:
+            signature[name] = "constexpr"
+        elif name in types:
+            signature[name] = types[name]
+            if types[name].startswith("*") or name in v.div16:
+                attrs[(i,)] = [["tt.divisibility", 16]]
+        else:
+            raise ValueError(f"{v.op}/{v.kernel}: argument {name!r} has neither a type nor a constexpr value")
+    return ASTSource(fn=v.fn, signature=signature, constexprs=consts, attrs=attrs)
+
+
+def _cuobjdump() -> str:
+    import triton
+
+    return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
+
+
+def compile_variant(v: Variant, cc: int) -> Resources:
+    if not hasattr(v.fn, "cache_key"):
+        raise RuntimeError(f"{v.op}/{v.kernel} was decorated under TRITON_INTERPRET=1 and cannot be compiled; "
+                           "use compile_all(), whose worker processes import the kernels without the interpreter")
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
+    if v.maxnreg is not None:
+        options["maxnreg"] = v.maxnreg
+    k = triton.compile(_source(v), target=GPUTarget("cuda", cc, 32), options=options)
+    with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
+        f.write(k.asm["cubin"])
+        path = f.name
+    try:
+        out = subprocess.run([_cuobjdump(), "--dump-resource-usage", path], capture_output=True, text=True,
+                             check=True).stdout
+    finally:
+        os.unlink(path)
+    usage = dict((m.group(1), int(m.group(2))) for m in re.finditer(r"(REG|STACK|SHARED|LOCAL):(\d+)", out))
+    return Resources(v, cc, regs=usage.get("REG", -1), shared=int(k.metadata.shared),
+                     local=usage.get("STACK", 0) + usage.get("LOCAL", 0))
+
+
+def all_variants(ops=TRITON_OPS, config: tuple | None = None) -> list[Variant]:
+    """Every variant of ``ops``; with ``config`` (sorted (knob, value) items of one op's backend
+    config), only the variants that config launches (``aot_variants(op, space)`` with one value per knob)."""
+    from . import triton_variants
+
+    variants = []
+    for op in ops:
+        space = None if config is None else {k: [v] for k, v in config}
+        variants.extend(triton_variants.aot_variants(op, space))
+    return variants
+
+
+def _worker_init():
+    # The interpreter replaces @triton.jit functions at decoration time; the workers import the
+    # kernel modules fresh (spawn), after this runs, so they get compilable JITFunctions.
+    os.environ["TRITON_INTERPRET"] = "0"
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")
+
+
+def _compile_job(args):
+    op, index, cc, config = args
+    v = all_variants((op,), config)[index]
+    try:
+        r = compile_variant(v, cc)
+    except Exception as exc:  # reported per variant: one bad config must not hide the others
+        last = str(exc).strip().splitlines()[-1:] or [""]
+        return op, index, cc, None, f"{type(exc).__name__}: {last[0]}"
+    return op, index, cc, (r.regs, r.shared, r.local), None
+
+
+# ------------------------------------------------------------------ the committed resources report
+
+def load_report(cc: int) -> dict:
+    """The committed report of sm_<cc>: {"rows": [{op, kernel, label, regs, smem, spill}], ...}."""
+    with open(report_path(cc)) as f:
+        return json.load(f)
+
+
+def report_rows(ccs=(80, 90)) -> dict:
+    """{(op, kernel, label): {cc: row}} over the committed reports of ``ccs``."""
+    rows: dict = {}
+    for cc in ccs:
+        for row in load_report(cc)["rows"]:
+            rows.setdefault((row["op"], row["kernel"], row["label"]), {})[cc] = row
+    return rows
+
+
+def heaviest(variants: list[Variant], report: dict) -> list[int]:
+    """Indices of a bounded subset: per kernel, the variant with the most registers according to the
+    committed ``report`` (:func:`report_rows`; the maximum over its archs), ties broken by shared
+    memory, so every kernel compiles once at the variant closest to the register and shared-memory
+    limits. A variant missing from the report raises (the report is stale: regenerate it)."""
+    best: dict = {}
+    for i, v in enumerate(variants):
+        if v.ident not in report:
+            raise KeyError(f"{v.ident} is not in the resources report; regenerate it: {REPORT_COMMAND}")
+        weight = max((r["regs"], r["smem"]) for r in report[v.ident].values())
+        key = (v.op, v.kernel)
+        if key not in best or weight > best[key][0]:
+            best[key] = (weight, i)
+    return sorted(i for _, i in best.values())
+
+
+def compile_all(ops=TRITON_OPS, ccs=(80, 90), workers: int | None = None, bounded: bool = False) -> list[Resources]:
+    """Compile every variant of ``ops`` (with ``bounded``: the :func:`heaviest` per kernel according
+    to the committed report) for every arch, in parallel worker processes."""
+    by_op = {op: all_variants((op,)) for op in ops}
+    report = report_rows() if bounded else None
+    chosen = {op: heaviest(vs, report) if bounded else range(len(vs)) for op, vs in by_op.items()}
+    results = _run_jobs([(op, i, cc, None) for op in ops for i in chosen[op] for cc in ccs], workers)
+    failed = [f"{by_op[op][i].kernel} [{by_op[op][i].label}] sm_{cc}: {err}" for op, i, cc, _, err in results if err]
+    if failed:
+        raise RuntimeError("Triton variants failed to compile:\n  " + "\n  ".join(failed))
+    return [Resources(by_op[op][i], cc, *usage) for op, i, cc, usage, _ in results]
+
+
+def _run_jobs(jobs, workers=None):
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    if not jobs:
+        return []
+    workers = workers or min(len(jobs), os.cpu_count() or 1)
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(max_workers=workers, mp_context=ctx, initializer=_worker_init) as pool:
+        return list(pool.map(_compile_job, jobs))
+
+
+_PROBLEMS: dict = {}
+
+
+def config_problems(op: str, config: dict, cc: int, workers: int | None = None) -> list[str]:
+    """Why ``op``'s Triton backend must not run with ``config`` on sm_<cc>: every kernel variant
+    that config launches (each dtype and tiling) that does not compile, needs more shared memory
+    than the arch's per-block limit, or spills registers. Empty when every variant is fine.
+
+    The autotuner's ahead-of-time pruning: Triton raises OutOfResources only when a kernel is
+    loaded on a device, so a config is checked offline before it is timed. Conservative across
+    dtypes: a config is pruned if any of its variants fails. Cached per process."""
+    if cc not in SMEM_LIMIT:
+        raise ValueError(f"cc must be one of {sorted(SMEM_LIMIT)} (archs with a known shared memory limit), got {cc}")
+    items = tuple(sorted(config.items()))
+    key = (op, items, cc)
+    if key not in _PROBLEMS:
+        variants = all_variants((op,), items)
+        problems = []
+        for _, i, _, usage, err in _run_jobs([(op, i, cc, items) for i in range(len(variants))], workers):
+            v = variants[i]
+            if err:
+                problems.append(f"{v.kernel} [{v.label}] does not compile for sm_{cc}: {err}")
+                continue
+            r = Resources(v, cc, *usage)
+            if not r.fits:
+                problems.append(f"{v.kernel} [{v.label}] needs {r.shared} B shared memory > {SMEM_LIMIT[cc]} B "
+                                f"on sm_{cc}")
+            if r.spills:
+                problems.append(f"{v.kernel} [{v.label}] spills {r.local} B per thread on sm_{cc}")
+        _PROBLEMS[key] = problems
+    return list(_PROBLEMS[key])
