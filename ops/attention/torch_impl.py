@@ -25,6 +25,7 @@ import math
 import torch
 
 from .._checks import acc_dtype
+from .._host_sync import any_or_device, on_host
 from ..dropkey_rule import keep_mask
 
 DEFAULT_CONFIG: dict = {
@@ -95,6 +96,8 @@ def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey
         # Padding keys may have j < 0 or j >= S: clamp so the hash sees valid 32-bit inputs (they stay blocked).
         keep = keep_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j.clamp(0, max(S - 1, 0)))
         return blocked | ~keep, 0, j.shape[-1]
+    if not on_host(blocked):  # finding the blocked columns would read the mask on the host
+        return blocked, 0, j.shape[-1]
     cols = blocked.flatten(0, -2).any(0).nonzero()
     if cols.numel() == 0:
         return None, 0, 0
@@ -121,7 +124,7 @@ def _probs_fwd(s, mask, attn_fn):
     # softmax's largest entry is exp(0) / z, so lse = m + log z = m - log(max p) without another exp pass.
     lse = m - p.amax(dim=-1).log()
     empty = torch.isneginf(m)  # rows with no visible kept key: softmax gave NaN there
-    if bool(empty.any()):
+    if any_or_device(empty):
         p.masked_fill_(empty.unsqueeze(-1), 0.0)
         lse = lse.masked_fill(empty, -math.inf)
     return p, lse

@@ -11,6 +11,7 @@ import math
 import torch
 
 from .._checks import acc_dtype
+from .._host_sync import any_or_device
 from ..dropkey_rule import keep_mask
 
 DEFAULT_CONFIG: dict = {
@@ -65,7 +66,7 @@ def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_q, max_block_e
         s = x[:, :, i0:i1, :hi].to(acc, copy=True).masked_fill_(~allowed, -math.inf)  # [Bf, Hf, rows, hi]
         p = torch.softmax(s, dim=-1)
         empty = ~allowed.any(dim=-1, keepdim=True)  # rows with no visible kept key: softmax gave NaN
-        if bool(empty.any()):
+        if any_or_device(empty):
             p.masked_fill_(empty, 0.0)
         y[:, :, i0:i1, :hi] = p
     return y.view(scores.shape)

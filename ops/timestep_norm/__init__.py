@@ -6,10 +6,10 @@ on top of a prior worth ``prev_count`` steps::
 
     y[b, t, i] = (x[b, t, i] - mu_t) / sqrt(var_t + eps) * scale[i] + bias[i]
 
-where (n_t, mu_t, var_t) follow the Welford merge of spec 4.2, one observation per step (its group
+where (n_t, mu_t, var_t) follow the Welford merge (docs/math.md, TimestepNorm), one observation per step (its group
 mean and population variance). A padded step (``padding_mask`` True) outputs 0, is not counted and
 leaves the state alone; NaN/inf in a padded x never reach anything, while genuine NaN/inf inputs
-propagate (upstream silently dropped infinities, spec 8.6). The returned (count, mean, var) are the
+propagate (upstream silently drops infinities; docs/math.md, TimestepNorm). The returned (count, mean, var) are the
 streaming state: feeding them back as (prev_count, prev_mean, prev_var) for the next segment gives
 the same outputs as one call on the whole sequence, and gradients flow back through them.
 
@@ -24,6 +24,7 @@ from torch.autograd.function import once_differentiable
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_int, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends
+from .._host_sync import check_on_device
 
 __all__ = ["timestep_norm"]
 
@@ -38,7 +39,6 @@ autotune.register(
     key=lambda x, num_groups: {"D": x.shape[2], "G": num_groups, "L": autotune.pow2_bucket(x.shape[1])},
     space={"cuda": {}, "torch": {"chunk": [64, 16, 32, 128, 256]},
            "triton": {"block_elems": [4096], "num_warps": [8]}},
-    harness="megalodon_kernels.autotune.harness.timestep_norm",
 )
 
 
@@ -112,8 +112,7 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
         prev_count = torch.zeros(B, dtype=torch.int64, device=dev)
     else:
         check_tensor("prev_count", prev_count, (B,), INT_DTYPES, device=dev, dims="(B,)")
-        if bool((prev_count < 0).any()):
-            raise ValueError("prev_count must be >= 0 (a number of steps already seen)")
+        check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
     if prev_mean is None:
         prev_mean = torch.zeros(B, G, dtype=acc, device=dev)
     else:

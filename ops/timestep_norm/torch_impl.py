@@ -20,7 +20,7 @@ wild first step never cancels (cumsum(x) / cumsum(x^2) loses everything in fp32 
 Counts are exact (float64, so streaming past 2^24 tokens stays exact).
 
 Backward. With n_t the count after step t, w_t = 1 on unmasked steps, r_t = rstd_t and per group
-ds_t = sum_i dy_i (x_i - mu_t) scale_i, db_t = sum_i dy_i scale_i, the reverse scan of spec 4.3
+ds_t = sum_i dy_i (x_i - mu_t) scale_i, db_t = sum_i dy_i scale_i, the reverse scan of docs/math.md, TimestepNorm
 (carries (u, v) from (dmean, dvar); u <- c1 du - 2 c1 c2 dv (gmu - mu_prev), v <- c1 dv) becomes,
 with the carries divided by the running count so that each step ADDS a term instead of
 rescaling the carry::
@@ -33,12 +33,12 @@ rescaling the carry::
                                                   passed straight through when no step is observed)
 
 (U_t = u_{t-1} / n_{t-1}, V_t = dv_t / n_t in the unscaled carries.) mu_{s-1} is the CARRIED
-mean entering step s (spec 8.2), and (gmu_s - mu_{s-1}) / n_s is used rather than the equal
+mean entering step s (as upstream), and (gmu_s - mu_{s-1}) / n_s is used rather than the equal
 mu_s - mu_{s-1}, a difference of two rounded running means. The two reverse sums run over all
 of L, so they are two-level: a cumsum inside chunks of T in the compute dtype, chunk totals
 accumulated in float64, one rounding at the end (the dscale/dbias column sums likewise).
 Padded steps enter only through torch.where, so NaN/inf in a padded x (or a 1/0 count before the
-first observation, spec 8.4) reaches nothing.
+first observation) reaches nothing.
 """
 from __future__ import annotations
 
@@ -46,6 +46,7 @@ import torch
 import torch.nn.functional as F
 
 from .._checks import acc_dtype
+from .._host_sync import any_or_device
 
 #: chunk: the time-chunk length T of the two-level scans (forward Welford scan and backward
 #: reverse sums). Any T >= 1 gives the same result up to rounding.
@@ -178,7 +179,7 @@ def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_m
     G = num_groups
     acc = acc_dtype(x.dtype)
     live = ~padding_mask  # [B, L]
-    has_pad = bool(padding_mask.any())  # without padding, skip the x-sized masking passes
+    has_pad = any_or_device(padding_mask)  # without padding, skip the x-sized masking passes
     dead = padding_mask[..., None]  # [B, L, 1]
     mu0 = prev_mean.to(acc)
     var0 = prev_var.to(acc)
@@ -231,7 +232,7 @@ def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, chunk=DEFAULT_CONFIG["
     Dg = D // G
     acc = mu.dtype
     live = ~padding_mask  # [B, L]
-    has_pad = bool(padding_mask.any())
+    has_pad = any_or_device(padding_mask)
     dead = padding_mask[..., None]  # [B, L, 1]
     dead4 = dead[..., None]  # [B, L, 1, 1]
     dmean64 = dmean.to(torch.float64)
