@@ -1,23 +1,29 @@
-"""Backend selection for every op (DESIGN.md section 3).
+"""Backend selection for every op (docs/design.md, "Backends and dispatch").
 
 Each op owns an :class:`OpBackends` naming the modules that implement it, one per backend
-(``ops/<op>/torch_impl.py``, later ``triton_impl.py`` and ``cuda_impl.py``). A backend module
-provides:
+(``ops/<op>/torch_impl.py``, ``triton_impl.py``, ``cuda_impl.py``). A backend module provides:
 
 * ``not_supported_reasons(**inputs) -> list[str]``: empty when it can run these inputs, else one
   sentence per obstacle, each with a hint how to fix it;
 * ``DEFAULT_CONFIG: dict``: its tuning knobs (the autotune registry enumerates alternatives);
-* the op's ``fwd``/``bwd`` functions, with the same signature in every backend;
-* optionally ``AUTO_PRIORITY = False``: the priority list skips it (a backend that is correct but
-  known to be slow, e.g. Triton kernels that spill registers); it still runs when named, forced by
-  the environment variable or chosen by a tuned table entry.
+* the op's ``fwd``/``bwd`` functions, with the same signature in every backend.
 
 ``backend="auto"`` resolves as: explicit argument > ``MEGALODON_KERNELS_BACKEND`` > autotune
 table entry for (op, device, dtype, key) > first supported backend in :data:`PRIORITY`. ``auto``
 never picks Triton for CPU tensors: that is the interpreter (``TRITON_INTERPRET=1``), which runs
-only when asked for by name. The choice is
-logged once per (op, backend, device type, dtype) at INFO level on the ``megalodon_kernels``
-logger.
+only when asked for by name. The choice is logged once per (op, backend, device type, dtype, key)
+at INFO level on the ``megalodon_kernels`` logger.
+
+A resolved :class:`Choice` is cached, so that a repeated call costs building a key and one
+dictionary lookup. The key holds everything the choice was resolved from: the backend argument,
+``MEGALODON_KERNELS_BACKEND`` (for ``auto``), the autotune user cache dir, device, dtype and the
+:func:`signature` of the inputs (what ``not_supported_reasons`` and the key function can read from
+them). The cache is dropped when the autotune tables are re-read or the registrations change
+(``autotune.cache.version``) and when a backend module is replaced; an entry is resolved again
+when the chosen backend's ``DEFAULT_CONFIG`` was changed in place. While the tuner forces a
+candidate (``autotune.registry.force``) the cache is neither read nor written. So a backend's
+reasons must depend on the inputs, its module and its DEFAULT_CONFIG only, and on settings fixed
+for the process (``TRITON_INTERPRET``, whether the CUDA extension is available).
 """
 from __future__ import annotations
 
@@ -37,13 +43,17 @@ logger = logging.getLogger("megalodon_kernels")
 ENV_VAR = "MEGALODON_KERNELS_BACKEND"
 #: Every backend name the library knows, in the order ``auto`` tries them.
 PRIORITY = ("cuda", "triton", "torch")
+_BACKEND_ARGS = ("auto", *PRIORITY)
+#: Resolved choices kept per op; the oldest is dropped beyond this (a model calls a few shapes).
+MAX_CHOICES = 1024
 
 _logged: set = set()
 
 
 @dataclass(frozen=True)
 class Choice:
-    """A resolved backend: its name, its implementation module and the knob values to use."""
+    """A resolved backend: its name, its implementation module and the knob values to use.
+    Cached and shared between calls: read it, never modify it."""
 
     name: str
     module: ModuleType
@@ -54,21 +64,61 @@ class NoBackendError(ValueError):
     """No backend can run the given inputs; the message lists every backend's reasons."""
 
 
+def signature(inputs: dict) -> tuple:
+    """What a backend's ``not_supported_reasons`` and the op's key function can read from
+    ``inputs``: each tensor's shape, strides, dtype and device, each other value itself (with its
+    type, so that True and 1 stay apart)."""
+    return tuple([
+        (name, value.shape, value.stride(), value.dtype, value.device) if isinstance(value, torch.Tensor)
+        else (name, type(value), value)
+        for name, value in inputs.items()
+    ])
+
+
+def _default_config(module) -> dict:
+    return getattr(module, "DEFAULT_CONFIG", {})
+
+
+class _Watched(dict):
+    """A dict that calls ``on_change`` after an item is set or deleted: an OpBackends' modules,
+    which tests replace (an emulated CUDA backend) under its cached choices."""
+
+    def __init__(self, items, on_change):
+        super().__init__(items)
+        self._on_change = on_change
+
+    def __setitem__(self, key, value):
+        super().__setitem__(key, value)
+        self._on_change()
+
+    def __delitem__(self, key):
+        super().__delitem__(key)
+        self._on_change()
+
+    def add(self, key, value):
+        """Set a new item without calling ``on_change``: a backend's first load changes no cached
+        choice (a choice that consulted a backend loaded it first)."""
+        super().__setitem__(key, value)
+
+
 class OpBackends:
     def __init__(self, op: str, modules: dict[str, str]):
         unknown = set(modules) - set(PRIORITY)
         if unknown:
             raise ValueError(f"unknown backend names {sorted(unknown)} for op {op}")
         self.op = op
-        self._modules = dict(modules)
-        self._loaded: dict[str, ModuleType | Exception] = {}
+        # memo -> (choice, the chosen module's DEFAULT_CONFIG when it was resolved); see select
+        self._choices: dict[tuple, tuple[Choice, dict]] = {}
+        self._version = autotune_cache.version()
+        self._modules = _Watched(modules, self._choices.clear)
+        self._loaded: _Watched = _Watched({}, self._choices.clear)  # name -> module, or why it cannot load
 
     def _load(self, name: str) -> ModuleType | Exception:
         if name not in self._loaded:
             try:
-                self._loaded[name] = importlib.import_module(self._modules[name])
+                self._loaded.add(name, importlib.import_module(self._modules[name]))
             except Exception as exc:  # an optional dependency (triton, the extension) is absent
-                self._loaded[name] = exc
+                self._loaded.add(name, exc)
         return self._loaded[name]
 
     def reasons(self, name: str, inputs: dict) -> list[str]:
@@ -93,22 +143,42 @@ class OpBackends:
         return err
 
     def select(self, backend: str, inputs: dict, *, device: torch.device, dtype: torch.dtype) -> Choice:
-        """Resolve ``backend`` ("auto" or a name in PRIORITY) for these inputs."""
-        if not isinstance(backend, str) or backend not in ("auto", *PRIORITY):
-            raise ValueError(f"backend must be one of {['auto', *PRIORITY]}, got {backend!r}")
+        """Resolve ``backend`` ("auto" or a name in PRIORITY) for these inputs (cached: see the
+        module docstring)."""
+        if not isinstance(backend, str) or backend not in _BACKEND_ARGS:
+            raise ValueError(f"backend must be one of {list(_BACKEND_ARGS)}, got {backend!r}")
         tuning = autotune_registry.forced(self.op, inputs)
         if tuning is not None:  # the tuner is measuring one candidate: exactly that one
             name, config = tuning
             if self.reasons(name, inputs):
                 raise self._error(inputs, f"{self.op}: backend {name!r} (forced by the tuner) cannot run these inputs:")
             return self._finish(name, "autotune override", device, dtype, config)
+        env = os.environ.get(ENV_VAR, "") if backend == "auto" else ""
+        memo = (backend, env, os.environ.get(autotune_cache.ENV_CACHE, ""), device, dtype, signature(inputs))
+        version = autotune_cache.version()
+        if version != self._version:
+            self._choices.clear()
+            self._version = version
+        try:
+            cached = self._choices.get(memo)
+        except TypeError:  # an unhashable input value: nothing to key a cache entry on
+            return self._resolve(backend, env, inputs, device, dtype)
+        if cached is not None and cached[1] == _default_config(cached[0].module):
+            return cached[0]
+        choice = self._resolve(backend, env, inputs, device, dtype)
+        if len(self._choices) >= MAX_CHOICES:
+            self._choices.pop(next(iter(self._choices), None), None)  # the oldest (another thread may race)
+        self._choices[memo] = (choice, dict(_default_config(choice.module)))
+        return choice
+
+    def _resolve(self, backend: str, env: str, inputs: dict, device: torch.device, dtype: torch.dtype) -> Choice:
         source = "argument"
         if backend == "auto":
-            forced = os.environ.get(ENV_VAR, "").strip()
+            forced = env.strip()
             if forced and forced != "auto":
                 if forced not in PRIORITY:
                     raise ValueError(
-                        f"environment variable {ENV_VAR} must be one of {['auto', *PRIORITY]}, got {forced!r}"
+                        f"environment variable {ENV_VAR} must be one of {list(_BACKEND_ARGS)}, got {forced!r}"
                     )
                 backend, source = forced, ENV_VAR
         # The autotune key: feature sizes and length buckets from the op's registration.
@@ -128,8 +198,6 @@ class OpBackends:
         for name in PRIORITY:
             if name == "triton" and device.type == "cpu":
                 continue  # the Triton interpreter is a test vehicle, never a performance choice
-            if getattr(self._load(name), "AUTO_PRIORITY", True) is False:
-                continue  # a backend that is correct but known slow: named, env or tuned use only
             if not self.reasons(name, inputs):
                 return self._finish(name, "priority list", device, dtype, None, key)
         raise self._error(inputs, f"{self.op}: no backend can run these inputs:")
@@ -137,7 +205,7 @@ class OpBackends:
     def _finish(self, name: str, source: str, device: torch.device, dtype: torch.dtype,
                 config: dict | None = None, key: dict | None = None) -> Choice:
         mod = self._load(name)
-        merged = dict(getattr(mod, "DEFAULT_CONFIG", {}))
+        merged = dict(_default_config(mod))
         merged.update(config or {})
         key_text = autotune_registry.key_string(key) if key else ""
         log_key = (self.op, name, device.type, dtype, key_text)
