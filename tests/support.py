@@ -8,8 +8,13 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import math
+import os
+import shutil
+from typing import NamedTuple
 
 import numpy as np
+import pytest
 import torch
 
 # One table per backend and dtype: allowed max-abs-error / max-abs-reference, for forward
@@ -105,3 +110,99 @@ def knobs(backend_module, **config):
 def backend_module(op: str, backend: str):
     """The module of one backend of ``op`` (ops/<op>/<backend>_impl.py), e.g. for :func:`knobs`."""
     return importlib.import_module(f"megalodon_kernels.ops.{op}.{backend}_impl")
+
+
+# --- backends -----------------------------------------------------------------------------------
+
+#: the CUDA kernels run here in the CPU emulator, which is compiled with the host C++ compiler
+needs_emulator = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
+                                    reason="the CUDA emulator extension needs a C++ compiler (g++)")
+
+
+def on_backends(cases, runs_on) -> list:
+    """``pytest.param(backend, case)`` for every case of an op's table (``pytest.param(case, id=...)``)
+    on every backend that ``runs_on(backend, case)``, with ids ``<backend>-<case id>``; the CUDA
+    ones carry :data:`needs_emulator`."""
+    params = []
+    for backend in ("torch", "triton", "cuda"):
+        for c in cases:
+            (case,) = c.values
+            if runs_on(backend, case):
+                marks = [needs_emulator] if backend == "cuda" else []
+                params.append(pytest.param(backend, case, id=f"{backend}-{c.id}", marks=marks))
+    return params
+
+
+@pytest.fixture(autouse=True)
+def cuda_backend_in_emulator(request):
+    """Where a test is parametrised with backend="cuda", run it on the CPU emulator: conftest's
+    ``use_emulated_cuda`` plugs the module's ``emulated`` backends into the ops' dispatchers for the
+    test's duration. Active in the test modules that import it."""
+    callspec = getattr(request.node, "callspec", None)
+    if callspec is not None and callspec.params.get("backend") == "cuda":
+        request.getfixturevalue("use_emulated_cuda")
+
+
+# --- CEMA coefficients --------------------------------------------------------------------------
+
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+class Coefficients(NamedTuple):
+    p: torch.Tensor
+    log_q: torch.Tensor
+    gamma: torch.Tensor
+    hx: torch.Tensor | None
+
+
+def cema_coefficients(seed, D, N, B=None, dtype=torch.float32, *, min_gap=1e-3, max_gap=0.5) -> Coefficients:
+    """CEMA coefficients as the model makes them: p r(D N) in (0.05, 0.95); log_q c(D N) with
+    |q| = 1 - gap, gap log-uniform in [min_gap, max_gap], phase uniform in (-pi, pi]; gamma c(D N)
+    ~ CN(0, 1/N); with B an initial state hx c(B D N) ~ CN(0, 2), else None.
+
+    Drawn in float64 from ``seed`` (an int, or a torch.Generator that goes on to draw the test's
+    other inputs) and rounded once to ``dtype`` (float32 or float64; complex parts to the matching
+    complex dtype), so float64 coefficients carry full 53-bit values."""
+    gen = seed if isinstance(seed, torch.Generator) else torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+
+    def cnormal(*shape):
+        return torch.complex(torch.randn(*shape, generator=gen, dtype=f64),
+                             torch.randn(*shape, generator=gen, dtype=f64))
+
+    p = 0.05 + 0.9 * torch.rand(D, N, generator=gen, dtype=f64)
+    u = torch.rand(D, N, generator=gen, dtype=f64)
+    gap = torch.exp(math.log(min_gap) + (math.log(max_gap) - math.log(min_gap)) * u)
+    theta = (2 * torch.rand(D, N, generator=gen, dtype=f64) - 1) * math.pi
+    log_q = torch.complex(torch.log1p(-gap), theta)
+    gamma = cnormal(D, N) / math.sqrt(2 * N)
+    hx = None if B is None else cnormal(B, D, N).to(_COMPLEX[dtype])
+    return Coefficients(p.to(dtype), log_q.to(_COMPLEX[dtype]), gamma.to(_COMPLEX[dtype]), hx)
+
+
+def cema_powers(log_q, exponents, exact: bool = False) -> np.ndarray:
+    """q**e for every coefficient, [D, N, E]: in float64, or with ``exact`` in x87 long double (64-bit
+    mantissa) from the float64 log_q, the exact value for these inputs to ~1e-16 even at e = 2**16,
+    where float64's exp(e * log_q) drifts by ~e * 2**-53 * |arg q|."""
+    if exact:
+        e = np.asarray(exponents, dtype=np.longdouble)
+        return np.exp(e[None, None, :] * to_np(log_q).astype(np.clongdouble)[:, :, None])
+    return np.exp(np.asarray(exponents, dtype=np.float64)[None, None, :] * to_np(log_q)[:, :, None])
+
+
+def finite_difference_grad(loss, args: dict, name: str, step: float = 1e-6) -> np.ndarray:
+    """Central-difference gradient of the scalar ``loss(args)`` w.r.t. the NumPy array ``args[name]``.
+    Complex inputs are perturbed in their real and imaginary parts separately and assembled as
+    dL/dRe + i dL/dIm (PyTorch's convention, which the references promise). In float64 with O(1)
+    values the error is ~1e-9 (truncation) + ~1e-10 (rounding)."""
+    base = np.asarray(args[name])
+    grad = np.zeros(base.shape, dtype=base.dtype)
+    for unit in ([1.0, 1j] if np.iscomplexobj(base) else [1.0]):
+        for idx in np.ndindex(base.shape):
+            vals = []
+            for sign in (1.0, -1.0):
+                pert = base.copy()
+                pert[idx] += sign * step * unit
+                vals.append(loss({**args, name: pert}))
+            grad[idx] += unit * (vals[0] - vals[1]) / (2 * step)
+    return grad
