@@ -1,116 +1,618 @@
-"""fftconv (causal long convolution): forward and both gradients against the float64 reference on
-the FFT path and the direct (Toeplitz) path, mixed dtypes (bf16/fp16 x with fp32 k, as CEMA calls
-it), odd sizes, non-contiguous inputs; linearity; direct == FFT; argument validation."""
+"""fftconv (causal long convolution) on every backend against the float64 reference.
+
+* One table of cases run on each backend that implements it (torch: direct and FFT paths; Triton in
+  the interpreter: direct, register-tile FFT and workspace (three-level) FFT paths, x fp32/bf16;
+  CUDA in the emulator: one block per row and the multi-pass four-step FFT, x fp32/bf16/fp64): y and
+  both gradients in mixed dtypes (bf16/fp16 x with fp32 k, as CEMA calls it), odd sizes and an
+  unpaired batch row, non-contiguous inputs.
+* Properties: linearity, causality, direct == FFT, gradcheck; the path each backend picks.
+* The reference's own backward against finite differences.
+* Triton: the tile plan, one gradient alone, the long case L = 2**17 against a float64 FFT.
+* The CUDA kernels' tensor API (cuda/kernels.py over cuda/fftconv*.cuh) in the emulator, in both
+  fiber orders: the multi-pass FFT above L = 16384 (float: 8192 in float64) against float64, up to
+  L = 2**20, the twiddles, workspace chunking, the float64 instantiations, what the launchers refuse.
+* Argument validation and what each backend refuses, naming the fix.
+
+reference/fftconv.py is the O(L^2) definition; it is affordable once at L = 16385 (B = D = 1).
+Longer CUDA cases compare with the same convolution computed by float64 NumPy FFTs (exact up to
+~1e-15, far below the fp32 budget), with B = D = 1 where possible: the emulator runs every CUDA
+thread as a fiber (at N = 2^17 a forward call takes a few seconds).
+"""
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from megalodon_kernels.cuda import kernels as K
 from megalodon_kernels.ops.fftconv import fftconv
-from megalodon_kernels.ops.fftconv import torch_impl as conv_impl
+from megalodon_kernels.ops.fftconv import torch_impl as conv_torch
+from megalodon_kernels.ops.fftconv import triton_impl as conv_triton
 from megalodon_kernels.reference import fftconv as ref
-from support import as_input, assert_close, knobs as config, to_np, tol
+from support import (as_input, assert_close, backend_module, finite_difference_grad, knobs, needs_emulator,
+                     on_backends, to_np, tol)
+from support import cuda_backend_in_emulator  # noqa: F401  (autouse: backend="cuda" runs in the emulator)
 
-# (x dtype, k dtype); arithmetic is fp32 unless one of them is fp64.
-DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-          (torch.bfloat16, torch.bfloat16), (torch.float64, torch.float64)]
-PATHS = {"direct": 1 << 30, "fft": 0}   # direct_max_len forcing each path
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
 
-def _ids(d):
+@pytest.fixture(scope="module")
+def emulated(ext):
+    """The CUDA backend over the emulator (conftest.use_emulated_cuda plugs it in)."""
+    from megalodon_kernels.cuda import backend
+
+    return {"fftconv": backend.FftconvBackend(lambda: ext, "cpu")}
+
+
+def _dt(d):
     return str(d).replace("torch.", "")
 
 
-def _check(B, D, L, xdtype, kdtype, path, contiguous=True, seed=0):
+# direct_max_len forcing each path of the torch and Triton backends (CUDA has one FFT path). Triton's
+# workspace path needs L > 2048 (N >= 8192) whatever the knob; work_bc = 4096 (one column tile per
+# pass) keeps the interpreter fast, the shipped column tile runs in its own case.
+PATHS = {"direct": {"torch": dict(direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
+         "fft": {"torch": dict(direct_max_len=0), "triton": dict(direct_max_len=0)}}
+FAST_WORK = dict(direct_max_len=0, work_bc=4096)
+
+
+# ------------------------------------------------------------------------------------------------
+# the case table: y and both gradients on every backend
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    D: int
+    L: int
+    xdtype: torch.dtype
+    kdtype: torch.dtype
+    path: str = "fft"               # of the torch and Triton backends; CUDA runs only "fft" cases
+    contiguous: bool = True
+    seed: int = 0
+    grads: bool = True
+    knobs: dict = field(default_factory=dict)   # {backend: knob values}, over the path's
+    only: tuple | None = None       # cases for some backends alone (the reason beside each)
+
+
+def case(B, D, L, xdtype, kdtype, id, **kw):
+    return pytest.param(Case(B, D, L, xdtype, kdtype, **kw), id=id)
+
+
+# (x dtype, k dtype); arithmetic is fp32 unless one of them is fp64.
+DTYPES = [(F32, F32), (BF16, F32), (F16, F32), (BF16, BF16), (F64, F64)]
+
+CASES = [
+    # B = 3: an unpaired batch row for Triton's two-rows-per-complex-transform FFT
+    *(case(3, 3, L, x, k, f"{path}-L{L}-x_{_dt(x)}-k_{_dt(k)}", path=path)
+      for path in PATHS for x, k in DTYPES for L in (1, 31, 33, 63, 129)),
+    # the FFT path with 60 features takes ~15 s in the Triton interpreter: its direct path only
+    *(case(2, 60, 33, BF16, F32, f"{path}-D60-strided-x_bfloat16", path=path, contiguous=False,
+           only=None if path == "direct" else ("torch", "cuda")) for path in PATHS),
+    *(case(2, 3, 63, BF16, F32, f"{path}-L63-strided-x_bfloat16", path=path, contiguous=False, seed=1)
+      for path in PATHS),
+    *(case(2, 3, 70, x, F32, f"L70-x_{_dt(x)}", seed=2) for x in (F32, BF16)),
+    # float64 x with float32 k (as CEMA passes it) runs in double; L = 8193 is multi-pass in CUDA's double plan
+    *(case(2, 2, L, F64, k, f"L{L}-x_float64-k_{_dt(k)}", seed=24) for L in (70, 8193) for k in (F64, F32)),
+    # Triton: the largest register tile (N = 4096 = 16 x 16 x 16, three dot levels), odd batch
+    case(3, 1, 2048, F32, F32, "L2048", seed=2),
+    # Triton: the workspace path, N = 8192 = R C with R = 2 (padded column tile), one unpaired row
+    case(3, 1, 2049, BF16, F32, "L2049-strided-x_bfloat16", contiguous=False, seed=3,
+         knobs={"triton": FAST_WORK}),
+    # Triton's shipped column tiles (the loop over column tiles of every pass), forward only
+    case(1, 1, 2049, F32, F32, "L2049-shipped-work_bc-fwd_only", seed=4, grads=False, only=("triton",)),
+    # CUDA's first multi-pass length; the O(L^2) reference and the interpreter take too long for more
+    case(1, 2, 16385, BF16, F32, "L16385-x_bfloat16", seed=7, only=("torch", "cuda")),
+]
+
+
+def runs_on(backend, c: Case) -> bool:
+    if c.only is not None and backend not in c.only:
+        return False
+    if backend == "triton":
+        return c.xdtype in (F32, BF16) and c.kdtype != F64
+    if backend == "cuda":
+        return c.path == "fft" and c.xdtype != F16 and (c.kdtype != F64 or c.xdtype == F64)
+    return True
+
+
+def check_fftconv(backend, B, D, L, xdtype, kdtype, contiguous=True, seed=0, grads=True, **config):
+    """y, dx and dk of ``backend`` (run with the knob values ``config``) vs the reference."""
     gen = torch.Generator().manual_seed(seed)
-    x = as_input(torch.randn(B, D, L, generator=gen, dtype=torch.float64), xdtype, contiguous, True)
-    k = as_input(torch.randn(D, L, generator=gen, dtype=torch.float64), kdtype, contiguous, True)
-    with config(conv_impl, direct_max_len=PATHS[path]):
-        y = fftconv(x, k, backend="torch")
+    x = as_input(torch.randn(B, D, L, generator=gen, dtype=F64), xdtype, contiguous, True)
+    k = as_input(torch.randn(D, L, generator=gen, dtype=F64) / math.sqrt(L), kdtype, contiguous, True)
+    with knobs(backend_module("fftconv", backend), **config):
+        y = fftconv(x, k, backend=backend)
         assert y.shape == (B, D, L) and y.dtype == xdtype
-        assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("torch", xdtype, "fwd"))
-        dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(xdtype)
+        assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol(backend, xdtype, "fwd"))
+        if not grads:
+            return
+        dy = torch.randn(y.shape, generator=gen, dtype=F64).to(xdtype)
         dx, dk = torch.autograd.grad(y, (x, k), dy)
-    assert dx.dtype == xdtype and dk.dtype == kdtype
+    assert dx.dtype == xdtype and dk.dtype == kdtype and dx.shape == x.shape and dk.shape == k.shape
     dx_ref, dk_ref = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
-    assert_close("dx", dx, dx_ref, tol("torch", xdtype, "bwd"))
-    assert_close("dk", dk, dk_ref, tol("torch", kdtype, "bwd"))
+    assert_close("dx", dx, dx_ref, tol(backend, xdtype, "bwd"))
+    # dk is a sum of products of the (rounded) inputs in the arithmetic dtype, rounded to k's dtype:
+    # k's budget, or one float32 rounding when the arithmetic is float64
+    dk_tol = 1e-6 if xdtype == F64 and kdtype != F64 else tol(backend, kdtype, "bwd")
+    assert_close("dk", dk, dk_ref, dk_tol)
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-@pytest.mark.parametrize("xdtype,kdtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("L", [1, 31, 33, 63, 129])
-def test_fftconv_matches_reference(path, xdtype, kdtype, L):
-    _check(2, 3, L, xdtype, kdtype, path)
-
-
-@pytest.mark.parametrize("path", list(PATHS))
-def test_fftconv_wide_features(path):
-    _check(2, 60, 33, torch.bfloat16, torch.float32, path, contiguous=False)
+@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on))
+def test_matches_reference(backend, c):
+    if backend == "triton" and c.path == "fft" and c.L <= 2048:
+        assert conv_triton._plan(c.L, 0)[0] == "tile"
+    if backend == "triton" and c.L > 2048:
+        assert conv_triton._plan(c.L, 0)[0] == "work"
+    config = {**PATHS[c.path].get(backend, {}), **c.knobs.get(backend, {})}
+    check_fftconv(backend, c.B, c.D, c.L, c.xdtype, c.kdtype, c.contiguous, c.seed, c.grads, **config)
 
 
 @given(B=st.integers(1, 3), D=st.integers(1, 6), L=st.integers(1, 300), dtypes=st.sampled_from(DTYPES),
        path=st.sampled_from(list(PATHS)), contiguous=st.booleans(), seed=st.integers(0, 2**31))
-def test_fftconv_property(B, D, L, dtypes, path, contiguous, seed):
+def test_property_torch(B, D, L, dtypes, path, contiguous, seed):
     if path == "direct":
         L = min(L, 100)  # O(L^2) by design
-    _check(B, D, L, *dtypes, path, contiguous, seed)
+    check_fftconv("torch", B, D, L, *dtypes, contiguous, seed, **PATHS[path]["torch"])
 
 
-def test_fftconv_default_path_choice():
-    # the shipped knob sends short sequences to the direct path and long ones to the FFT
-    limit = conv_impl.DEFAULT_CONFIG["direct_max_len"]
-    for L in (1, limit, limit + 1, 4 * limit):
-        _check(1, 2, L, torch.float32, torch.float32, "direct" if L <= limit else "fft")
+# ------------------------------------------------------------------------------------------------
+# properties
+# ------------------------------------------------------------------------------------------------
+
+# (backend, path, dtype, bound): the bound on the relative error of an identity
+IDENTITY_RUNS = [
+    pytest.param("torch", "direct", F64, 1e-13, id="torch-direct-float64"),
+    pytest.param("torch", "fft", F64, 1e-13, id="torch-fft-float64"),
+    pytest.param("triton", "direct", F32, 1e-5, id="triton-direct-float32"),
+    pytest.param("triton", "fft", F32, 1e-5, id="triton-fft-float32"),
+    pytest.param("cuda", "fft", F32, 1e-5, id="cuda-float32", marks=needs_emulator),
+    pytest.param("cuda", "fft", F64, 1e-13, id="cuda-float64", marks=needs_emulator),
+]
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=_ids)
+@pytest.mark.parametrize("backend, path, dtype, bound", IDENTITY_RUNS)
+def test_linearity(backend, path, dtype, bound):
+    gen = torch.Generator().manual_seed(2)
+    x1, x2 = torch.randn(2, 2, 3, 40, generator=gen, dtype=F64).to(dtype)
+    k1, k2 = torch.randn(2, 3, 40, generator=gen, dtype=F64).to(dtype)
+    a, b = 0.7, -1.9
+    with knobs(backend_module("fftconv", backend), **PATHS[path].get(backend, {})):
+        f = lambda x, k: fftconv(x, k, backend=backend)  # noqa: E731
+        assert_close("linear in x", f(a * x1 + b * x2, k1), to_np(a * f(x1, k1) + b * f(x2, k1)), bound)
+        assert_close("linear in k", f(x1, a * k1 + b * k2), to_np(a * f(x1, k1) + b * f(x1, k2)), bound)
+
+
+@pytest.mark.parametrize("backend, path, dtype, bound", IDENTITY_RUNS)
+def test_is_causal(backend, path, dtype, bound):
+    # changing x at s must not change y before s (no circular wrap-around in the padded FFT), and
+    # must change it from s on
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(1, 2, 100, generator=gen, dtype=F64).to(dtype)
+    k = torch.randn(2, 100, generator=gen, dtype=F64).to(dtype)
+    x2 = x.clone()
+    x2[..., 60:] += 1.0
+    with knobs(backend_module("fftconv", backend), **PATHS[path].get(backend, {})):
+        a, b = fftconv(x, k, backend=backend), fftconv(x2, k, backend=backend)
+    # float64: below 1e-12 absolute, as the values are O(10)
+    before = 1e-12 if dtype == F64 else bound * float(a.abs().max())
+    assert float((a[..., :60] - b[..., :60]).abs().max()) < before
+    assert float((a[..., 60:] - b[..., 60:]).abs().max()) > 1e-2
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=_dt)
 @given(L=st.integers(1, 90), seed=st.integers(0, 2**31))
-def test_fftconv_direct_equals_fft(dtype, L, seed):
+def test_direct_equals_fft_torch(dtype, L, seed):
     gen = torch.Generator().manual_seed(seed)
     x = torch.randn(2, 3, L, generator=gen, dtype=dtype)
     k = torch.randn(3, L, generator=gen, dtype=dtype)
     dy = torch.randn(2, 3, L, generator=gen, dtype=dtype)
     outs = {}
-    for path, limit in PATHS.items():
-        outs[path] = (conv_impl.fftconv_fwd(x, k, direct_max_len=limit),
-                      *conv_impl.fftconv_bwd(dy, x, k, direct_max_len=limit))
+    for path, config in PATHS.items():
+        limit = config["torch"]["direct_max_len"]
+        outs[path] = (conv_torch.fftconv_fwd(x, k, direct_max_len=limit),
+                      *conv_torch.fftconv_bwd(dy, x, k, direct_max_len=limit))
     for name, a, b in zip(("y", "dx", "dk"), outs["direct"], outs["fft"]):
         assert_close(f"{name} direct vs fft", a, to_np(b), tol("torch", dtype, "fwd"))
 
 
-@pytest.mark.parametrize("path", list(PATHS))
-def test_fftconv_linearity(path):
-    gen = torch.Generator().manual_seed(2)
-    f64 = torch.float64
-    x1, x2 = torch.randn(2, 2, 3, 40, generator=gen, dtype=f64)
-    k1, k2 = torch.randn(2, 3, 40, generator=gen, dtype=f64)
-    a, b = 0.7, -1.9
-    with config(conv_impl, direct_max_len=PATHS[path]):
-        in_x = fftconv(a * x1 + b * x2, k1)
-        assert_close("linear in x", in_x, to_np(a * fftconv(x1, k1) + b * fftconv(x2, k1)), 1e-13)
-        in_k = fftconv(x1, a * k1 + b * k2)
-        assert_close("linear in k", in_k, to_np(a * fftconv(x1, k1) + b * fftconv(x1, k2)), 1e-13)
+def test_direct_equals_fft_triton():
+    gen = torch.Generator().manual_seed(6)
+    x, dy = torch.randn(2, 3, 2, 50, generator=gen)
+    k = torch.randn(3, 50, generator=gen)
+    outs = {}
+    for path, config in PATHS.items():
+        cfg = dict(conv_triton.DEFAULT_CONFIG, **config["triton"])
+        outs[path] = (conv_triton.fftconv_fwd(x, k, **cfg), *conv_triton.fftconv_bwd(dy, x, k, True, True, **cfg))
+    for name, a, b in zip(("y", "dx", "dk"), outs["direct"], outs["fft"]):
+        assert_close(f"{name} direct vs fft", a, to_np(b), tol("triton", F32, "fwd"))
 
 
-def test_fftconv_is_causal():
-    # changing x at s must not change y before s (no circular wrap-around in the padded FFT)
-    x = torch.randn(1, 2, 64, dtype=torch.float64)
-    k = torch.randn(2, 64, dtype=torch.float64)
-    x2 = x.clone()
-    x2[..., 40:] += 1.0
-    for limit in PATHS.values():
-        with config(conv_impl, direct_max_len=limit):
-            assert float((fftconv(x, k)[..., :40] - fftconv(x2, k)[..., :40]).abs().max()) < 1e-12
-
-
-@pytest.mark.parametrize("path", list(PATHS))
-def test_fftconv_gradcheck(path):
+@pytest.mark.parametrize("backend, path, length, fast_mode", [
+    ("torch", "direct", 9, True), ("torch", "fft", 9, True),
+    # finite differences through the emulated CUDA kernels in float64, the full Jacobian
+    pytest.param("cuda", "fft", 19, False, marks=needs_emulator),
+], ids=["torch-direct", "torch-fft", "cuda"])
+def test_gradcheck(backend, path, length, fast_mode):
     gen = torch.Generator().manual_seed(5)
-    x = torch.randn(2, 2, 9, generator=gen, dtype=torch.float64).requires_grad_()
-    k = torch.randn(2, 9, generator=gen, dtype=torch.float64).requires_grad_()
-    with config(conv_impl, direct_max_len=PATHS[path]):
-        assert torch.autograd.gradcheck(lambda a, b: fftconv(a, b), (x, k), fast_mode=True)
+    x = torch.randn(2, 2, length, generator=gen, dtype=F64).requires_grad_()
+    k = torch.randn(2, length, generator=gen, dtype=F64).requires_grad_()
+    with knobs(backend_module("fftconv", backend), **PATHS[path].get(backend, {})):
+        assert torch.autograd.gradcheck(lambda a, b: fftconv(a, b, backend=backend), (x, k), fast_mode=fast_mode)
 
+
+def test_torch_default_path_choice():
+    # the shipped knob sends short sequences to the direct path and long ones to the FFT
+    limit = conv_torch.DEFAULT_CONFIG["direct_max_len"]
+    for L in (1, limit, limit + 1, 4 * limit):
+        path = "direct" if L <= limit else "fft"
+        check_fftconv("torch", 1, 2, L, F32, F32, **PATHS[path]["torch"])
+
+
+def test_triton_default_path_choice():
+    limit = conv_triton.DEFAULT_CONFIG["direct_max_len"]
+    assert conv_triton._plan(limit, limit)[0] == "direct"
+    assert conv_triton._plan(limit + 1, limit)[0] == "tile"
+    assert conv_triton._plan(2048, limit)[0] == "tile" and conv_triton._plan(2049, limit)[0] == "work"
+    assert conv_triton._plan(conv_triton.MAX_LENGTH, limit) == ("work", 64, 64)
+
+
+# ------------------------------------------------------------------------------------------------
+# the reference's backward against central finite differences (float64, tiny shapes)
+# ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("L", [1, 2, 9])
+def test_reference_bwd_matches_finite_differences(L):
+    gen = torch.Generator().manual_seed(3)
+    args = dict(x=to_np(torch.randn(2, 3, L, generator=gen, dtype=F64)), k=to_np(torch.randn(3, L, generator=gen,
+                                                                                               dtype=F64)))
+    dy = to_np(torch.randn(2, 3, L, generator=gen, dtype=F64))
+
+    def loss(v):
+        return np.sum(dy * ref.fftconv(v["x"], v["k"]))
+
+    dx, dk = ref.fftconv_bwd(dy, args["x"], args["k"])
+    assert_close("x vs finite differences", dx, finite_difference_grad(loss, args, "x"), 1e-6)
+    assert_close("k vs finite differences", dk, finite_difference_grad(loss, args, "k"), 1e-6)
+
+
+# ------------------------------------------------------------------------------------------------
+# Triton: the tile plan, one gradient alone, the longest length
+# ------------------------------------------------------------------------------------------------
+
+def test_triton_tile_sizes():
+    # N = 256 (A = 1: two dot levels), 512 / 1024 (A = 4: radix-4 + two levels), 4096 (A = 16: three)
+    assert conv_triton._plan(2048, 0) == ("tile", 16)
+    assert [conv_triton._plan(L, 0) for L in (31, 128, 129, 512, 513, 2048)] == [
+        ("tile", 1), ("tile", 1), ("tile", 4), ("tile", 4), ("tile", 16), ("tile", 16)]
+
+
+@pytest.mark.parametrize("need", ["x", "k"])
+def test_triton_largest_tile_one_gradient(need):
+    # N = 4096 runs the dk pass and the dx pass separately: each alone (the other not computed)
+    gen = torch.Generator().manual_seed(8)
+    x, dy = torch.randn(2, 3, 1, 2000, generator=gen)
+    k = torch.randn(1, 2000, generator=gen) / 40.0
+    cfg = dict(conv_triton.DEFAULT_CONFIG, **PATHS["fft"]["triton"])
+    dx, dk = conv_triton.fftconv_bwd(dy, x, k, need == "x", need == "k", **cfg)
+    dx_ref, dk_ref = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
+    if need == "x":
+        assert dk is None
+        assert_close("dx", dx, dx_ref, tol("triton", F32, "bwd"))
+    else:
+        assert dx is None
+        assert_close("dk", dk, dk_ref, tol("triton", F32, "bwd"))
+
+
+def test_triton_long_length():
+    # L = 2**17, N = 2**18 = 64 x 64 x 64: every level at its largest; float64 FFT as the oracle
+    # (the O(L**2) NumPy reference would take minutes). ~20 s in the interpreter.
+    L = 1 << 17
+    gen = torch.Generator().manual_seed(5)
+    x = torch.randn(1, 1, L, generator=gen, dtype=F64)
+    k = torch.randn(1, L, generator=gen, dtype=F64) * torch.exp(-torch.arange(L) / 20000.0)
+    dy = torch.randn(1, 1, L, generator=gen, dtype=F64)
+    cfg = dict(conv_triton.DEFAULT_CONFIG, **FAST_WORK)
+    y = conv_triton.fftconv_fwd(x.float(), k.float(), **cfg)
+    dx, dk = conv_triton.fftconv_bwd(dy.float(), x.float(), k.float(), True, True, **cfg)
+    xs, ks, dys = x.float().double(), k.float().double(), dy.float().double()   # the inputs as the kernel saw them
+    assert_close("y", y, to_np(conv_torch.fftconv_fwd(xs, ks, direct_max_len=0)), tol("triton", F32, "fwd"))
+    dx_ref, dk_ref = conv_torch.fftconv_bwd(dys, xs, ks, direct_max_len=0)
+    assert_close("dx", dx, to_np(dx_ref), tol("triton", F32, "bwd"))
+    assert_close("dk", dk, to_np(dk_ref), tol("triton", F32, "bwd"))
+    # the first samples of y (no error hiding in the max over a long row)
+    assert_close("y[:64]", y[..., :64], to_np(ref.fftconv(to_np(xs[..., :64]), to_np(ks[..., :64]))),
+                 tol("triton", F32, "fwd"))
+
+
+# ------------------------------------------------------------------------------------------------
+# CUDA: the kernels' tensor API in the emulator
+# ------------------------------------------------------------------------------------------------
+
+def _inputs(seed, B, D, L, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, D, L, generator=g).to(dtype)
+    # a kernel decaying over the whole length, so late taps (the far end of the FFT) matter
+    k = torch.randn(D, L, generator=g) * torch.exp(-torch.arange(L) / (L / 4.0))
+    dy = torch.randn(B, D, L, generator=g).to(dtype)
+    return x, k, dy
+
+
+def _inputs64(seed, B, D, L):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(B, D, L, generator=g, dtype=F64)
+    k = torch.randn(D, L, generator=g, dtype=F64) * torch.exp(-torch.arange(L, dtype=F64) / (L / 4.0))
+    dy = torch.randn(B, D, L, generator=g, dtype=F64)
+    return x, k, dy
+
+
+def _fft_ref(x, k, dy):
+    """float64 FFT forms of reference/fftconv.py: y = x * k, dx = k (correlated with) dy,
+    dk = sum_b x_b (correlated with) dy_b, all truncated to L."""
+    x, k, dy = to_np(x), to_np(k), to_np(dy)
+    L = x.shape[-1]
+    n = 2 * L
+    rf, irf = np.fft.rfft, np.fft.irfft
+    flip = lambda a: a[..., ::-1]  # noqa: E731
+    y = irf(rf(x, n) * rf(k, n), n)[..., :L]
+    dx = flip(irf(rf(flip(dy), n) * rf(k, n), n)[..., :L])
+    dk = flip(irf((rf(flip(dy), n) * rf(x, n)).sum(0), n)[..., :L])
+    return y, dx, dk
+
+
+def _check_kernels(ext, x, k, dy, dtype, **kw):
+    y = K.fftconv_fwd(ext, x, k, **kw)
+    dx, dk = K.fftconv_bwd(ext, dy, x, k, **kw)
+    assert y.dtype == dtype and dx.dtype == dtype and dk.dtype == F32
+    yr, dxr, dkr = _fft_ref(x, k, dy)
+    assert_close("y", y, yr, tol("cuda", dtype, "fwd"))
+    assert_close("dx", dx, dxr, tol("cuda", dtype, "bwd"))
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))  # dk is fp32 whatever x's dtype (k is fp32)
+    return y, dx, dk
+
+
+# float64: double arithmetic throughout. Measured errors are ~1e-15 relative to max|ref|; the
+# ("cuda", float64) budget is 1e-10 / 1e-9, so these tests assert a much tighter 1e-13: anything
+# rounded through fp32 anywhere (a twiddle, a spectrum, the workspace) would be ~1e-7.
+FP64_TIGHT = 1e-13
+
+
+def _check_kernels64(ext, x, k, dy, refs=None, **kw):
+    y = K.fftconv_fwd(ext, x, k, **kw)
+    dx, dk = K.fftconv_bwd(ext, dy, x, k, **kw)
+    assert y.dtype == dx.dtype == dk.dtype == F64
+    yr, dxr, dkr = _fft_ref(x, k, dy) if refs is None else refs
+    for name, a, r, t in (("y", y, yr, "fwd"), ("dx", dx, dxr, "bwd"), ("dk", dk, dkr, "bwd")):
+        assert_close(name, a, r, min(tol("cuda", F64, t), FP64_TIGHT))
+    return y, dx, dk
+
+
+@needs_emulator
+def test_cuda_kernels_lengths_and_workspace_sizes(ext):
+    assert ext.fftconv_one_block_max_length() == K.FFTCONV_ONE_BLOCK_MAX_LEN == 16384
+    assert ext.fftconv_max_length() == K.FFTCONV_MAX_LEN == 2**27
+    assert ext.fftconv_workspace_row_floats(16384) == 0           # one block per row, no workspace
+    assert ext.fftconv_workspace_row_floats(16385) == 2 * 32768   # N = 2^15 complex64
+    assert ext.fftconv_workspace_row_floats(2**20) == 2 * 2**20
+    assert ext.fftconv_fft_size(70001) == 2**17
+
+
+@needs_emulator
+def test_cuda_kernels_fp64_lengths_and_workspace_sizes(ext):
+    assert ext.fftconv_one_block_max_length(4) == K.FFTCONV_FP64_ONE_BLOCK_MAX_LEN == 8192
+    assert ext.fftconv_max_length(4) == K.FFTCONV_FP64_MAX_LEN == 2**25
+    assert K.fftconv_max_len(F64) == 2**25 and K.fftconv_max_len(F32) == 2**27
+    assert ext.fftconv_workspace_row_floats(8192, 4) == 0            # one block, no workspace
+    assert ext.fftconv_workspace_row_floats(8193, 4) == 4 * 16384    # N = 2^14 complex128, in floats
+    assert ext.fftconv_workspace_row_floats(8193, 0) == 0            # float: still one block
+    assert ext.fftconv_workspace_row_floats(2**20, 4) == 4 * 2**20
+    # both one-block configurations ask for 128 KiB (float N = 2^14, double N = 2^13)
+    table = dict(ext.dynamic_smem_table())
+    assert table["fftconv_fwd_kernel"] == 16384 * 8 == 8192 * 16
+    assert max(table[f] for f in ("fft4_col_fwd_kernel", "fft4_row_conv_kernel")) <= 128 * 1024
+
+
+@needs_emulator
+def test_cuda_kernels_launchers_reject_bad_lengths_and_a_missing_workspace(ext):
+    with pytest.raises(ValueError, match="L <= 134217728"):
+        ext.fftconv_fwd(0, 0, 0, 0, 1, 1, 2**27 + 1, 0, 0, 0)
+    with pytest.raises(ValueError, match="workspace"):
+        ext.fftconv_fwd(0, 0, 0, 0, 1, 1, 16385, 0, 0, 0)
+    dk = torch.empty(1, 16385)  # finalize needs dk: the workspace check is what must fire
+    with pytest.raises(ValueError, match="workspace"):
+        ext.fftconv_bwd_dk(0, 0, 0, dk.data_ptr(), 1, 1, 16385, False, True, 0, 0, 0)
+    dk64 = torch.empty(1, 8193, dtype=F64)  # double: multi-pass from L = 8193 on
+    with pytest.raises(ValueError, match="workspace"):
+        ext.fftconv_bwd_dk(4, 0, 0, dk64.data_ptr(), 1, 1, 8193, False, True, 0, 0, 0)
+    with pytest.raises(ValueError, match="L <= 33554432 in float64"):
+        ext.fftconv_fwd(4, 0, 0, 0, 1, 1, 2**25 + 1, 0, 0, 0)
+    with pytest.raises(ValueError, match="float32 or float64"):  # bf16 is a storage type, not an arithmetic one
+        ext.fftconv_bwd_dk(1, 0, 0, dk.data_ptr(), 1, 1, 100, False, True, 0, 0, 0)
+
+
+@needs_emulator
+def test_cuda_kernels_fp64_refuse_float16_x_naming_it(ext):
+    x = torch.zeros(1, 1, 8, dtype=F16)
+    with pytest.raises(TypeError, match="float64 x, got torch.float16"):
+        K.fftconv_fwd(ext, x, torch.zeros(1, 8))
+    with pytest.raises(TypeError, match="float64 x, got torch.float16"):
+        K.fftconv_bwd(ext, x, x, torch.zeros(1, 8))
+
+
+@needs_emulator
+def test_cuda_kernels_just_above_one_block_vs_direct_reference(ext):
+    # L = 16385: the first multi-pass length, against the O(L^2) definition itself
+    L = 16385
+    x, k, dy = _inputs(1, 1, 1, L, F32)
+    y = K.fftconv_fwd(ext, x, k)
+    dx, dk = K.fftconv_bwd(ext, dy, x, k)
+    assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", F32, "fwd"))
+    dxr, dkr = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
+    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"))
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))
+
+
+@needs_emulator
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("L", [32768, 70001], ids=lambda v: f"L{v}")
+def test_cuda_kernels_multipass_vs_float64(ext, dtype, L):
+    # 32768: N = 2^15 exactly (no padding inside the last column); 70001: odd, N = 2^17
+    x, k, dy = _inputs(2, 1, 1, L, dtype)
+    _check_kernels(ext, x, k, dy, dtype)
+
+
+@needs_emulator
+def test_cuda_kernels_multipass_batch_and_channels_both_fiber_orders(ext, order):
+    # rows b * D + d pick kf[d]; dk sums the batch; a missing barrier shows in one fiber order
+    x, k, dy = _inputs(3, 2, 2, 16385, F32)
+    _check_kernels(ext, x, k, dy, F32)
+
+
+@needs_emulator
+def test_cuda_kernels_multipass_2_pow_17_and_beyond(ext):
+    # L >= 2^17 with N = 2^18 (plan N1 = N2 = 512): the longest case the test budget allows
+    x, k, dy = _inputs(4, 1, 1, 2**17 + 3, BF16)
+    _check_kernels(ext, x, k, dy, BF16)
+
+
+@needs_emulator
+def test_cuda_kernels_forward_at_2_pow_20(ext):
+    # the longest length asked for (N = 2^20, plan N1 = N2 = 1024, 8 columns per block); forward
+    # only, the backward runs the same passes (see the N = 2^17 and 2^18 cases)
+    L = 2**20
+    x, k, _ = _inputs(8, 1, 1, L, F32)
+    y = K.fftconv_fwd(ext, x, k)
+    n = 2 * L
+    xr, kr = to_np(x), to_np(k)
+    assert_close("y", y, np.fft.irfft(np.fft.rfft(xr, n) * np.fft.rfft(kr, n), n)[..., :L], tol("cuda", F32, "fwd"))
+
+
+@needs_emulator
+def test_cuda_kernels_twiddles_exact_angle_also_above_2_pow_24(ext):
+    # cispi_frac(a, s) = e^{+-i pi a / 2^s}: a < 2^24 goes straight to sincospif; larger a (only at
+    # N >= 2^25, too long to run here) is split into two exactly representable angles.
+    g = np.random.default_rng(0)
+    s = 26
+    a = np.concatenate([g.integers(0, 2**24, 500), g.integers(2**24, 2**27, 1500),
+                        [0, 2**24 - 1, 2**24, 2**24 + 1, 2**26, 2**27 - 1]]).astype(np.uint32)
+    for sign in (-1.0, 1.0):
+        out = torch.empty(len(a), 2)
+        ext.fftconv_long_twiddle_probe(torch.from_numpy(a).data_ptr(), out.data_ptr(), len(a), s, sign, 0)
+        want = np.exp(1j * sign * np.pi * a.astype(np.float64) / 2.0**s)
+        got = to_np(out[:, 0]) + 1j * to_np(out[:, 1])
+        err = np.abs(got - want)
+        print(f"sign {sign:+}: max |err| {err.max():.2e} (a < 2^24: {err[:500].max():.2e})")
+        # two fp32 roundings of a unit vector (the emulator's sincospif is correctly rounded). Rounding
+        # a itself to fp32 first (a >= 2^26 has an ulp of 8) would be off by up to pi * 4 / 2^26 = 1.9e-7.
+        assert err.max() < 2.0**-23
+
+
+@needs_emulator
+def test_cuda_kernels_workspace_chunks_give_identical_results(ext):
+    # one workspace row at a time (ws_rows = 1) and a product-spectrum slice of one batch
+    # element (accumulate, then finalize): the arithmetic per row is the same, so bit-identical,
+    # and dk's batch sum stays in a fixed order (deterministic).
+    B, D, L = 3, 2, 16385
+    x, k, dy = _inputs(5, B, D, L, F32)
+    y, dx, dk = _check_kernels(ext, x, k, dy, F32)
+    N = ext.fftconv_fft_size(L)
+    small = D * (N + 1) * 8  # one batch element of product spectra, and 2 workspace rows
+    y1 = K.fftconv_fwd(ext, x, k, max_workspace_bytes=1)
+    dx1, dk1 = K.fftconv_bwd(ext, dy, x, k, max_workspace_bytes=small)
+    assert torch.equal(y1, y) and torch.equal(dx1, dx) and torch.equal(dk1, dk)
+    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
+    assert none is None and torch.equal(dx_only, dx)
+
+
+@needs_emulator
+def test_cuda_kernels_one_block_boundary_still_one_block(ext):
+    # 16384 stays on the one-block kernels (no workspace row), its neighbour 16385 is multi-pass;
+    # the two paths meet float64 with the same budget on either side of the switch
+    for L, ws_floats in ((16384, 0), (16385, 2 * 32768)):
+        assert ext.fftconv_workspace_row_floats(L) == ws_floats
+        x, k, dy = _inputs(6, 1, 1, L, F32)
+        _check_kernels(ext, x, k, dy, F32)
+
+
+@needs_emulator
+@pytest.mark.parametrize("L", [1, 2, 33, 100, 257], ids=lambda v: f"L{v}")
+def test_cuda_kernels_fp64_one_block_vs_direct_reference(ext, order, L):
+    # B = 2: dk sums the batch; D = 3: rows pick kf[d]; the O(L^2) definition in float64
+    x, k, dy = _inputs64(10 + L, 2, 3, L)
+    refs = (ref.fftconv(to_np(x), to_np(k)), *ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k)))
+    y, dx, dk = _check_kernels64(ext, x, k, dy, refs)
+    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
+    none2, dk_only = K.fftconv_bwd(ext, dy, x, k, need_x=False)
+    assert none is None and none2 is None
+    assert torch.equal(dx_only, dx) and torch.equal(dk_only, dk)
+
+
+@needs_emulator
+def test_cuda_kernels_fp64_one_block_boundary(ext, order):
+    # 8192 is the last one-block length in double (no workspace), 8193 the first multi-pass one
+    # (N = 2^14: plan N1 = N2 = 128); the float path keeps one block at 8193
+    for L, ws_floats in ((8192, 0), (8193, 4 * 16384)):
+        assert ext.fftconv_workspace_row_floats(L, 4) == ws_floats
+        x, k, dy = _inputs64(20, 1, 1, L)
+        _check_kernels64(ext, x, k, dy)
+
+
+@needs_emulator
+def test_cuda_kernels_fp64_multipass_batch_channels_and_workspace_chunks(ext, order):
+    # rows b * D + d pick kf[d]; dk sums the batch; one workspace row at a time and a product
+    # spectrum slice of one batch element give bit-identical results (same per-row arithmetic,
+    # same batch order)
+    B, D, L = 3, 2, 9000
+    x, k, dy = _inputs64(21, B, D, L)
+    y, dx, dk = _check_kernels64(ext, x, k, dy)
+    N = ext.fftconv_fft_size(L)
+    small = D * (N + 1) * 16  # one batch element of complex128 product spectra; 1 ws row
+    y1 = K.fftconv_fwd(ext, x, k, max_workspace_bytes=1)
+    dx1, dk1 = K.fftconv_bwd(ext, dy, x, k, max_workspace_bytes=small)
+    assert torch.equal(y1, y) and torch.equal(dx1, dx) and torch.equal(dk1, dk)
+    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
+    none2, dk_only = K.fftconv_bwd(ext, dy, x, k, need_x=False)
+    assert none is None and none2 is None and torch.equal(dx_only, dx) and torch.equal(dk_only, dk)
+
+
+@needs_emulator
+def test_cuda_kernels_fp64_multipass_16385(ext):
+    # L = 16385 (N = 2^15, plan N1 = 256, N2 = 128) against the O(L^2) definition itself
+    x, k, dy = _inputs64(22, 1, 1, 16385)
+    refs = (ref.fftconv(to_np(x), to_np(k)), *ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k)))
+    _check_kernels64(ext, x, k, dy, refs)
+
+
+@needs_emulator
+def test_cuda_kernels_fp64_multipass_2_pow_17_plus_3(ext):
+    # N = 2^18 (plan N1 = N2 = 512), forward and backward
+    x, k, dy = _inputs64(23, 1, 1, 2**17 + 3)
+    _check_kernels64(ext, x, k, dy)
+
+
+@needs_emulator
+def test_cuda_kernels_fp64_twiddles_accurate_to_double(ext):
+    # the multi-pass twiddles e^{+-i pi a / 2^s} in double: a / 2^s is exact for every 32-bit a, so
+    # one sincospi. A twiddle rounded through fp32 anywhere (angle or value) would be off by ~1e-8.
+    g = np.random.default_rng(1)
+    s = 24
+    a = np.concatenate([g.integers(0, 2**25, 2000), [0, 1, 2**24 - 1, 2**24, 2**25 - 1]]).astype(np.uint32)
+    for sign in (-1.0, 1.0):
+        out = torch.empty(len(a), 2, dtype=F64)
+        ext.fftconv_long_twiddle_probe(torch.from_numpy(a).data_ptr(), out.data_ptr(), len(a), s, sign, 0, 4)
+        # exact reference: the angle's fraction of a turn is reduced in integers first
+        red = (a.astype(np.int64) % 2**(s + 1)).astype(np.float64) / 2.0**s
+        want = np.exp(1j * sign * np.pi * red)
+        err = np.abs(to_np(out[:, 0]) + 1j * to_np(out[:, 1]) - want).max()
+        print(f"double twiddles, sign {sign:+}: max |err| {err:.2e}")
+        assert err < 1e-15
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments: validation, and what each backend refuses
+# ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("bad, exc, match", [
     (dict(x=torch.randn(3, 5)), ValueError, r"x must have rank 3 \(B, D, L\)"),
@@ -123,10 +625,47 @@ def test_fftconv_gradcheck(path):
     (dict(k=None), TypeError, "k must be a torch.Tensor"),
     (dict(k=torch.randn(3, 5, device="meta")), ValueError, "k is on meta"),
     (dict(backend="fast"), ValueError, "backend must be one of"),
+    (dict(x=torch.randn(1, 2, 8), k=torch.randn(2, 9), backend="triton"), ValueError, r"k must have shape \(D, L\)"),
 ])
-def test_fftconv_bad_inputs(bad, exc, match):
+def test_bad_inputs(bad, exc, match):
     args = dict(x=torch.randn(2, 3, 5), k=torch.randn(3, 5))
     args.update(bad)
     backend = args.pop("backend", "auto")
     with pytest.raises(exc, match=match):
         fftconv(**args, backend=backend)
+
+
+def test_triton_refuses_what_it_cannot_run():
+    with pytest.raises(Exception, match="x has dtype torch.float16"):
+        fftconv(torch.randn(1, 2, 8, dtype=F16), torch.randn(2, 8), backend="triton")
+    with pytest.raises(Exception, match="x has dtype torch.float64"):
+        fftconv(torch.randn(1, 2, 8, dtype=F64), torch.randn(2, 8, dtype=F64), backend="triton")
+    L = conv_triton.MAX_LENGTH + 1
+    why = conv_triton.not_supported_reasons(x=torch.zeros(1, 1, L), k=torch.zeros(1, L))
+    assert any(f"L = {L} > {conv_triton.MAX_LENGTH}" in r for r in why)
+
+
+@needs_emulator
+def test_cuda_accepts_long_l_and_names_the_limit(emulated):
+    impl = emulated["fftconv"]
+    assert impl.not_supported_reasons(torch.zeros(1, 1, 20000), torch.zeros(1, 20000)) == []
+    huge = torch.zeros(1).expand(1, 1, 2**27 + 1)  # no memory behind it
+    why = " ".join(impl.not_supported_reasons(huge, torch.zeros(1).expand(1, 2**27 + 1)))
+    assert "L <= 134217728" in why and "backend='torch'" in why
+
+
+@needs_emulator
+def test_cuda_fp64_reasons(emulated):
+    impl = emulated["fftconv"]
+    x64, k64 = torch.zeros(1, 1, 20000, dtype=F64), torch.zeros(1, 20000, dtype=F64)
+    assert impl.not_supported_reasons(x64, k64) == []
+    assert impl.not_supported_reasons(x64, k64.float()) == []
+    why = " ".join(impl.not_supported_reasons(x64.half(), k64.float()))
+    assert "float64 x, got torch.float16" in why and "backend='torch'" in why
+    why = " ".join(impl.not_supported_reasons(x64.float(), k64))  # fp64 k would be rounded to fp32
+    assert "float64 k needs float64 x" in why
+    huge = torch.zeros(1, dtype=F64).expand(1, 1, 2**25 + 1)  # no memory behind it
+    why = " ".join(impl.not_supported_reasons(huge, torch.zeros(1, dtype=F64).expand(1, 2**25 + 1)))
+    assert "L <= 33554432 = 2^25 in float64" in why and "backend='torch'" in why
+    # the same length in float32 is within the float plan
+    assert impl.not_supported_reasons(huge.float(), torch.zeros(1).expand(1, 2**25 + 1)) == []
