@@ -1,43 +1,117 @@
-"""cema (composed CEMA layer): forward and every gradient (through y and the state h) against the
-float64 reference recurrence, in fp32/bf16/fp64, odd sizes, non-contiguous inputs; equality with
-the composition of the public stage ops; streaming over two halves; argument validation."""
+"""cema (the composed CEMA layer) on every backend against the float64 reference recurrence.
+
+* One table of cases run on each backend that implements it (torch; Triton in the interpreter:
+  the stage kernels with the bias and skip fused into the convolution, x fp32/bf16, float32
+  coefficients): y, h and every gradient (through y and the state h), with and without hx, state
+  returned or not, one output used, the direct / FFT (register tile and workspace) convolution
+  paths, odd sizes, non-contiguous inputs.
+* Equality with the composition of the public stage ops; streaming over two parts; gradcheck.
+* The reference's own backward against finite differences, and the stage references composing to
+  the recurrence.
+* Argument validation and what each backend refuses.
+"""
+from dataclasses import dataclass, field
+
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
 from megalodon_kernels.ops.cema import cema
-from megalodon_kernels.ops.cema import torch_impl as cema_impl
+from megalodon_kernels.ops.cema import torch_impl as cema_torch
 from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.fftconv import fftconv
 from megalodon_kernels.reference import cema as ref
-from support import as_input, assert_close, backend_module, knobs as config, to_np, tol
-from test_cema_kernel import random_coefficients
+from megalodon_kernels.reference import cema_kernel as kernel_ref
+from megalodon_kernels.reference import ema_hidden as hidden_ref
+from megalodon_kernels.reference import fftconv as conv_ref
+from support import as_input, assert_close, backend_module, cema_coefficients, finite_difference_grad, knobs, \
+    on_backends, to_np, tol
 
-# (x dtype, coefficient dtype). y is rounded once to x's dtype; h and the coefficient gradients are
-# fp32 computations on the rounded x, so they take the coefficient dtype's tolerance.
-DTYPES = [(torch.float32, torch.float32), (torch.bfloat16, torch.float32), (torch.float64, torch.float64)]
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
 NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 
+# direct_max_len forcing each convolution path; Triton's workspace path needs L > 2048 whatever the
+# knob, and work_bc = 4096 (one column tile per pass) keeps the interpreter fast there.
+PATHS = {"direct": {"torch": dict(direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
+         "fft": {"torch": dict(direct_max_len=0), "triton": dict(direct_max_len=0)}}
 
-def _ids(d):
+
+def _dt(d):
     return str(d).replace("torch.", "")
 
 
 def _inputs(gen, B, D, N, L, xdtype, cdtype, with_hx, contiguous):
-    c = random_coefficients(gen, D, N, B if with_hx else None, cdtype)
-    c["x"] = torch.randn(B, D, L, generator=gen, dtype=torch.float64).to(xdtype)
-    c["omega"] = (0.5 * torch.randn(D, generator=gen, dtype=torch.float64)).to(cdtype)
+    c = cema_coefficients(gen, D, N, B if with_hx else None, cdtype)._asdict()
+    c["x"] = torch.randn(B, D, L, generator=gen, dtype=F64).to(xdtype)
+    c["omega"] = (0.5 * torch.randn(D, generator=gen, dtype=F64)).to(cdtype)
     return {n: as_input(c[n], contiguous=contiguous, requires_grad=True) for n in NAMES if c[n] is not None}
 
 
-def _check(B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguous=True, seed=0, knobs=None,
-           use=("y", "h"), backend="torch"):
-    """y, h and every gradient of ``backend`` (run with the knob values ``knobs``) vs the reference
-    recurrence; shared with tests/test_triton_cema.py."""
+# ------------------------------------------------------------------------------------------------
+# the case table: y, h and every gradient on every backend
+# ------------------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class Case:
+    B: int
+    D: int
+    N: int
+    L: int
+    xdtype: torch.dtype
+    cdtype: torch.dtype             # of p and omega; log_q, gamma and hx take the matching complex dtype
+    with_hx: bool = True
+    return_state: bool = True
+    path: str = "fft"
+    contiguous: bool = True
+    seed: int = 0
+    use: tuple = ("y", "h")         # the outputs that get an upstream gradient
+    knobs: dict = field(default_factory=dict)   # {backend: knob values}, over the path's
+    only: tuple | None = None       # cases for some backends alone (the reason beside each)
+
+
+def case(B, D, N, L, xdtype, cdtype, id, **kw):
+    return pytest.param(Case(B, D, N, L, xdtype, cdtype, **kw), id=id)
+
+
+# (x dtype, coefficient dtype). y is rounded once to x's dtype; h and the coefficient gradients are
+# computed in the coefficient dtype from the rounded x, so they take its tolerance.
+DTYPES = [(F32, F32), (BF16, F32), (F64, F64)]
+MODES = {"plain": (False, False), "hx_state": (True, True)}
+
+CASES = [
+    *(case(2, 3, 4, L, x, c, f"{path}-L{L}-{mode}-x_{_dt(x)}-c_{_dt(c)}", path=path, with_hx=MODES[mode][0],
+           return_state=MODES[mode][1])
+      for path in PATHS for x, c in DTYPES for L in (1, 31, 33, 63, 129) for mode in MODES),
+    case(2, 3, 4, 40, F32, F32, "L40-hx-no_state", with_hx=True, return_state=False),
+    case(2, 3, 4, 40, F32, F32, "L40-no_hx-state", with_hx=False, return_state=True),
+    *(case(3, 2, 4, 40, F32, F32, f"{path}-L40-no_hx-no_state", path=path, with_hx=False, return_state=False, seed=1)
+      for path in PATHS),
+    # torch alone: the Triton interpreter takes ~10 s for 60 features
+    case(1, 60, 2, 33, BF16, F32, "direct-D60-strided-x_bfloat16", path="direct", contiguous=False, only=("torch",)),
+    *(case(2, 3, 4, 40, F64, F64, f"L40-{u}_only-float64", use=(u,)) for u in ("y", "h")),
+    *(case(2, 2, 4, 70, BF16, F32, f"L70-{u}_only-x_bfloat16", seed=2, use=(u,)) for u in ("y", "h")),
+    case(3, 2, 5, 97, BF16, F32, "L97-strided-odd_batch-x_bfloat16", contiguous=False, seed=3),
+    # Triton: the three-level convolution (N = 8192) with the fused bias / skip epilogue
+    case(3, 1, 4, 2049, F32, F32, "L2049", seed=4, knobs={"triton": dict(work_bc=4096)}),
+]
+
+
+def runs_on(backend, c: Case) -> bool:
+    if c.only is not None and backend not in c.only:
+        return False
+    if backend == "triton":
+        return c.xdtype in (F32, BF16) and c.cdtype == F32
+    return backend == "torch"   # no CUDA backend of the composed op: it runs as the CUDA stage ops
+
+
+def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguous=True, seed=0,
+               config=None, use=("y", "h")):
+    """y, h and every gradient of ``backend`` (run with the knob values ``config``) vs the reference."""
     gen = torch.Generator().manual_seed(seed)
     ins = _inputs(gen, B, D, N, L, xdtype, cdtype, with_hx, contiguous)
-    with config(backend_module("cema", backend), **(knobs or {})):
+    with knobs(backend_module("cema", backend), **(config or {})):
         y, h = cema(*(ins.get(n) for n in NAMES), return_state=return_state, backend=backend)
         assert y.shape == (B, D, L) and y.dtype == xdtype
         npin = {n: to_np(t) for n, t in ins.items()}
@@ -48,9 +122,9 @@ def _check(B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguo
             assert_close("h", h, h_ref, tol(backend, cdtype, "fwd"))
         else:
             assert h is None
-        dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(xdtype)
-        dh = torch.complex(torch.randn(B, D, N, generator=gen, dtype=torch.float64),
-                           torch.randn(B, D, N, generator=gen, dtype=torch.float64)).to(ins["log_q"].dtype)
+        dy = torch.randn(y.shape, generator=gen, dtype=F64).to(xdtype)
+        dh = torch.complex(torch.randn(B, D, N, generator=gen, dtype=F64),
+                           torch.randn(B, D, N, generator=gen, dtype=F64)).to(ins["log_q"].dtype)
         outs, cots = [], []
         if "y" in use:
             outs.append(y), cots.append(dy)
@@ -69,40 +143,30 @@ def _check(B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguo
         assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"))
 
 
-@pytest.mark.parametrize("xdtype,cdtype", DTYPES, ids=_ids)
-@pytest.mark.parametrize("L", [1, 31, 33, 63, 129])
-@pytest.mark.parametrize("with_hx,return_state", [(False, False), (True, True)], ids=["plain", "hx_state"])
-def test_cema_matches_reference(xdtype, cdtype, L, with_hx, return_state):
-    _check(2, 3, 4, L, xdtype, cdtype, with_hx, return_state)
-
-
-@pytest.mark.parametrize("with_hx,return_state", [(True, False), (False, True)], ids=["hx", "state"])
-def test_cema_state_combinations(with_hx, return_state):
-    _check(2, 3, 4, 40, torch.float32, torch.float32, with_hx, return_state)
-
-
-def test_cema_wide_features():
-    _check(1, 60, 2, 33, torch.bfloat16, torch.float32, contiguous=False)
-
-
-@pytest.mark.parametrize("use", [("y",), ("h",)], ids=["y_only", "h_only"])
-def test_cema_one_output_used(use):
-    _check(2, 3, 4, 40, torch.float64, torch.float64, use=use)
+@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on))
+def test_matches_reference(backend, c):
+    config = {**PATHS[c.path][backend], **c.knobs.get(backend, {})}
+    check_cema(backend, c.B, c.D, c.N, c.L, c.xdtype, c.cdtype, c.with_hx, c.return_state, c.contiguous, c.seed,
+               config, c.use)
 
 
 @given(B=st.integers(1, 3), D=st.integers(1, 5), N=st.integers(1, 6), L=st.integers(1, 140),
        dtypes=st.sampled_from(DTYPES), with_hx=st.booleans(), return_state=st.booleans(), contiguous=st.booleans(),
        power_block=st.sampled_from([1, 6, 64]), direct_max_len=st.sampled_from([0, 16, 1000]),
        seed=st.integers(0, 2**31))
-def test_cema_property(B, D, N, L, dtypes, with_hx, return_state, contiguous, power_block, direct_max_len, seed):
-    _check(B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed,
-           knobs={"power_block": power_block, "direct_max_len": direct_max_len})
+def test_property_torch(B, D, N, L, dtypes, with_hx, return_state, contiguous, power_block, direct_max_len, seed):
+    check_cema("torch", B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed,
+               config={"power_block": power_block, "direct_max_len": direct_max_len})
 
 
-def test_cema_equals_stage_ops():
+# ------------------------------------------------------------------------------------------------
+# composition, streaming, gradcheck
+# ------------------------------------------------------------------------------------------------
+
+def test_equals_stage_ops():
     # cema == fftconv(x, k) + b + omega x with k, b from cema_kernel and h from ema_hidden
     gen = torch.Generator().manual_seed(9)
-    ins = _inputs(gen, 2, 4, 5, 77, torch.float64, torch.float64, True, True)
+    ins = _inputs(gen, 2, 4, 5, 77, F64, F64, True, True)
     x, p, lq, g, om, hx = (ins[n] for n in NAMES)
     y, h = cema(x, p, lq, g, om, hx, return_state=True)
     k, b = cema_kernel(p, lq, g, 77, hx)
@@ -110,29 +174,94 @@ def test_cema_equals_stage_ops():
     assert_close("h vs ema_hidden", h, to_np(ema_hidden(x, p, lq, hx)), 1e-12)
 
 
-@pytest.mark.parametrize("xdtype,cdtype", [(torch.float32, torch.float32), (torch.float64, torch.float64)],
-                         ids=["fp32", "fp64"])
-def test_cema_streaming(xdtype, cdtype):
-    # two halves with the state carried == the whole sequence, for y and the final state
+@pytest.mark.parametrize("backend, xdtype, cdtype", [("torch", F32, F32), ("torch", F64, F64), ("triton", F32, F32)],
+                         ids=["torch-fp32", "torch-fp64", "triton-fp32"])
+def test_streaming(backend, xdtype, cdtype):
+    # two parts with the state carried == the whole sequence, for y and the final state
     gen = torch.Generator().manual_seed(13)
     ins = {n: t.detach() for n, t in _inputs(gen, 2, 3, 4, 200, xdtype, cdtype, True, True).items()}
     x, p, lq, g, om, hx = (ins[n] for n in NAMES)
-    y, h = cema(x, p, lq, g, om, hx, return_state=True)
+    y, h = cema(x, p, lq, g, om, hx, return_state=True, backend=backend)
     for L1 in (1, 77, 100, 199):
-        y1, h1 = cema(x[..., :L1], p, lq, g, om, hx, return_state=True)
-        y2, h2 = cema(x[..., L1:], p, lq, g, om, h1, return_state=True)
-        assert_close(f"streamed y (split {L1})", torch.cat((y1, y2), -1), to_np(y), tol("torch", xdtype, "fwd"))
-        assert_close(f"streamed h (split {L1})", h2, to_np(h), tol("torch", cdtype, "fwd"))
+        y1, h1 = cema(x[..., :L1], p, lq, g, om, hx, return_state=True, backend=backend)
+        y2, h2 = cema(x[..., L1:], p, lq, g, om, h1, return_state=True, backend=backend)
+        assert_close(f"streamed y (split {L1})", torch.cat((y1, y2), -1), to_np(y), tol(backend, xdtype, "fwd"))
+        assert_close(f"streamed h (split {L1})", h2, to_np(h), tol(backend, cdtype, "fwd"))
 
 
-def test_cema_gradcheck():
+def test_gradcheck_torch():
     gen = torch.Generator().manual_seed(5)
-    ins = _inputs(gen, 2, 2, 3, 6, torch.float64, torch.float64, True, True)
+    ins = _inputs(gen, 2, 2, 3, 6, F64, F64, True, True)
     # fast_mode (random projections of the Jacobian): the full Jacobian takes seconds here
-    with config(cema_impl, power_block=4, direct_max_len=0):
+    with knobs(cema_torch, power_block=4, direct_max_len=0):
         assert torch.autograd.gradcheck(lambda *a: cema(*a, return_state=True), tuple(ins[n] for n in NAMES),
                                         fast_mode=True)
 
+
+# ------------------------------------------------------------------------------------------------
+# the references: backward against central finite differences, stages against the recurrence
+# ------------------------------------------------------------------------------------------------
+
+def _np_inputs(seed, L, with_hx):
+    """Float64 NumPy arguments of reference.cema: B = 2, D = 2, N = 3."""
+    gen = torch.Generator().manual_seed(seed)
+    p, log_q, gamma, hx = (to_np(t) for t in cema_coefficients(gen, 2, 3, 2, F64))
+    x = to_np(torch.randn(2, 2, L, generator=gen, dtype=F64))
+    omega = to_np(torch.randn(2, generator=gen, dtype=F64))
+    return dict(x=x, p=p, log_q=log_q, gamma=gamma, omega=omega, hx=hx if with_hx else None), gen, hx.shape
+
+
+@pytest.mark.parametrize("with_hx,return_state", [(False, False), (True, False), (False, True), (True, True)],
+                         ids=["plain", "hx", "state", "hx_state"])
+def test_reference_bwd_matches_finite_differences(with_hx, return_state):
+    args, gen, hshape = _np_inputs(4, 6, with_hx)
+    dy = to_np(torch.randn(args["x"].shape, generator=gen, dtype=F64))
+    dh = to_np(torch.complex(torch.randn(hshape, generator=gen, dtype=F64), torch.randn(hshape, generator=gen,
+                                                                                        dtype=F64)))
+
+    def loss(v):
+        y, h = ref.cema(**v, return_state=return_state)
+        out = np.sum(dy * y)
+        return out + (np.sum((np.conj(dh) * h).real) if return_state else 0.0)
+
+    grads = ref.cema_bwd(dy, dh, **args, return_state=return_state)
+    names = ["x", "p", "log_q", "gamma", "omega"] + (["hx"] if with_hx else [])
+    for name, g in zip(names, grads):
+        assert_close(f"{name} vs finite differences", g, finite_difference_grad(loss, args, name), 1e-6)
+    assert (grads[5] is None) == (not with_hx)
+
+
+@pytest.mark.parametrize("with_hx", [False, True], ids=["no_hx", "hx"])
+def test_stage_references_compose_to_cema(with_hx):
+    # The recurrence (reference.cema) must equal fftconv(x, k) + b + omega x with k, b from the
+    # kernel reference and h from ema_hidden; and its backward the chain of the stage backwards.
+    args, gen, hshape = _np_inputs(5, 11, with_hx)
+    x, p, lq, g, om, hx = (args[n] for n in NAMES)
+    L = x.shape[-1]
+    y, h = ref.cema(x, p, lq, g, om, hx, return_state=True)
+    k, b = kernel_ref.cema_kernel(p, lq, g, L, hx)
+    y_stages = conv_ref.fftconv(x, k) + (0.0 if b is None else b) + om[:, None] * x
+    np.testing.assert_allclose(y, y_stages, rtol=0, atol=1e-12 * np.abs(y).max())
+    np.testing.assert_allclose(h, hidden_ref.ema_hidden(x, p, lq, hx), rtol=0, atol=1e-12 * np.abs(h).max())
+
+    dy = to_np(torch.randn(x.shape, generator=gen, dtype=F64))
+    dh = to_np(torch.complex(torch.randn(hshape, generator=gen, dtype=F64), torch.randn(hshape, generator=gen,
+                                                                                        dtype=F64)))
+    dx, dp, dlq, dg, dom, dhx = ref.cema_bwd(dy, dh, x, p, lq, g, om, hx, return_state=True)
+    cx, ck = conv_ref.fftconv_bwd(dy, x, k)
+    kp, klq, kg, khx = kernel_ref.cema_kernel_bwd(ck, dy if with_hx else None, p, lq, g, L, hx)
+    hxg, hp, hlq, hhx = hidden_ref.ema_hidden_bwd(dh, x, p, lq, hx)
+    pairs = [("x", dx, cx + om[:, None] * dy + hxg), ("p", dp, kp + hp), ("log_q", dlq, klq + hlq),
+             ("gamma", dg, kg), ("omega", dom, np.sum(dy * x, axis=(0, 2)))]
+    if with_hx:
+        pairs.append(("hx", dhx, khx + hhx))
+    for name, got, want in pairs:
+        np.testing.assert_allclose(got, want, rtol=0, atol=1e-11 * np.abs(want).max(), err_msg=name)
+
+
+# ------------------------------------------------------------------------------------------------
+# arguments: validation, and what each backend refuses
+# ------------------------------------------------------------------------------------------------
 
 def _good():
     return dict(x=torch.randn(2, 3, 5), p=torch.rand(3, 4), log_q=torch.zeros(3, 4, dtype=torch.complex64),
@@ -144,7 +273,7 @@ def _good():
     (dict(x=torch.randn(2, 3)), ValueError, r"x must have rank 3 \(B, D, L\)"),
     (dict(x=torch.randn(2, 3, 0)), ValueError, "x must have length L >= 1"),
     (dict(x=torch.randn(2, 4, 5)), ValueError, r"p must have shape \(D, N\)"),
-    (dict(p=torch.rand(3, 4, dtype=torch.float64)), TypeError, "log_q must have dtype"),
+    (dict(p=torch.rand(3, 4, dtype=F64)), TypeError, "log_q must have dtype"),
     (dict(gamma=torch.zeros(3, 2, dtype=torch.complex64)), ValueError, r"gamma must have shape \(D, N\)"),
     (dict(gamma=torch.zeros(3, 4)), TypeError, "gamma must have dtype"),
     (dict(omega=torch.randn(3, 1)), ValueError, r"omega must have rank 1 \(D,\)"),
@@ -155,9 +284,25 @@ def _good():
     (dict(return_state=1), TypeError, "return_state must be a bool"),
     (dict(backend="jax"), ValueError, "backend must be one of"),
 ])
-def test_cema_bad_inputs(bad, exc, match):
+def test_bad_inputs(bad, exc, match):
     args = _good()
     args.update(bad)
     backend = args.pop("backend", "auto")
     with pytest.raises(exc, match=match):
         cema(**args, backend=backend)
+
+
+def test_triton_refuses_what_it_cannot_run():
+    gen = torch.Generator().manual_seed(0)
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 33, None, F32)          # N = 33 > the largest n tile
+    with pytest.raises(Exception, match="N = 33 > 32"):
+        cema(torch.randn(1, 2, 8), p, log_q, gamma, torch.zeros(2), backend="triton")
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F32)
+    with pytest.raises(Exception, match="x has dtype torch.float16"):
+        cema(torch.randn(1, 2, 8, dtype=torch.float16), p, log_q, gamma, torch.zeros(2), backend="triton")
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F64)
+    with pytest.raises(Exception, match="float32 coefficients"):
+        cema(torch.randn(1, 2, 8), p, log_q, gamma, torch.zeros(2, dtype=F64), backend="triton")
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F32)
+    with pytest.raises(ValueError, match="omega"):
+        cema(torch.randn(1, 2, 8), p, log_q, gamma, torch.zeros(3), backend="triton")
