@@ -257,6 +257,8 @@ def test_triton_default_path_choice():
     assert conv_triton._plan(limit + 1, limit)[0] == "tile"
     assert conv_triton._plan(2048, limit)[0] == "tile" and conv_triton._plan(2049, limit)[0] == "work"
     assert conv_triton._plan(conv_triton.MAX_LENGTH, limit) == ("work", 64, 64)
+    # the shipped column tile loops over several column tiles per pass (the case "L2049-shipped-work_bc")
+    assert conv_triton.DEFAULT_CONFIG["work_bc"] < 4096
 
 
 # ------------------------------------------------------------------------------------------------
