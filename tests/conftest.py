@@ -150,6 +150,68 @@ def use_emulated_cuda(emulated, monkeypatch):
     return emulated
 
 
+@pytest.fixture(scope="session", autouse=True)
+def _record_emulator_launches():
+    """Every emulator extension the session loads records what its launchers launched (read by
+    tests/test_cuda_kernels.py::test_every_kernel_ran_in_the_emulator)."""
+    from megalodon_kernels.cuda import build
+
+    load = build.load_emulator
+
+    def load_recording(*args, **kwargs):
+        mod = load(*args, **kwargs)
+        if not hasattr(mod, "launch_log"):
+            _record_launches(mod)
+        return mod
+
+    build.load_emulator = load_recording
+    yield
+    build.load_emulator = load
+
+
+def _record_launches(mod):
+    """Wrap the extension's functions so every call appends (function, args, kwargs, kernels) to
+    ``mod.launch_log``; ``kernels`` are the MK_LAUNCH names of the launches it made, in order,
+    read from the emulator's per-launch profile line (MK_EMU_PROFILE=1) on stderr. Together with
+    the call's dtype codes they name the template instantiation that ran."""
+    import tempfile
+
+    mod.launch_log = []
+    sink = tempfile.TemporaryFile()
+
+    def recording(name, fn):
+        def call(*args, **kwargs):
+            fd = sink.fileno()
+            os.ftruncate(fd, 0)
+            os.lseek(fd, 0, os.SEEK_SET)
+            saved_env = os.environ.get("MK_EMU_PROFILE")
+            saved_fd = os.dup(2)
+            os.environ["MK_EMU_PROFILE"] = "1"
+            os.dup2(fd, 2)
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                os.dup2(saved_fd, 2)
+                os.close(saved_fd)
+                if saved_env is None:
+                    del os.environ["MK_EMU_PROFILE"]
+                else:
+                    os.environ["MK_EMU_PROFILE"] = saved_env
+                os.lseek(fd, 0, os.SEEK_SET)
+                lines = sink.read().decode(errors="replace").splitlines()
+                launched = [line.split()[1] for line in lines if line.startswith("[mk-emu] ")]
+                other = [line for line in lines if not line.startswith("[mk-emu] ")]
+                if other:  # anything else the extension printed still reaches stderr
+                    os.write(2, ("\n".join(other) + "\n").encode())
+                mod.launch_log.append((name, args, kwargs, launched))
+        return call
+
+    for name in dir(mod):
+        fn = getattr(mod, name)
+        if callable(fn) and not name.startswith(("_", "emulator_")):
+            setattr(mod, name, recording(name, fn))
+
+
 @pytest.fixture(scope="module")
 def kernels():
     """cuda/kernels.py: the tensor API over the launchers."""

@@ -32,6 +32,8 @@ TOLERANCES = {
     # CUDA kernels run in the SIMT emulator here (CPU libm, no FMA contraction differences hidden).
     ("cuda", torch.float32): {"fwd": 2e-5, "bwd": 5e-5},
     ("cuda", torch.bfloat16): {"fwd": 2e-2, "bwd": 4e-2},
+    # float16: attention only (its flash and matmul paths), fp32 accumulation as for bf16.
+    ("cuda", torch.float16): {"fwd": 4e-3, "bwd": 8e-3},
     # fp64 kernels accumulate in double; the fp32 side of the budget is never needed.
     ("cuda", torch.float64): {"fwd": 1e-10, "bwd": 1e-9},
 }
@@ -110,6 +112,66 @@ def knobs(backend_module, **config):
 def backend_module(op: str, backend: str):
     """The module of one backend of ``op`` (ops/<op>/<backend>_impl.py), e.g. for :func:`knobs`."""
     return importlib.import_module(f"megalodon_kernels.ops.{op}.{backend}_impl")
+
+
+# --- input builders ---------------------------------------------------------------------------
+
+def attention_inputs(B, L, S, H, dh, dv, dtype, contiguous=True, data_seed=0):
+    """q (B, L, H, dh), k (B, S, H, dh), v (B, S, H, dv) as leaves and an upstream gradient do,
+    drawn in float64 from one seeded generator, then rounded to ``dtype``."""
+    gen = torch.Generator().manual_seed(data_seed)
+    q = as_input(torch.randn(B, L, H, dh, generator=gen, dtype=torch.float64), dtype, contiguous, True)
+    k = as_input(torch.randn(B, S, H, dh, generator=gen, dtype=torch.float64), dtype, contiguous, True)
+    v = as_input(torch.randn(B, S, H, dv, generator=gen, dtype=torch.float64), dtype, contiguous, True)
+    do = torch.randn(B, L, H, dv, generator=gen, dtype=torch.float64).to(dtype)
+    return q, k, v, do
+
+
+#: padding layouts of :func:`padding_mask`; "mixed" gives each batch row another layout
+PADDINGS = ["none", "left", "middle", "right", "random", "all", "mixed"]
+
+
+def padding_mask(kind: str, B: int, L: int, gen: torch.Generator) -> torch.Tensor:
+    """(B, L) bool, True = padded, in one of the :data:`PADDINGS` layouts."""
+    m = torch.zeros(B, L, dtype=torch.bool)
+    for b in range(B):
+        k = kind if kind != "mixed" else PADDINGS[b % 6]
+        a, c = sorted(torch.randint(0, L + 1, (2,), generator=gen).tolist())
+        if k == "left":
+            m[b, :c] = True
+        elif k == "right":
+            m[b, a:] = True
+        elif k == "middle":
+            m[b, a:c] = True
+        elif k == "random":
+            m[b] = torch.rand(L, generator=gen) < 0.3
+        elif k == "all":
+            m[b] = True
+    return m
+
+
+def timestep_norm_inputs(B, L, D, G, seed, *, pad="none", prior=True, center=0.0, spread=1.0, nan_in_pad=True):
+    """Random float64 timestep_norm arguments (x (B, L, D), scale, bias, num_groups, padding_mask
+    and, with ``prior``, the state prev_count/prev_mean/prev_var) and the generator that drew them.
+    Padded rows of x hold NaN/inf/1e30: they must never matter."""
+    gen = torch.Generator().manual_seed(seed)
+    x = center + spread * torch.randn(B, L, D, generator=gen, dtype=torch.float64)
+    mask = padding_mask(pad, B, L, gen)
+    if nan_in_pad and mask.any():
+        junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30], dtype=torch.float64)
+        x[mask] = junk[torch.randint(0, 4, (int(mask.sum()), 1), generator=gen)].expand(-1, D)
+    p = dict(
+        x=x,
+        scale=1.0 + 0.5 * torch.randn(D, generator=gen, dtype=torch.float64),
+        bias=0.5 * torch.randn(D, generator=gen, dtype=torch.float64),
+        num_groups=G,
+        padding_mask=mask if pad != "none" else None,
+    )
+    if prior:
+        p["prev_count"] = torch.randint(0, 6, (B,), generator=gen)
+        p["prev_mean"] = center + torch.randn(B, G, generator=gen, dtype=torch.float64)
+        p["prev_var"] = 0.5 + spread ** 2 * torch.rand(B, G, generator=gen, dtype=torch.float64)
+    return p, gen
 
 
 # --- backends -----------------------------------------------------------------------------------

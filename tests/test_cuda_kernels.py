@@ -1,220 +1,30 @@
-"""Every CUDA kernel, forward and backward, EXECUTED on the CPU through the SIMT emulator.
+"""The CUDA kernels in the emulator: every ``__global__`` kernel and every template instantiation the
+launchers take (cuda/*.cu, cuda/*.cuh) must be launched by some test; and the one-block fftconv
+kernels against the float64 references, in fp32 and bf16, in both fiber orders.
 
-The kernel sources in cuda/ are compiled as C++ with cuda/emu/emu.cuh into a CPU extension
-(cached; see cuda/build.py) and run against the float64 NumPy references, in fp32 and bf16 (and
-fp64 for rotary, dropkey_softmax and timestep_norm, whose kernels accumulate in double), in
-both fiber orders (a missing __syncthreads shows in one of them; shared memory is poisoned
-per block). The DropKey mask must be bit-identical to ops.dropkey_rule. Shapes are small:
-the emulator runs every CUDA thread as a fiber.
+The op tests (tests/test_<op>.py) run the CUDA backend and its kernels in the emulator (cuda/emu);
+conftest.py records, for every launcher call, the MK_LAUNCH names it launched and the call's
+dtype codes, which name the instantiation that ran.
 """
-import os
-import shutil
+import re
+from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
-from megalodon_kernels.ops.dropkey_rule import dropkey_mask
 from megalodon_kernels.reference import fftconv as fftconv_ref
-from megalodon_kernels.reference import rotary as rotary_ref
-from megalodon_kernels.reference import timestep_norm as tsn_ref
-from megalodon_kernels.reference.attention import _masked_softmax, visible_mask
 from support import assert_close, to_np, tol
 
-pytestmark = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                reason="the emulator extension needs a C++ compiler (g++)")
-
-# The CUDA kernels compute in fp32 with one rounding on store: the torch backend's budget.
-# fp64 inputs (rotary, dropkey_softmax, timestep_norm) run in double: support.TOLERANCES' cuda row.
-TOL = {torch.float32: {"fwd": 2e-5, "bwd": 5e-5}, torch.bfloat16: {"fwd": 2e-2, "bwd": 4e-2},
-       torch.float64: {"fwd": tol("cuda", torch.float64, "fwd"), "bwd": tol("cuda", torch.float64, "bwd")}}
 DTYPES = [torch.float32, torch.bfloat16]
-DTYPES_FP64 = [*DTYPES, torch.float64]  # the ops whose kernels have a double instantiation
+
+
+def tol_of(dtype):
+    return {kind: tol("cuda", dtype, kind) for kind in ("fwd", "bwd")}
 
 
 def _gen(seed):
     return torch.Generator().manual_seed(seed)
-
-
-# ------------------------------------------------------------------------------------------------
-# dropkey_softmax
-# ------------------------------------------------------------------------------------------------
-
-def _softmax_ref(x, causal, p, seed):
-    Bf, Hf, L, S = x.shape
-    allowed = visible_mask(L, S, causal=causal)[None, None]
-    if p > 0:
-        allowed = allowed & dropkey_mask(seed, p, Bf, Hf, L, S).numpy()
-    return _masked_softmax(to_np(x), allowed), allowed
-
-
-@pytest.mark.parametrize("dtype", DTYPES_FP64, ids=str)
-@pytest.mark.parametrize("shape,causal,p", [
-    ((2, 3, 5, 7), True, 0.0),        # S > L: KV-cache alignment
-    ((1, 2, 33, 33), True, 0.3),
-    ((1, 1, 9, 6), True, 0.5),        # S < L: leading rows fully masked -> 0
-    ((2, 1, 4, 300), False, 0.2),     # several items per thread
-    ((1, 1, 2, 4500), True, 0.1),     # beyond the register cache (8 x 512): streamed pass
-], ids=["kvcache", "square", "short_S", "wide", "streamed"])
-def test_dropkey_softmax(ext, kernels, order, dtype, shape, causal, p):
-    seed = 2**40 + 12345
-    x = (torch.randn(shape, generator=_gen(1)) * 3).to(dtype)
-    y = kernels.dropkey_softmax_fwd(ext, x, causal=causal, dropkey_p=p, seed=seed)
-    want, allowed = _softmax_ref(x, causal, p, seed)
-    assert y.dtype == dtype and y.shape == x.shape
-    assert_close("y", y, want, TOL[dtype]["fwd"])
-    # the keep/drop decisions are bit-identical: exactly the allowed entries are non-zero
-    np.testing.assert_array_equal(to_np(y) != 0, (want != 0) & allowed)
-    dy = torch.randn(shape, generator=_gen(2)).to(dtype)
-    dx = kernels.dropkey_softmax_bwd(ext, dy, y, causal=causal)
-    yr, dyr = to_np(y), to_np(dy)
-    assert_close("dx", dx, yr * (dyr - (yr * dyr).sum(-1, keepdims=True)), TOL[dtype]["bwd"])
-
-
-@pytest.mark.parametrize("seed", [0, 1, 2**32 - 1, 2**32 + 7, 2**63 - 1])
-@pytest.mark.parametrize("p", [0.05, 0.5, 0.999])
-def test_dropkey_mask_bit_identical_to_the_package_rule(ext, kernels, seed, p):
-    # zero scores, no causal mask: y > 0 exactly where the rule keeps the logit
-    Bf, Hf, L, S = 2, 3, 4, 70
-    y = kernels.dropkey_softmax_fwd(ext, torch.zeros(Bf, Hf, L, S), causal=False, dropkey_p=p, seed=seed)
-    keep = dropkey_mask(seed, p, Bf, Hf, L, S)
-    np.testing.assert_array_equal((y > 0).numpy(), keep.numpy())
-
-
-def test_dropkey_p0_is_plain_softmax(ext, kernels):
-    x = torch.randn(2, 2, 6, 6, generator=_gen(3))
-    y = kernels.dropkey_softmax_fwd(ext, x, causal=False, dropkey_p=0.0, seed=5)
-    assert_close("y", y, torch.softmax(x.double(), -1), 2e-6)
-
-
-def test_dropkey_softmax_rank_2_and_5(ext, kernels):
-    for shape in [(5, 8), (2, 2, 2, 3, 4)]:
-        x = torch.randn(shape, generator=_gen(4))
-        y = kernels.dropkey_softmax_fwd(ext, x, causal=True, dropkey_p=0.25, seed=9)
-        flat = x.reshape(-1, shape[-3] if len(shape) >= 3 else 1, *shape[-2:])
-        want, _ = _softmax_ref(flat, True, 0.25, 9)
-        assert_close("y", y.reshape(flat.shape), want, 2e-5)
-
-
-# ------------------------------------------------------------------------------------------------
-# rotary
-# ------------------------------------------------------------------------------------------------
-
-@pytest.mark.parametrize("dtype", DTYPES_FP64, ids=str)
-@pytest.mark.parametrize("xpos,per_batch", [(None, False), (512.0, False), (None, True)],
-                         ids=["rope", "xpos", "per_batch"])
-def test_rotary(ext, kernels, order, dtype, xpos, per_batch):
-    from megalodon_kernels.ops.rotary import rotation_tables
-
-    B, L, H, d = 2, 33, 3, 8
-    x = torch.randn(B, L, H, d, generator=_gen(5)).to(dtype)
-    pos = torch.randint(0, 1000, (B, L), generator=_gen(6)) if per_batch else torch.arange(7, 7 + L)
-    # fp32 tables for fp32/bf16 x; float64 x gets float64 tables (fp32 ones would cap it at ~1e-7)
-    tables = torch.float64 if dtype == torch.float64 else torch.float32
-    for downscale in (False, True):
-        cos, sin = rotation_tables(pos, d, 10000.0, xpos, downscale, tables)
-        y = kernels.rotary_fwd(ext, x, cos, sin)
-        assert y.dtype == dtype
-        assert_close("y", y, rotary_ref.rotary(to_np(x), pos.numpy(), 10000.0, xpos, downscale), TOL[dtype]["fwd"])
-        dx = kernels.rotary_bwd(ext, x, cos, sin)
-        assert_close("dx", dx, rotary_ref.rotary_bwd(to_np(x), pos.numpy(), 10000.0, xpos, downscale),
-                     TOL[dtype]["bwd"])
-
-
-# ------------------------------------------------------------------------------------------------
-# timestep_norm
-# ------------------------------------------------------------------------------------------------
-
-def _acc_dtype(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def _tsn_case(B, L, D, G, dtype, pad_kind, prev_count, seed=0):
-    g = _gen(seed)
-    x = (torch.randn(B, L, D, generator=g) * 2 + 3).to(dtype)
-    # side inputs in the kernel's accumulation type: genuine float64 values for float64 x, so a
-    # kernel that rounded them through fp32 would show
-    side = dict(generator=g, dtype=_acc_dtype(dtype))
-    scale = torch.randn(D, **side)
-    bias = torch.randn(D, **side)
-    pc = torch.tensor(prev_count, dtype=torch.int64)
-    pm = torch.randn(B, G, **side)
-    pv = torch.rand(B, G, **side) + 0.5
-    mask = torch.zeros(B, L, dtype=torch.bool)
-    if pad_kind == "left":
-        mask[0, : L // 2] = True
-    elif pad_kind == "mixed":
-        mask[0, : L // 3] = True
-        mask[-1, L // 4: L // 2] = True
-        mask[-1, -3:] = True
-    elif pad_kind == "all":
-        mask[:] = True
-    return x, scale, bias, pc, pm, pv, mask
-
-
-@pytest.mark.parametrize("dtype", DTYPES_FP64, ids=str)
-@pytest.mark.parametrize("B,L,D,G,pad_kind,prev_count", [
-    (2, 1, 4, 1, "none", [0, 0]),
-    (2, 31, 12, 3, "mixed", [0, 5]),
-    (1, 129, 6, 6, "none", [0]),           # G = D (Dg = 1)
-    (2, 700, 8, 2, "left", [0, 3]),        # 64 chunks; leading chunks fully padded (spec 8.4)
-    (1, 40, 64, 2, "all", [4]),            # nothing observed: the prior comes back unchanged
-], ids=["L1", "L31_mixed_pad", "L129_G_eq_D", "L700_left_pad", "all_padded"])
-def test_timestep_norm(ext, kernels, order, dtype, B, L, D, G, pad_kind, prev_count):
-    x, scale, bias, pc, pm, pv, mask = _tsn_case(B, L, D, G, dtype, pad_kind, prev_count)
-    y, count, mean, var, saved = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, G, 1e-5)
-    args = (to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(), mask.numpy())
-    yr, cr, mr, vr = tsn_ref.timestep_norm(*args)
-    assert y.dtype == dtype
-    # the statistics and state come back in the accumulation type: float64 only for float64 x
-    acc = _acc_dtype(dtype)
-    assert mean.dtype == var.dtype == saved[5].dtype == acc
-    stat_tol = TOL[dtype]["fwd"] if dtype == torch.float64 else 2e-5
-    assert_close("y", y, yr, TOL[dtype]["fwd"])
-    np.testing.assert_array_equal(count.numpy(), cr)
-    assert_close("mean", mean, mr, stat_tol)
-    assert_close("var", var, vr, stat_tol)
-    g = _gen(7)
-    dy = torch.randn(B, L, D, generator=g).to(dtype)
-    dm, dv = torch.randn(B, G, generator=g, dtype=acc), torch.randn(B, G, generator=g, dtype=acc)
-    dx, dscale, dbias, dpm, dpv = kernels.timestep_norm_bwd(ext, dy, dm, dv, saved, G)
-    want = tsn_ref.timestep_norm_bwd(to_np(dy), dm.numpy(), dv.numpy(), *args[:3], G, *args[4:])
-    for name, got, ref in zip(("dx", "dscale", "dbias", "dprev_mean", "dprev_var"),
-                              (dx, dscale, dbias, dpm, dpv), want):
-        assert np.isfinite(to_np(got)).all(), name
-        assert got.dtype == (dtype if name == "dx" else acc), name
-        assert_close(name, got, ref, TOL[dtype]["bwd"] if name == "dx" or dtype == torch.float64 else 5e-5)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_timestep_norm_streaming_and_large_common_mean(ext, kernels, dtype):
-    # two halves with the carried state == one call; a large common offset does not cancel
-    B, L, D, G = 2, 300, 8, 2
-    x, scale, bias, pc, pm, pv, mask = _tsn_case(B, L, D, G, dtype, "none", [0, 0], seed=3)
-    x = x + 1000.0
-    y, *_ = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, G, 1e-5)
-    y1, c1, m1, v1, _ = kernels.timestep_norm_fwd(ext, x[:, :111], scale, bias, pc, pm, pv, mask[:, :111], G, 1e-5)
-    y2, *_ = kernels.timestep_norm_fwd(ext, x[:, 111:], scale, bias, c1, m1, v1, mask[:, 111:], G, 1e-5)
-    # fp64: the offset of 1000 costs ~1e-13 relative in the group variances, far below 1e-10
-    streamed_tol, ref_tol = (2e-5, 1e-4) if dtype == torch.float32 else (TOL[dtype]["fwd"],) * 2
-    assert_close("streamed", torch.cat([y1, y2], 1), to_np(y), streamed_tol)
-    yr, *_ = tsn_ref.timestep_norm(to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(),
-                                   mask.numpy())
-    assert_close("y", y, yr, ref_tol)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_timestep_norm_infinities_propagate(ext, kernels, dtype):
-    x, scale, bias, pc, pm, pv, mask = _tsn_case(1, 20, 4, 1, dtype, "none", [0])
-    x[0, 5, 1] = float("inf")
-    x[0, 12, :] = float("nan")
-    mask[0, 12] = True  # NaN in a padded step reaches nothing
-    y, *_ = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, 1, 1e-5)
-    yr, *_ = tsn_ref.timestep_norm(to_np(x), scale.numpy(), bias.numpy(), 1, pc.numpy(), pm.numpy(), pv.numpy(),
-                                   mask.numpy())
-    assert np.isfinite(to_np(y)[0, :5]).all()
-    np.testing.assert_array_equal(np.isfinite(to_np(y)), np.isfinite(yr))
-    assert (to_np(y)[0, 12] == 0).all()
 
 
 # ------------------------------------------------------------------------------------------------
@@ -244,10 +54,10 @@ def test_fftconv(ext, kernels, order, dtype, B, D, L):
     dy = torch.randn(B, D, L, generator=g).to(dtype)
     dx, dk = kernels.fftconv_bwd(ext, dy, x, k)
     # the direct O(L^2) reference at these sizes
-    assert_close("y", y, fftconv_ref.fftconv(to_np(x), to_np(k)), TOL[dtype]["fwd"])
+    assert_close("y", y, fftconv_ref.fftconv(to_np(x), to_np(k)), tol_of(dtype)["fwd"])
     dxr, dkr = fftconv_ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
     assert dx.dtype == dtype and dk.dtype == torch.float32
-    assert_close("dx", dx, dxr, TOL[dtype]["bwd"])
+    assert_close("dx", dx, dxr, tol_of(dtype)["bwd"])
     assert_close("dk", dk, dkr, 5e-5)
 
 
@@ -283,27 +93,125 @@ def test_fftconv_dk_over_batch_slices(ext, kernels):
 
 
 # ------------------------------------------------------------------------------------------------
-# coverage: every kernel defined in cuda/*.cuh was launched by the tests above
+# coverage: every kernel and instantiation in cuda/ was launched by the tests of this session
 # ------------------------------------------------------------------------------------------------
 
-def test_every_kernel_ran_in_the_emulator(ext, request):
-    # conftest.py moves this test to the end of the session: the launches of every CUDA test
-    # file accumulate in the emulator extension.
-    import re
-    from pathlib import Path
+GLOBAL = re.compile(r"__global__\s+void\s+(?:__launch_bounds__\((?:[^()]|\([^()]*\))*\)\s+)?(\w+)\s*\(")
+# the launchers instantiate a template by taking its address: `const auto name = &kernel<args>;`,
+# then launch it with MK_LAUNCH(name, ...), the name the emulator reports
+SITE = re.compile(r"const\s+auto\s+(\w+)\s*=\s*&(?:\w+::)*(\w+)<([^;]*)>\s*;")
+LAUNCH = re.compile(r"MK_LAUNCH\(\s*(\w+)\s*,")
 
+ELEMENT = {0: "float32", 1: "bfloat16", 4: "float64"}  # mk::DType codes (cuda/common.cuh)
+ACC = {"float32": "float32", "bfloat16": "float32", "float64": "float64"}  # acc_t<T>
+ATTN_ELEMENT = {0: "float32", 1: "bfloat16", 2: "float16", 3: "bfloat16-mma.sync-emulated"}  # flash codes
+# Values the template parameters take, as the dispatch around the launchers gives them:
+# T (MK_DISPATCH_FLOAT_BF16_DOUBLE), A = acc_t<T>, R (dispatch_real / float or double launch),
+# XT x R (ema_hidden: x's type with the coefficients' real type; float64 x with float32
+# coefficients is refused), C = flash config (flash::dispatch: fp32 only in the emulator and not
+# at D = 256; code 3 at D = 64 only), G = which of dk / dv the flash kv kernel computes.
+DOMAIN = {
+    "T": [("float32",), ("bfloat16",), ("float64",)],
+    "A": [("float32",), ("float64",)],
+    "R": [("float32",), ("float64",)],
+    "R, R": [("float32", "float32"), ("float64", "float64")],  # cema_kernel's analysis: dk/db in R
+    "XT, R": [(x, r) for x in ("float32", "bfloat16", "float64") for r in ("float32", "float64")
+              if (x, r) != ("float64", "float32")],
+    "C": [(e, d) for e in ("float32", "bfloat16", "float16") for d in (64, 128, 256) if (e, d) != ("float32", 256)]
+    + [("bfloat16-mma.sync-emulated", 64)],
+}
+DOMAIN["C, G"] = [(e, d, g) for e, d in DOMAIN["C"] for g in ("dv", "dk")]
+# where each launcher (cuda/bindings.cpp) takes its codes: element dtype, real dtype, flash
+# element code and padded head dim (positional index; keyword name where it has a default)
+CODES = {
+    "cema_kernel_fwd": dict(real=0), "cema_kernel_bwd": dict(real=0),
+    "ema_hidden_fwd": dict(dtype=0, real=1), "ema_hidden_bwd": dict(real=0),
+    "flash_attention_fwd": dict(attn=0, D=10), "flash_attention_bwd": dict(attn=0, D=14),
+    "fftconv_long_twiddle_probe": dict(dtype=(6, "dtype", 0)),
+}
+
+
+def call_codes(func, args, kwargs):
+    """{dtype, real, attn, D} of one launcher call (real defaults to the accumulation type)."""
+    out = {}
+    for key, where in CODES.get(func, dict(dtype=0)).items():
+        index, keyword, default = where if isinstance(where, tuple) else (where, None, None)
+        out[key] = args[index] if index < len(args) else kwargs.get(keyword, default)
+    element = ELEMENT.get(out.get("dtype"))
+    return dict(element=element, real=ELEMENT.get(out["real"]) if "real" in out else ACC.get(element),
+                attn=ATTN_ELEMENT.get(out.get("attn")), D=out.get("D"))
+
+
+def kernel_sources():
     from megalodon_kernels.cuda import build
 
-    files = {Path(str(item.fspath)).name for item in request.session.items}
-    needed = {p.name for p in Path(__file__).parent.glob("test_cuda_*.py")} - {"test_cuda_nvcc.py"}
-    if not needed <= files:
-        pytest.skip(f"kernel coverage needs every CUDA test file in the run; missing {sorted(needed - files)}")
+    return sorted([*build.CUDA_DIR.glob("*.cu"), *build.CUDA_DIR.glob("*.cuh")])
 
-    defined = set()
-    for p in build.CUDA_DIR.glob("*.cuh"):
-        defined |= set(re.findall(r"__global__\s+void\s+(?:__launch_bounds__\([^)]*\)\s+)?(\w+)_kernel\s*\(",
-                                  p.read_text()))
-    assert defined, "no kernels found"
-    launched = set(ext.emulator_launched_kernels())  # MK_LAUNCH names: <base> or <base>_fwd/_bwd
-    missing = sorted(d for d in defined if not any(n == d or n.startswith(d + "_") for n in launched))
-    assert not missing, f"kernels never executed in the emulator: {missing}"
+
+#: the template parameters that vary with the call (the others are constants at the site)
+TYPE_PARAMETERS = ("T", "A", "R", "XT", "C", "G")
+
+
+def instantiation_sites():
+    """{launch name: (kernel, template parameters)} over cuda/*.cu and cuda/*.cuh."""
+    sites = {}
+    for path in kernel_sources():
+        for name, kernel, params in SITE.findall(path.read_text()):
+            assert name not in sites, f"two instantiations launched as {name}: the emulator could not tell them apart"
+            typed = [p.strip() for p in params.split(",") if p.strip() in TYPE_PARAMETERS]
+            sites[name] = (kernel, ", ".join(typed))
+    return sites
+
+
+def launched_instantiations(log, sites):
+    """{(launch name, parameter values)} from conftest's record of the launcher calls."""
+    seen = set()
+    for func, args, kwargs, launched in log:
+        c = call_codes(func, args, kwargs)
+        dk_dv = iter(("dv", "dk") if launched.count("flash_bwd_kv") == 2 else ("dk",))
+        for name in launched:
+            if name not in sites:
+                continue
+            value = {
+                "": (), "T": (c["element"],), "A": (ACC.get(c["element"]),),
+                "R": (c["real"],), "R, R": (c["real"], c["real"]),
+                "XT, R": (c["element"], c["real"]), "C": (c["attn"], c["D"]),
+                # the launcher runs dv (when dv is not empty) and then dk, both as flash_bwd_kv
+                "C, G": (c["attn"], c["D"], next(dk_dv, None)),
+            }[sites[name][1]]
+            seen.add((name, value))
+    return seen
+
+
+def test_every_kernel_is_instantiated_and_launched_by_name():
+    defined, launches, sites = set(), set(), instantiation_sites()
+    for path in kernel_sources():
+        text = path.read_text()
+        defined |= set(GLOBAL.findall(text))
+        launches |= set(LAUNCH.findall(text))
+    print(f"{len(defined)} __global__ kernels, {len(sites)} instantiation sites")
+    assert defined and sites
+    assert not sorted(defined - {kernel for kernel, _ in sites.values()}), "kernels never instantiated"
+    assert not sorted(set(sites) - launches), "instantiations never launched by MK_LAUNCH"
+    assert not sorted(launches - set(sites)), "MK_LAUNCH of a name that is not an instantiation site"
+    unknown = {params for _, params in sites.values()} - set(DOMAIN) - {""}
+    assert not unknown, f"template parameters without a known domain: {unknown}; extend DOMAIN"
+    for path in kernel_sources():  # the T domain is that of MK_DISPATCH_FLOAT_BF16_DOUBLE
+        assert not re.search(r"(?<!define )MK_DISPATCH_FLOAT_BF16\(", path.read_text()), \
+            f"{path.name} dispatches T without double: DOMAIN['T'] would name an instantiation that does not exist"
+
+
+def test_every_kernel_ran_in_the_emulator(ext, request):
+    # conftest.py moves this test to the end of the session: the launches of every test file
+    # accumulate in the emulator extension's launch log.
+    tests = Path(__file__).parent
+    files = {Path(str(item.fspath)).name for item in request.session.items}
+    missing = sorted({p.name for p in tests.glob("test_*.py")} - files)
+    if missing or request.config.option.keyword or request.config.option.markexpr:
+        pytest.skip(f"kernel coverage needs the whole test suite in the run; missing {missing or 'a -k/-m selection'}")
+    sites = instantiation_sites()
+    wanted = {(name, value) for name, (_, params) in sites.items() for value in (DOMAIN[params] if params else [()])}
+    ran = launched_instantiations(ext.launch_log, sites)
+    missing = sorted(wanted - ran)
+    print(f"{len(wanted)} instantiations, {len(wanted & ran)} launched")
+    assert not missing, f"instantiations never executed in the emulator: {missing}"

@@ -23,11 +23,8 @@ def resources():
 
 
 @pytest.fixture(scope="module")
-def dynamic_smem():
-    try:
-        return dict(build.load_emulator().dynamic_smem_table())
-    except Exception as exc:  # no host compiler: the table is unavailable, skip those checks
-        pytest.skip(f"emulator extension unavailable for the dynamic smem table: {exc}")
+def dynamic_smem(ext):
+    return dict(ext.dynamic_smem_table())
 
 
 def _family(kernel: str) -> str:
@@ -79,6 +76,28 @@ def test_fftconv_16k_shared_memory(resources, dynamic_smem):
         assert total <= build.SMEM_LIMIT[80]  # fits the A100 in one block per row
 
 
-def test_registers_allow_the_launch_bounds(resources):
-    # ptxas honours __launch_bounds__; a kernel above 255 registers would not compile at all.
-    assert all(0 < r.registers <= 255 for r in resources)
+# Registers per thread of every kernel family, worst case over its instantiations and sm_80/sm_90,
+# rounded up to the allocation unit (8 per thread: 256 per warp). More registers cost occupancy:
+# raising a budget is a decision to make here, not a side effect of an edit.
+REGISTER_BUDGET = {
+    "cema_analysis_kernel": 128, "cema_bwd_finish_kernel": 48, "cema_synth_kernel": 80,
+    "dropkey_softmax_bwd_kernel": 64, "dropkey_softmax_fwd_kernel": 64,
+    "ema_hidden_coef_kernel": 48, "ema_hidden_finish_kernel": 32,
+    "fft4_col_fwd_kernel": 56, "fft4_col_inv_kernel": 48, "fft4_row_conv_kernel": 64, "fft4_row_dk_kernel": 64,
+    "fft4_row_spectrum_kernel": 56, "fft4_twiddle_probe_kernel": 24,
+    "fftconv_bwd_dk_kernel": 56, "fftconv_bwd_dx_kernel": 64, "fftconv_fwd_kernel": 64, "fftconv_spectrum_kernel": 48,
+    "flash_bwd_kv_kernel": 255, "flash_bwd_q_kernel": 224, "flash_fwd_kernel": 208,
+    "rotary_kernel": 40,
+    "tsn_dx_kernel": 40, "tsn_moments_kernel": 40, "tsn_normalize_kernel": 32, "tsn_param_partial_kernel": 48,
+    "tsn_param_reduce_kernel": 32, "tsn_row_grads_kernel": 40, "tsn_scan_bwd_kernel": 80, "tsn_scan_fwd_kernel": 56,
+}
+
+
+def test_registers_within_each_kernels_budget(resources):
+    families = {_family(r.kernel) for r in resources}
+    assert families == set(REGISTER_BUDGET), (
+        f"kernels without a register budget: {sorted(families - set(REGISTER_BUDGET))}; "
+        f"budgets of kernels nvcc did not compile: {sorted(set(REGISTER_BUDGET) - families)}")
+    over = [f"{r.kernel[:120]} sm_{r.arch}: {r.registers} > {REGISTER_BUDGET[_family(r.kernel)]}"
+            for r in resources if r.registers > REGISTER_BUDGET[_family(r.kernel)]]
+    assert not over, "registers above the budget: " + "; ".join(over)

@@ -1,67 +1,74 @@
-"""TimestepNorm torch backend vs the float64 loop reference: forward, every gradient, the streaming
-state, padding (with NaN in padded rows), non-finite inputs, the chunk knob, fp32 accuracy with a
-large mean / outlier first step, and argument validation."""
+"""TimestepNorm on every backend against the float64 loop reference: y, count, mean, var and
+every gradient (x, scale, bias, prev_mean, prev_var) for one table of cases (torch, Triton in the
+interpreter, CUDA in the emulator), with padding (NaN/inf in padded rows), priors, odd D / G,
+several chunks; the streaming state, non-finite inputs, the chunk knob, fp32 accuracy with a large
+mean / outlier first step, the CUDA kernels in both fiber orders, the reference's own checks
+(finite differences, pooled moments, GroupNorm at step 0, streaming) and argument validation."""
 import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from megalodon_kernels.ops.timestep_norm import timestep_norm, torch_impl
+from megalodon_kernels.ops.timestep_norm import timestep_norm, torch_impl, triton_impl
 from megalodon_kernels.reference import timestep_norm as ref
-from support import as_input, assert_close, err_ratio, to_np, tol
+from support import PADDINGS, as_input, assert_close, err_ratio, to_np, tol
+from support import timestep_norm_inputs as problem
 
-PATTERNS = ["none", "left", "middle", "right", "random", "all", "mixed"]
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/inf lanes the Triton kernels mask away
+
+F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 LEAF_NAMES = ("x", "scale", "bias", "prev_mean", "prev_var")  # the differentiable inputs
+
+#: (backend, dtype) pairs every case runs on
+BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b, d in [
+    ("torch", F32), ("torch", BF16), ("torch", F64),
+    ("triton", F32), ("triton", BF16),
+    ("cuda", F32), ("cuda", BF16), ("cuda", F64),
+]]
+
+
+ALL = ("torch", "triton", "cuda")
+
+
+def case(B, L, D, G, seed, *, pad="none", prior=True, center=0.0, contiguous=True, fresh_first=False,
+         backends=ALL, id):
+    """One problem; ``fresh_first``: batch row 0 starts from an empty state (prev_count 0)."""
+    return pytest.param(dict(B=B, L=L, D=D, G=G, seed=seed, pad=pad, prior=prior, center=center,
+                             contiguous=contiguous, fresh_first=fresh_first, backends=backends), id=id)
+
+
+# Triton runs in the interpreter at a few seconds per case: it takes the cases sized for it (D = 30,
+# D = 6, D = 100 with 5 chunks, the large mean), the other backends take every case.
+NO_TRITON = ("torch", "cuda")
+CASES = [
+    *(case(3, L, 60, 4, L, pad="mixed", backends=NO_TRITON, id=f"L{L}-D60-G4-mixed") for L in (1, 31, 33, 63, 129)),
+    # D = 30: Dg = 15 or 30 (Triton tile 16 / 32, up to 3 chunks)
+    *(case(3, L, 30, 1 if L == 129 else 2, L, pad="mixed", id=f"L{L}-D30-G{1 if L == 129 else 2}-mixed")
+      for L in (1, 33, 129)),
+    *(case(2, 33, 60, G, G, prior=prior, backends=NO_TRITON, id=f"L33-D60-G{G}-{'prior' if prior else 'no_prior'}")
+      for G in (1, 3, 4, 12, 60) for prior in (False, True)),
+    *(case(1, 33, 6, G, G, prior=False, id=f"L33-D6-G{G}-no_prior") for G in (1, 3, 6)),  # Dg = 6, 2, 1
+    # L > chunk: whole leading chunks padded with an empty state in row 0
+    *(case(4, 150, 12, 3, 7, pad=pad, fresh_first=True, backends=NO_TRITON, id=f"L150-D12-G3-pad_{pad}")
+      for pad in PADDINGS),
+    # Dg = 100 (Triton tile 256, T = 16): L = 70 spans 5 chunks, some wholly padded
+    *(case(2, 70, 100, 1, 7, pad=pad, fresh_first=True, id=f"L70-D100-G1-pad_{pad}")
+      for pad in ("left", "middle", "random", "all", "mixed")),
+    case(3, 45, 20, 5, 11, pad="mixed", contiguous=False, backends=NO_TRITON, id="strided-L45-D20-G5-mixed"),
+    # the CUDA kernels' accuracy under a large common mean: test_cuda_kernels_streaming_and_large_common_mean
+    case(2, 40, 24, 2, 5, pad="random", center=1e3, contiguous=False, backends=("torch", "triton"),
+         id="strided-mean1e3-L40-D24-G2"),
+    case(2, 45, 8, 2, 13, pad="mixed", center=1.0, id="L45-D8-G2-mixed"),
+]
 
 
 def acc_of(dtype):
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-def pad_mask(kind: str, B: int, L: int, gen: torch.Generator) -> torch.Tensor:
-    """(B, L) bool, True = padded, in one of the named layouts."""
-    m = torch.zeros(B, L, dtype=torch.bool)
-    for b in range(B):
-        k = kind if kind != "mixed" else ["none", "left", "middle", "right", "random", "all"][b % 6]
-        a, c = sorted(torch.randint(0, L + 1, (2,), generator=gen).tolist())
-        if k == "left":
-            m[b, :c] = True
-        elif k == "right":
-            m[b, a:] = True
-        elif k == "middle":
-            m[b, a:c] = True
-        elif k == "random":
-            m[b] = torch.rand(L, generator=gen) < 0.3
-        elif k == "all":
-            m[b] = True
-    return m
-
-
-def problem(B, L, D, G, seed, *, pad="none", prior=True, center=0.0, spread=1.0, nan_in_pad=True):
-    """Random float64 inputs; padded rows of x hold NaN/inf (they must never matter)."""
-    gen = torch.Generator().manual_seed(seed)
-    x = center + spread * torch.randn(B, L, D, generator=gen, dtype=torch.float64)
-    mask = pad_mask(pad, B, L, gen)
-    if nan_in_pad and mask.any():
-        junk = torch.tensor([float("nan"), float("inf"), -float("inf"), 1e30], dtype=torch.float64)
-        x[mask] = junk[torch.randint(0, 4, (int(mask.sum()), 1), generator=gen)].expand(-1, D)
-    p = dict(
-        x=x,
-        scale=1.0 + 0.5 * torch.randn(D, generator=gen, dtype=torch.float64),
-        bias=0.5 * torch.randn(D, generator=gen, dtype=torch.float64),
-        num_groups=G,
-        padding_mask=mask if pad != "none" else None,
-    )
-    if prior:
-        p["prev_count"] = torch.randint(0, 6, (B,), generator=gen)
-        p["prev_mean"] = center + torch.randn(B, G, generator=gen, dtype=torch.float64)
-        p["prev_var"] = 0.5 + spread ** 2 * torch.rand(B, G, generator=gen, dtype=torch.float64)
-    return p, gen
+    return F64 if dtype == F64 else F32
 
 
 def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name="", backend="torch"):
     """Run the op on ``backend`` in ``dtype`` and compare y, count, mean, var and every gradient to
-    the reference (shared with the Triton and CUDA tests); returns (y, count, mean, var)."""
+    the reference; returns (y, count, mean, var)."""
     acc = acc_of(dtype)
     pdt = param_dtype or dtype
     x = as_input(p["x"], dtype, contiguous, requires_grad=True)
@@ -92,7 +99,7 @@ def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name=""
     dm = torch.randn(mean.shape, generator=gen, dtype=torch.float64).to(acc)
     dv = torch.randn(var.shape, generator=gen, dtype=torch.float64).to(acc)
     got = dict(zip(leaves, torch.autograd.grad((y, mean, var), list(leaves.values()), (dy, dm, dv))))
-    want = dict(zip(["x", "scale", "bias", "prev_mean", "prev_var"], ref.timestep_norm_bwd(
+    want = dict(zip(LEAF_NAMES, ref.timestep_norm_bwd(
         to_np(dy), to_np(dm), to_np(dv), np_in["x"], np_in["scale"], np_in["bias"], p["num_groups"],
         np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"), np_in.get("padding_mask"))))
     for k, g in got.items():
@@ -103,52 +110,31 @@ def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name=""
     return y, count, mean, var
 
 
-DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+@pytest.mark.parametrize("c, backend, dtype", [
+    pytest.param(c.values[0], *bd.values, id=f"{c.id}-{bd.id}")
+    for c in CASES for bd in BACKEND_DTYPES if bd.values[0] in c.values[0]["backends"]])
+def test_matches_reference(c, backend, dtype):
+    p, gen = problem(c["B"], c["L"], c["D"], c["G"], c["seed"], pad=c["pad"], prior=c["prior"], center=c["center"])
+    if c["fresh_first"]:
+        p["prev_count"][0] = 0
+    run(p, dtype, gen=gen, contiguous=c["contiguous"], backend=backend)
 
 
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("L", [1, 31, 33, 63, 129])
-def test_matches_reference(dtype, L):
-    p, gen = problem(3, L, 60, 4, seed=L, pad="mixed", prior=True)
-    run(p, dtype, gen=gen)
-
-
-@pytest.mark.parametrize("G", [1, 3, 4, 12, 60])
-@pytest.mark.parametrize("prior", [False, True], ids=["no_prior", "prior"])
-def test_group_counts(G, prior):
-    p, gen = problem(2, 33, 60, G, seed=G, pad="none", prior=prior)
-    run(p, torch.float32, gen=gen)
-
-
-@pytest.mark.parametrize("pattern", PATTERNS)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float64], ids=str)
-def test_padding(pattern, dtype):
-    # L > chunk so that whole leading chunks can be padded with prev_count = 0 (spec 8.4).
-    p, gen = problem(4, 150, 12, 3, seed=7, pad=pattern, prior=True)
-    p["prev_count"][0] = 0
-    run(p, dtype, gen=gen)
-
-
-def test_leading_padded_chunks_no_prior_gradients_finite():
-    # Spec 8.4: upstream produced NaN prev grads when whole leading chunks are padded and
-    # prev_count = 0. Here: 3 whole chunks padded (with NaN/inf in x), then data.
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_leading_padded_chunks_no_prior_gradients_finite(backend):
+    # Upstream produced NaN prev grads when whole leading chunks are padded and prev_count = 0
+    # (docs/math.md, TimestepNorm). Here: 3 whole torch chunks padded (with NaN in x), then data.
     p, gen = problem(2, 200, 8, 2, seed=3, prior=True)
     p["prev_count"][:] = 0
     mask = torch.zeros(2, 200, dtype=torch.bool)
     mask[:, :3 * torch_impl.DEFAULT_CONFIG["chunk"]] = True
     p["x"][mask] = float("nan")
     p["padding_mask"] = mask
-    run(p, torch.float32, gen=gen)
-
-
-def test_noncontiguous_inputs():
-    p, gen = problem(3, 45, 20, 5, seed=11, pad="mixed", prior=True)
-    run(p, torch.float32, gen=gen, contiguous=False)
+    run(p, F32, gen=gen, backend=backend)
 
 
 @pytest.mark.parametrize("dtype, param_dtype", [
-    (torch.float32, torch.float64), (torch.bfloat16, torch.float32), (torch.float16, torch.float32),
-    (torch.float64, torch.float32), (torch.float32, torch.bfloat16),
+    (F32, F64), (BF16, F32), (F16, F32), (F64, F32), (F32, BF16),
 ], ids=str)
 def test_mixed_dtypes(dtype, param_dtype):
     # scale/bias/prev stats in another float dtype: computed in acc, grads back in their dtype.
@@ -158,8 +144,8 @@ def test_mixed_dtypes(dtype, param_dtype):
 
 @given(
     B=st.integers(1, 3), L=st.integers(1, 140), Dg=st.sampled_from([1, 2, 5, 8]), G=st.sampled_from([1, 2, 3, 4]),
-    pattern=st.sampled_from(PATTERNS), prior=st.booleans(), contiguous=st.booleans(),
-    dtype=st.sampled_from([torch.float32, torch.float64]), chunk=st.sampled_from([1, 3, 16, 64, 256]),
+    pattern=st.sampled_from(PADDINGS), prior=st.booleans(), contiguous=st.booleans(),
+    dtype=st.sampled_from([F32, F64]), chunk=st.sampled_from([1, 3, 16, 64, 256]),
     center=st.sampled_from([0.0, 50.0, -1e3]), seed=st.integers(0, 2**31),
 )
 def test_property(B, L, Dg, G, pattern, prior, contiguous, dtype, chunk, center, seed):
@@ -175,17 +161,23 @@ def test_chunk_knob_values_agree(chunk, monkeypatch):
     baseline = {}
     for T in (chunk, 1000):
         monkeypatch.setitem(torch_impl.DEFAULT_CONFIG, "chunk", T)
-        leaves = [as_input(p[k], torch.float64, requires_grad=True) for k in LEAF_NAMES]
+        leaves = [as_input(p[k], F64, requires_grad=True) for k in LEAF_NAMES]
         out = timestep_norm(leaves[0], leaves[1], leaves[2], 4, p["prev_count"], leaves[3], leaves[4],
                             p["padding_mask"], backend="torch")
         g = torch.Generator().manual_seed(0)
-        ups = [torch.randn(o.shape, generator=g, dtype=torch.float64) for o in (out[0], out[2], out[3])]
+        ups = [torch.randn(o.shape, generator=g, dtype=F64) for o in (out[0], out[2], out[3])]
         grads = torch.autograd.grad((out[0], out[2], out[3]), leaves, ups)
         baseline[T] = [out[0], out[2], out[3], *grads]
     for k, (a, b) in enumerate(zip(baseline[chunk], baseline[1000])):
         assert_close(f"chunk={chunk} vs one chunk, output {k}", a, to_np(b), 1e-13)
     monkeypatch.setitem(torch_impl.DEFAULT_CONFIG, "chunk", chunk)
-    run(p, torch.float32, gen=gen, name=f"T={chunk} ")
+    run(p, F32, gen=gen, name=f"T={chunk} ")
+
+
+def test_triton_tiling_and_reasons():
+    assert triton_impl._tiling(15, 4096) == (64, 16)
+    assert triton_impl._tiling(1024, 4096) == (4, 1024)
+    assert triton_impl.not_supported_reasons(torch.randn(1, 2, 2048), 1)
 
 
 def _split_run(p, cut, dtype):
@@ -287,7 +279,7 @@ def test_fp32_accuracy_large_mean(case):
 
 def test_nonfinite_inputs_propagate():
     # Genuine NaN/inf in unmasked rows reach y and the state from that step on (upstream dropped
-    # infinities, spec 8.6); earlier steps and other rows stay finite and correct.
+    # infinities, docs/math.md, TimestepNorm); earlier steps and other rows stay finite and correct.
     p, gen = problem(4, 30, 8, 2, seed=9, prior=True)
     x = p["x"]
     x[0, 10, 1] = float("inf")
@@ -324,6 +316,247 @@ def test_partial_outputs_used(what):
     for k, (g, w) in enumerate(zip(got, want)):
         g = torch.zeros_like(leaves[k]) if g is None else g
         assert_close(f"{what} grad {k}", g, w, tol("torch", torch.float64, "bwd"))
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_nonfinite_inputs_propagate_like_torch(backend):
+    x = torch.randn(2, 20, 8)
+    x[0, 5, 3] = float("inf")
+    x[1, 7, 0] = float("nan")
+    scale, bias = torch.ones(8), torch.zeros(8)
+    a = timestep_norm(x, scale, bias, 1, backend=backend)
+    b = timestep_norm(x, scale, bias, 1, backend="torch")
+    for u, v in zip(a, b):
+        assert torch.equal(torch.isnan(u), torch.isnan(v))
+        assert torch.equal(torch.isinf(u), torch.isinf(v))
+
+
+@pytest.mark.parametrize("backend", ["triton", "cuda"])
+def test_streaming_equals_one_call(backend):
+    p, gen = problem(2, 150, 16, 2, seed=11, pad="random", prior=True)
+    args = dict(prev_count=p["prev_count"], prev_mean=p["prev_mean"].float(), prev_var=p["prev_var"].float())
+    x, s, b, m = p["x"].float(), p["scale"].float(), p["bias"].float(), p["padding_mask"]
+    y, n, mu, var = timestep_norm(x, s, b, 2, padding_mask=m, backend=backend, **args)
+    y1, n1, mu1, v1 = timestep_norm(x[:, :70], s, b, 2, padding_mask=m[:, :70], backend=backend, **args)
+    y2, n2, mu2, v2 = timestep_norm(x[:, 70:], s, b, 2, n1, mu1, v1, padding_mask=m[:, 70:], backend=backend)
+    assert torch.equal(n2, n)
+    assert_close("y streamed", torch.cat((y1, y2), 1), to_np(y), 1e-5)
+    assert_close("mean streamed", mu2, to_np(mu), 1e-5)
+    assert_close("var streamed", v2, to_np(var), 1e-5)
+
+
+@pytest.mark.parametrize("backend", ["triton"])
+def test_empty_segment_passes_state_through_like_torch(backend):
+    x = torch.randn(2, 0, 8, requires_grad=True)
+    pm = torch.randn(2, 2, requires_grad=True)
+    pv = torch.rand(2, 2, requires_grad=True)
+    outs = {}
+    for be in (backend, "torch"):
+        y, n, m, v = timestep_norm(x, torch.ones(8), torch.zeros(8), 2, torch.tensor([0, 3]), pm, pv, backend=be)
+        outs[be] = (y, n, m, v, *torch.autograd.grad(m.sum() + 2 * v.sum(), [pm, pv]))
+    for a, b in zip(outs[backend], outs["torch"]):
+        assert torch.equal(a, b)
+
+
+# ---------------------------------------------------------------------------------------------
+# The CUDA kernels themselves (cuda/kernels.py over the emulator)
+
+
+def _kernel_case(B, L, D, G, dtype, pad_kind, prev_count, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(B, L, D, generator=g) * 2 + 3).to(dtype)
+    # side inputs in the kernel's accumulation type: genuine float64 values for float64 x, so a
+    # kernel that rounded them through fp32 would show
+    side = dict(generator=g, dtype=acc_of(dtype))
+    scale = torch.randn(D, **side)
+    bias = torch.randn(D, **side)
+    pc = torch.tensor(prev_count, dtype=torch.int64)
+    pm = torch.randn(B, G, **side)
+    pv = torch.rand(B, G, **side) + 0.5
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    if pad_kind == "left":
+        mask[0, : L // 2] = True
+    elif pad_kind == "mixed":
+        mask[0, : L // 3] = True
+        mask[-1, L // 4: L // 2] = True
+        mask[-1, -3:] = True
+    elif pad_kind == "all":
+        mask[:] = True
+    return x, scale, bias, pc, pm, pv, mask
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("B,L,D,G,pad_kind,prev_count", [
+    (2, 1, 4, 1, "none", [0, 0]),
+    (2, 31, 12, 3, "mixed", [0, 5]),
+    (1, 129, 6, 6, "none", [0]),           # G = D (Dg = 1)
+    (2, 700, 8, 2, "left", [0, 3]),        # 64 chunks; leading chunks fully padded
+    (1, 40, 64, 2, "all", [4]),            # nothing observed: the prior comes back unchanged
+], ids=["L1", "L31_mixed_pad", "L129_G_eq_D", "L700_left_pad", "all_padded"])
+def test_cuda_kernels(ext, kernels, order, dtype, B, L, D, G, pad_kind, prev_count):
+    x, scale, bias, pc, pm, pv, mask = _kernel_case(B, L, D, G, dtype, pad_kind, prev_count)
+    y, count, mean, var, saved = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, G, 1e-5)
+    args = (to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(), mask.numpy())
+    yr, cr, mr, vr = ref.timestep_norm(*args)
+    assert y.dtype == dtype
+    # the statistics and state come back in the accumulation type: float64 only for float64 x
+    acc = acc_of(dtype)
+    assert mean.dtype == var.dtype == saved[5].dtype == acc
+    stat_tol = tol("cuda", F64, "fwd") if dtype == F64 else 2e-5
+    assert_close("y", y, yr, tol("cuda", dtype, "fwd"))
+    np.testing.assert_array_equal(count.numpy(), cr)
+    assert_close("mean", mean, mr, stat_tol)
+    assert_close("var", var, vr, stat_tol)
+    g = torch.Generator().manual_seed(7)
+    dy = torch.randn(B, L, D, generator=g).to(dtype)
+    dm, dv = torch.randn(B, G, generator=g, dtype=acc), torch.randn(B, G, generator=g, dtype=acc)
+    dx, dscale, dbias, dpm, dpv = kernels.timestep_norm_bwd(ext, dy, dm, dv, saved, G)
+    want = ref.timestep_norm_bwd(to_np(dy), dm.numpy(), dv.numpy(), *args[:3], G, *args[4:])
+    for name, got, expected in zip(("dx", "dscale", "dbias", "dprev_mean", "dprev_var"),
+                                   (dx, dscale, dbias, dpm, dpv), want):
+        assert np.isfinite(to_np(got)).all(), name
+        assert got.dtype == (dtype if name == "dx" else acc), name
+        assert_close(name, got, expected, tol("cuda", dtype, "bwd") if name == "dx" or dtype == F64 else 5e-5)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=str)
+def test_cuda_kernels_streaming_and_large_common_mean(ext, kernels, dtype):
+    # two halves with the carried state == one call; a large common offset does not cancel
+    B, L, D, G = 2, 300, 8, 2
+    x, scale, bias, pc, pm, pv, mask = _kernel_case(B, L, D, G, dtype, "none", [0, 0], seed=3)
+    x = x + 1000.0
+    y, *_ = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, G, 1e-5)
+    y1, c1, m1, v1, _ = kernels.timestep_norm_fwd(ext, x[:, :111], scale, bias, pc, pm, pv, mask[:, :111], G, 1e-5)
+    y2, *_ = kernels.timestep_norm_fwd(ext, x[:, 111:], scale, bias, c1, m1, v1, mask[:, 111:], G, 1e-5)
+    # fp64: the offset of 1000 costs ~1e-13 relative in the group variances, far below 1e-10
+    streamed_tol, ref_tol = (2e-5, 1e-4) if dtype == F32 else (tol("cuda", F64, "fwd"),) * 2
+    assert_close("streamed", torch.cat([y1, y2], 1), to_np(y), streamed_tol)
+    yr, *_ = ref.timestep_norm(to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(),
+                               mask.numpy())
+    assert_close("y", y, yr, ref_tol)
+
+
+@pytest.mark.parametrize("dtype", [F32, F64], ids=str)
+def test_cuda_kernels_infinities_propagate(ext, kernels, dtype):
+    x, scale, bias, pc, pm, pv, mask = _kernel_case(1, 20, 4, 1, dtype, "none", [0])
+    x[0, 5, 1] = float("inf")
+    x[0, 12, :] = float("nan")
+    mask[0, 12] = True  # NaN in a padded step reaches nothing
+    y, *_ = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, 1, 1e-5)
+    yr, *_ = ref.timestep_norm(to_np(x), scale.numpy(), bias.numpy(), 1, pc.numpy(), pm.numpy(), pv.numpy(),
+                               mask.numpy())
+    assert np.isfinite(to_np(y)[0, :5]).all()
+    np.testing.assert_array_equal(np.isfinite(to_np(y)), np.isfinite(yr))
+    assert (to_np(y)[0, 12] == 0).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# The reference on its own: backward vs central finite differences, forward vs the closed form
+# (pooled mean / population variance of every element seen so far), step 0 vs GroupNorm, streaming
+
+
+def _reference_problem(seed, B=2, L=7, D=6, G=3, prior=True, pad=True):
+    rng = np.random.default_rng(seed)
+    x = 1.0 + 2.0 * rng.normal(size=(B, L, D))
+    p = dict(x=x, scale=rng.normal(size=D), bias=rng.normal(size=D), num_groups=G)
+    if prior:
+        p.update(prev_count=rng.integers(0, 4, size=B), prev_mean=rng.normal(size=(B, G)),
+                 prev_var=rng.uniform(0.5, 2.0, size=(B, G)))
+        p["prev_count"][0] = 0
+    if pad:
+        m = np.zeros((B, L), dtype=bool)
+        m[0, :2] = True  # leading padding with prev_count = 0
+        m[0, 4] = True  # a hole: the next step must use the CARRIED mean (docs/math.md, TimestepNorm)
+        m[-1, -1] = True
+        x[m] = np.nan  # never read
+        p["padding_mask"] = m
+    return p, rng
+
+
+@pytest.mark.parametrize("prior", [False, True], ids=["no_prior", "prior"])
+@pytest.mark.parametrize("pad", [False, True], ids=["dense", "padded"])
+@pytest.mark.parametrize("G", [1, 3, 6])
+def test_reference_backward_matches_finite_differences(prior, pad, G):
+    p, rng = _reference_problem(G, G=G, prior=prior, pad=pad)
+    y, _, m, v = ref.timestep_norm(**p)
+    dy, dm, dv = rng.normal(size=y.shape), rng.normal(size=m.shape), rng.normal(size=v.shape)
+    names = ["x", "scale", "bias"] + (["prev_mean", "prev_var"] if prior else [])
+
+    def loss(q):
+        yy, _, mm, vv = ref.timestep_norm(**q)
+        return float((dy * yy).sum() + (dm * mm).sum() + (dv * vv).sum())
+
+    grads = ref.timestep_norm_bwd(dy, dm, dv, p["x"], p["scale"], p["bias"], G, p.get("prev_count"),
+                                  p.get("prev_mean"), p.get("prev_var"), p.get("padding_mask"))
+    h = 1e-6
+    for name, g in zip(names, grads):
+        fd = np.zeros_like(p[name])
+        for idx in np.ndindex(fd.shape):
+            if np.isnan(p[name][idx]):
+                continue  # padded x: its gradient is 0 by construction (checked below)
+            plus = {**p, name: p[name].copy()}
+            minus = {**p, name: p[name].copy()}
+            plus[name][idx] += h
+            minus[name][idx] -= h
+            fd[idx] = (loss(plus) - loss(minus)) / (2 * h)
+        err = np.max(np.abs(g - fd)) / max(np.max(np.abs(fd)), 1e-30)
+        print(f"d{name}: finite-difference relative error {err:.2e}")
+        assert err < 1e-7, name
+    if pad:
+        assert np.all(grads[0][p["padding_mask"]] == 0)
+
+
+def test_reference_forward_is_pooled_moments():
+    # Without a prior, (mu_t, var_t) are the mean and population variance of ALL elements of the
+    # group in unmasked steps <= t; with a prior, it counts as prev_count steps of that moment.
+    p, _ = _reference_problem(1, B=2, L=9, D=8, G=2, prior=True, pad=True)
+    y, count, mean, var = ref.timestep_norm(**p)
+    s = ref._scan(p["x"], 2, p["prev_count"], p["prev_mean"], p["prev_var"], p["padding_mask"])
+    x, m = p["x"], p["padding_mask"]
+    for b in range(2):
+        for g in range(2):
+            seen = []
+            for t in range(9):
+                if not m[b, t]:
+                    seen.append(x[b, t, 4 * g:4 * g + 4])
+                if not seen:
+                    continue
+                data = np.concatenate(seen)
+                k = len(seen)
+                n0 = p["prev_count"][b]
+                # pooled: prior (n0 steps with mean m0, var v0) + the observed elements
+                tot = n0 + k
+                mu = (n0 * p["prev_mean"][b, g] + k * data.mean()) / tot
+                ex2 = (n0 * (p["prev_var"][b, g] + p["prev_mean"][b, g] ** 2) + k * np.mean(data ** 2)) / tot
+                np.testing.assert_allclose(s["mu"][b, t, g], mu, rtol=1e-12, atol=1e-12)
+                np.testing.assert_allclose(s["var"][b, t, g], ex2 - mu ** 2, rtol=1e-10, atol=1e-10)
+    np.testing.assert_array_equal(count, p["prev_count"] + (~m).sum(1))
+
+
+def test_reference_first_step_is_group_norm():
+    rng = np.random.default_rng(0)
+    x = rng.normal(size=(3, 4, 12))
+    scale, bias = rng.normal(size=12), rng.normal(size=12)
+    y = ref.timestep_norm(x, scale, bias, 4)[0]
+    gn = torch.nn.functional.group_norm(torch.from_numpy(x[:, 0]), 4, torch.from_numpy(scale),
+                                        torch.from_numpy(bias), eps=1e-5)
+    np.testing.assert_allclose(y[:, 0], gn.numpy(), rtol=1e-12, atol=1e-12)
+
+
+def test_reference_streaming():
+    p, _ = _reference_problem(2, B=2, L=11, D=6, G=3, prior=True, pad=True)
+    whole = ref.timestep_norm(**p)
+    first = ref.timestep_norm(**{**p, "x": p["x"][:, :5], "padding_mask": p["padding_mask"][:, :5]})
+    second = ref.timestep_norm(p["x"][:, 5:], p["scale"], p["bias"], 3, first[1], first[2], first[3],
+                               p["padding_mask"][:, 5:])
+    np.testing.assert_allclose(np.concatenate((first[0], second[0]), 1), whole[0], rtol=1e-12, atol=1e-12)
+    np.testing.assert_array_equal(second[1], whole[1])
+    np.testing.assert_allclose(second[2], whole[2], rtol=1e-12, atol=1e-12)
+    np.testing.assert_allclose(second[3], whole[3], rtol=1e-12, atol=1e-12)
+
+
+# ---------------------------------------------------------------------------------------------
+# Bad inputs
 
 
 def _good():
