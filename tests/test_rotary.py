@@ -138,7 +138,8 @@ def test_reference_backward_matches_finite_differences():
         xp, xm = x.copy(), x.copy()
         xp[idx] += eps
         xm[idx] -= eps
-        fd[idx] = ((ref.rotary(xp, pos, 100.0, 128.0, True) - ref.rotary(xm, pos, 100.0, 128.0, True)) * dy).sum() / (2 * eps)
+        diff = ref.rotary(xp, pos, 100.0, 128.0, True) - ref.rotary(xm, pos, 100.0, 128.0, True)
+        fd[idx] = (diff * dy).sum() / (2 * eps)
     assert_close("reference dx vs finite differences", dx, fd, 1e-8)
 
 
