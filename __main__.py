@@ -85,7 +85,7 @@ def availability_lines(availability, claimed) -> list[str]:
         lines.append(f"backends on {device} (usable here, or why not: reasons below)")
         lines.append("  " + "  ".join([f"{'op':<{op_width}}"] + [f"{b:<{w}}" for b, w in zip(backends, widths)]))
         for op, cells in table:
-            lines.append("  " + "  ".join([f"{op:<{op_width}}"] + [f"{c:<{w}}" for c, w in zip(cells, widths)]))
+            lines.append(("  " + "  ".join([f"{op:<{op_width}}"] + [f"{c:<{w}}" for c, w in zip(cells, widths)])).rstrip())
         if numbers:
             lines.append("")
         for reason, n in numbers.items():
