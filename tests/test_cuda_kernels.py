@@ -121,6 +121,8 @@ DOMAIN = {
     + [("bfloat16-mma.sync-emulated", 64)],
 }
 DOMAIN["C, G"] = [(e, d, g) for e, d in DOMAIN["C"] for g in ("dv", "dk")]
+#: the template parameters that vary with the call (the others are constants at the site)
+TYPE_PARAMETERS = ("T", "A", "R", "XT", "C", "G")
 # where each launcher (cuda/bindings.cpp) takes its codes: element dtype, real dtype, flash
 # element code and padded head dim (positional index; keyword name where it has a default)
 CODES = {
@@ -146,10 +148,6 @@ def kernel_sources():
     from megalodon_kernels.cuda import build
 
     return sorted([*build.CUDA_DIR.glob("*.cu"), *build.CUDA_DIR.glob("*.cuh")])
-
-
-#: the template parameters that vary with the call (the others are constants at the site)
-TYPE_PARAMETERS = ("T", "A", "R", "XT", "C", "G")
 
 
 def instantiation_sites():
