@@ -2,7 +2,7 @@
 references in megalodon_kernels.reference (plus plain NumPy for linear layers and the
 per-position norms, which have no op), gradients reaching every parameter, configs and presets.
 
-The reference composition below is written from spec section 7 directly, independently of the
+The reference composition below is written from the model math (docs/math.md, model) directly, independently of the
 model code: coefficients, +1 reparameterisations, RoPE positions relative to each chunk,
 block-diagonal causal attention, the two-hop residual.
 """
@@ -224,7 +224,7 @@ def test_complex_ema_coefficients_fp32_from_bf16_params_and_slow_decay():
 
 
 def test_complex_ema_no_stale_coefficients_in_eval():
-    """Upstream caches coefficients in eval mode (spec 8.15); a parameter change must show."""
+    """Upstream caches coefficients in eval mode (an upstream behaviour we keep); a parameter change must show."""
     mod = ComplexEMA(6, 4, backend="torch").eval()
     x = torch.randn(1, 6, 9)
     y0, _ = mod(x)
@@ -405,7 +405,7 @@ def test_bf16_forward_runs_with_fp32_coefficients():
 # Config, presets, construction
 
 def test_presets_match_upstream_table_and_build_without_cuda():
-    table = {  # spec 7.6: layers, D, H, z, v, F, G, swiglu, scale_emb, share_emb
+    table = {  # upstream presets: layers, D, H, z, v, F, G, swiglu, scale_emb, share_emb
         "mega200M": (12, 1024, 1, 256, 2048, 2560, 32, False, False, False),
         "mega1.3B": (24, 2048, 2, 512, 4096, 4864, 64, False, False, False),
         "mega1.3B_pg19": (24, 2048, 2, 512, 4096, 3584, 64, True, True, True),

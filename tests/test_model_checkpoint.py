@@ -1,6 +1,6 @@
 """Upstream checkpoints: state dicts with the upstream names and shapes (written here from the
-spec 7.7 table, independently of the model code) load strictly and round-trip; a wrong key or
-shape fails with one message that lists every problem.
+upstream release's parameter list, independently of the model code) load strictly and round-trip;
+a wrong key or shape fails with one message that lists every problem.
 """
 import json
 
@@ -21,7 +21,7 @@ PRESET_CASES = {
 
 
 def upstream_state_dict(cfg, seed=0):
-    """Random weights under upstream's names and shapes (spec 7.7, model-parallel size 1)."""
+    """Random weights under upstream's names and shapes (model-parallel size 1)."""
     g = torch.Generator().manual_seed(seed)
     D, Z, E, H, Fh, N, G, V = (cfg.model_dim, cfg.z_dim, cfg.value_dim, cfg.num_heads, cfg.ffn_hidden_dim,
                                cfg.cema_ndim, cfg.norm_num_groups, cfg.vocab_size)
@@ -152,7 +152,7 @@ def test_tied_embedding_and_rope_freqs_checks():
     bad = dict(sd, **{"output.output.weight": sd["embed.weight"] + 1})
     with pytest.raises(CheckpointMismatchError, match="share_emb=True but output.output.weight differs"):
         Megalodon(cfg).load_upstream(bad)
-    # bf16-rounded frequencies (spec 8.16) are accepted; the rotation uses rope_base exactly
+    # bf16-rounded frequencies (as upstream stores them) are accepted; the rotation uses rope_base exactly
     Megalodon(cfg).load_upstream(dict(sd, **{"rope.freqs": sd["rope.freqs"].to(torch.bfloat16).float()}))
     dz = cfg.z_head_dim
     other = torch.tensor([500000.0 ** (-j / dz) for j in range(0, dz, 2)])
