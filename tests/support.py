@@ -9,8 +9,6 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
-import os
-import shutil
 from typing import NamedTuple
 
 import numpy as np
@@ -176,33 +174,17 @@ def timestep_norm_inputs(B, L, D, G, seed, *, pad="none", prior=True, center=0.0
 
 # --- backends -----------------------------------------------------------------------------------
 
-#: the CUDA kernels run here in the CPU emulator, which is compiled with the host C++ compiler
-needs_emulator = pytest.mark.skipif(shutil.which(os.environ.get("CXX", "g++")) is None,
-                                    reason="the CUDA emulator extension needs a C++ compiler (g++)")
-
-
 def on_backends(cases, runs_on) -> list:
     """``pytest.param(backend, case)`` for every case of an op's table (``pytest.param(case, id=...)``)
-    on every backend that ``runs_on(backend, case)``, with ids ``<backend>-<case id>``; the CUDA
-    ones carry :data:`needs_emulator`."""
+    on every backend that ``runs_on(backend, case)``, with ids ``<backend>-<case id>``. The CUDA ones
+    run in the emulator (conftest.py)."""
     params = []
     for backend in ("torch", "triton", "cuda"):
         for c in cases:
             (case,) = c.values
             if runs_on(backend, case):
-                marks = [needs_emulator] if backend == "cuda" else []
-                params.append(pytest.param(backend, case, id=f"{backend}-{c.id}", marks=marks))
+                params.append(pytest.param(backend, case, id=f"{backend}-{c.id}"))
     return params
-
-
-@pytest.fixture(autouse=True)
-def cuda_backend_in_emulator(request):
-    """Where a test is parametrised with backend="cuda", run it on the CPU emulator: conftest's
-    ``use_emulated_cuda`` plugs the module's ``emulated`` backends into the ops' dispatchers for the
-    test's duration. Active in the test modules that import it."""
-    callspec = getattr(request.node, "callspec", None)
-    if callspec is not None and callspec.params.get("backend") == "cuda":
-        request.getfixturevalue("use_emulated_cuda")
 
 
 # --- CEMA coefficients --------------------------------------------------------------------------

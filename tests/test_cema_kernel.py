@@ -27,8 +27,7 @@ from megalodon_kernels.ops.cema_kernel import triton_impl as kernel_triton
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.reference import cema_kernel as ref
 from support import (as_input, assert_close, backend_module, cema_coefficients, cema_powers, finite_difference_grad,
-                     knobs, needs_emulator, noncontiguous, on_backends, to_np, tol)
-from support import cuda_backend_in_emulator  # noqa: F401  (autouse: backend="cuda" runs in the emulator)
+                     knobs, noncontiguous, on_backends, to_np, tol)
 
 F32, F64 = torch.float32, torch.float64
 CPLX = {F32: torch.complex64, F64: torch.complex128}
@@ -184,7 +183,7 @@ def _oracle_long(p, log_q, gamma, hx, L, dk, db, chunk=1 << 16):
     ("torch", 1e-6, {}),
     # two programs per kernel (D = 2) with 256 x 256 tiles, each looping over the whole length
     ("triton", 1e-5, dict(block_m=256, block_r=256)),
-    pytest.param("cuda", 1e-5, {}, marks=needs_emulator),
+    ("cuda", 1e-5, {}),
 ], ids=["torch-gap1e-5", "torch-gap1e-6", "triton-gap1e-5", "cuda-gap1e-5"])
 def test_fp32_accuracy_at_long_length(backend, gap, config):
     # The numerical contract: fp32 powers up to j = 2**18 with |q| = 1 - gap stay within 1e-5
@@ -209,7 +208,7 @@ def test_fp32_accuracy_at_long_length(backend, gap, config):
 
 @pytest.mark.parametrize("backend, dtype", [
     ("torch", F32), ("torch", F64), ("triton", F32),
-    pytest.param("cuda", F32, marks=needs_emulator), pytest.param("cuda", F64, marks=needs_emulator),
+    ("cuda", F32), ("cuda", F64),
 ], ids=["torch-float32", "torch-float64", "triton-float32", "cuda-float32", "cuda-float64"])
 def test_streaming(backend, dtype):
     # k of a shorter length is a prefix of k; b over [L1, L) with state hx equals b over L - L1
@@ -269,7 +268,6 @@ def _randn(*shape, generator, dtype=F32):
     return torch.randn(*shape, generator=generator, dtype=dtype)
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 @pytest.mark.parametrize("with_hx", [True, False], ids=["hx", "no_hx"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
@@ -301,7 +299,6 @@ def test_cuda_kernels(ext, order, shape, with_hx, real):
         assert_close(name, a, r, bwd)
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 @pytest.mark.parametrize("which", ["dk_only", "db_only"])
 def test_cuda_kernels_bwd_one_gradient(ext, order, which, real):
@@ -322,7 +319,6 @@ def test_cuda_kernels_bwd_one_gradient(ext, order, which, real):
         assert_close(name, a, r, tol("cuda", real, "bwd"))
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 def test_cuda_kernels_bwd_without_log_q_gradient(ext, real):
     """needs[1] = False skips the exponent-weighted sums: dlog_q is 0, the other gradients unchanged."""
@@ -337,7 +333,6 @@ def test_cuda_kernels_bwd_without_log_q_gradient(ext, real):
         assert torch.equal(a, b)
 
 
-@needs_emulator
 @given(D=st.integers(1, 5), N=st.integers(1, 64), B=st.integers(0, 3), L=st.integers(1, 700),
        fp64=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_cuda_kernels_property(ext, D, N, B, L, fp64, seed):
@@ -363,7 +358,6 @@ def test_cuda_kernels_property(ext, D, N, B, L, fp64, seed):
             assert_close(name, a, r, bwd)
 
 
-@needs_emulator
 @pytest.mark.parametrize("L", [1 << 16, 1 << 20], ids=["L=2^16", "L=2^20"])
 def test_cuda_kernels_long_length_accuracy(ext, L):
     """|q| close to 1 (1 - |q| ~ 1e-6 .. 2e-5, decay length ~1e5 steps) and phases over the whole circle:
@@ -387,7 +381,6 @@ def test_cuda_kernels_long_length_accuracy(ext, L):
         assert_close(name, a, r, 1e-5)
 
 
-@needs_emulator
 @pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs x87 long double for the exact sums")
 @pytest.mark.parametrize("L", [4096, 1 << 16], ids=["L=4096", "L=2^16"])
 def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
@@ -417,7 +410,6 @@ def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
         assert_close(name, a, r, budget)
 
 
-@needs_emulator
 def test_cuda_kernels_several_tiles_per_block_fp64(ext):
     """D = 1025 features leave one block per feature (Y = 1), so each block walks several tiles: fp64
     at N = 64 has 8-row synthesis tiles (one row per thread) and 16-row analysis tiles, and L = 520
@@ -437,7 +429,6 @@ def test_cuda_kernels_several_tiles_per_block_fp64(ext):
         assert_close(name, a, to_np(r), bwd)
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 def test_cuda_kernels_deterministic_across_runs_and_fiber_orders(ext, real):
     """Reductions over j run in a fixed order (per-thread sums, fixed-order block sum, Y partials
@@ -457,7 +448,6 @@ def test_cuda_kernels_deterministic_across_runs_and_fiber_orders(ext, real):
             assert torch.equal(a, b)
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 def test_cuda_kernels_strided_and_expanded_inputs(ext, real):
     """Strided views of every input and an expanded (stride-0) upstream gradient (as from k.sum())
@@ -475,7 +465,6 @@ def test_cuda_kernels_strided_and_expanded_inputs(ext, real):
         assert torch.equal(a, b)
 
 
-@needs_emulator
 def test_cuda_kernels_bad_inputs(ext):
     p, log_q, gamma, hx = cema_coefficients(0, 2, 16, 1)
     with pytest.raises(TypeError, match="float32 or float64 p"):
@@ -567,7 +556,6 @@ def test_triton_phase_fraction_is_exact_mod_one():
     assert torch.allclose(turns, want, atol=1e-15, rtol=0)
 
 
-@needs_emulator
 def test_cuda_reasons_name_the_fix(emulated):
     from megalodon_kernels.cuda import backend
 

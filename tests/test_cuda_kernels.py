@@ -1,6 +1,5 @@
 """The CUDA kernels in the emulator: every ``__global__`` kernel and every template instantiation the
-launchers take (cuda/*.cu, cuda/*.cuh) must be launched by some test; and the one-block fftconv
-kernels against the float64 references, in fp32 and bf16, in both fiber orders.
+launchers take (cuda/*.cu, cuda/*.cuh) must be launched by some test.
 
 The op tests (tests/test_<op>.py) run the CUDA backend and its kernels in the emulator (cuda/emu);
 conftest.py records, for every launcher call, the MK_LAUNCH names it launched and the call's
@@ -9,88 +8,7 @@ dtype codes, which name the instantiation that ran.
 import re
 from pathlib import Path
 
-import numpy as np
 import pytest
-import torch
-
-from megalodon_kernels.reference import fftconv as fftconv_ref
-from support import assert_close, to_np, tol
-
-DTYPES = [torch.float32, torch.bfloat16]
-
-
-def tol_of(dtype):
-    return {kind: tol("cuda", dtype, kind) for kind in ("fwd", "bwd")}
-
-
-def _gen(seed):
-    return torch.Generator().manual_seed(seed)
-
-
-# ------------------------------------------------------------------------------------------------
-# fftconv
-# ------------------------------------------------------------------------------------------------
-
-def _fft_ref(x, k, dy):
-    """float64 FFT versions of reference/fftconv.py (the O(L^2) loops are too slow for 16K)."""
-    x, k, dy = to_np(x), to_np(k), to_np(dy)
-    L = x.shape[-1]
-    n = 2 * L
-    rf, irf = np.fft.rfft, np.fft.irfft
-    y = irf(rf(x, n) * rf(k, n), n)[..., :L]
-    flip = lambda a: a[..., ::-1]  # noqa: E731
-    dx = flip(irf(rf(flip(dy), n) * rf(k, n), n)[..., :L])
-    dk = flip(irf((rf(flip(dy), n) * rf(x, n)).sum(0), n)[..., :L])
-    return y, dx, dk
-
-
-@pytest.mark.parametrize("dtype", DTYPES, ids=str)
-@pytest.mark.parametrize("B,D,L", [(1, 1, 1), (2, 3, 31), (1, 2, 33), (2, 1, 129)], ids=lambda v: str(v))
-def test_fftconv(ext, kernels, order, dtype, B, D, L):
-    g = _gen(8)
-    x = torch.randn(B, D, L, generator=g).to(dtype)
-    k = torch.randn(D, L, generator=g) * torch.exp(-torch.arange(L) / 20.0)
-    y = kernels.fftconv_fwd(ext, x, k)
-    dy = torch.randn(B, D, L, generator=g).to(dtype)
-    dx, dk = kernels.fftconv_bwd(ext, dy, x, k)
-    # the direct O(L^2) reference at these sizes
-    assert_close("y", y, fftconv_ref.fftconv(to_np(x), to_np(k)), tol_of(dtype)["fwd"])
-    dxr, dkr = fftconv_ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
-    assert dx.dtype == dtype and dk.dtype == torch.float32
-    assert_close("dx", dx, dxr, tol_of(dtype)["bwd"])
-    assert_close("dk", dk, dkr, 5e-5)
-
-
-def test_fftconv_16k_one_block_per_row(ext, kernels, order):
-    B, D, L = 1, 1, 16384
-    assert ext.fftconv_fft_size(L) == 16384
-    g = _gen(9)
-    x = torch.randn(B, D, L, generator=g)
-    k = torch.randn(D, L, generator=g) * torch.exp(-torch.arange(L) / 2000.0)
-    dy = torch.randn(B, D, L, generator=g)
-    y = kernels.fftconv_fwd(ext, x, k)
-    dx, dk = kernels.fftconv_bwd(ext, dy, x, k)
-    yr, dxr, dkr = _fft_ref(x, k, dy)
-    assert_close("y", y, yr, 2e-5)
-    assert_close("dx", dx, dxr, 5e-5)
-    assert_close("dk", dk, dkr, 5e-5)
-
-
-def test_fftconv_dk_over_batch_slices(ext, kernels):
-    # the product-spectrum workspace split over batch slices (accumulate, then finalize)
-    B, D, L = 5, 2, 40
-    g = _gen(10)
-    x, dy = torch.randn(B, D, L, generator=g), torch.randn(B, D, L, generator=g)
-    k = torch.randn(D, L, generator=g)
-    N = ext.fftconv_fft_size(L)
-    dx, dk = kernels.fftconv_bwd(ext, dy, x, k, max_workspace_bytes=2 * D * (N + 1) * 8)
-    _, dxr, dkr = _fft_ref(x, k, dy)
-    assert_close("dx", dx, dxr, 5e-5)
-    assert_close("dk", dk, dkr, 5e-5)
-    dx_only, none = kernels.fftconv_bwd(ext, dy, x, k, need_k=False)
-    assert none is None
-    assert_close("dx only", dx_only, dxr, 5e-5)
-
 
 # ------------------------------------------------------------------------------------------------
 # coverage: every kernel and instantiation in cuda/ was launched by the tests of this session

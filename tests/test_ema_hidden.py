@@ -25,8 +25,7 @@ from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.ema_hidden import torch_impl as hidden_torch
 from megalodon_kernels.reference import ema_hidden as ref
 from support import (as_input, assert_close, backend_module, cema_coefficients, cema_powers, finite_difference_grad,
-                     knobs, needs_emulator, noncontiguous, on_backends, to_np, tol)
-from support import cuda_backend_in_emulator  # noqa: F401  (autouse: backend="cuda" runs in the emulator)
+                     knobs, noncontiguous, on_backends, to_np, tol)
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 CPLX = {F32: torch.complex64, F64: torch.complex128}
@@ -92,6 +91,9 @@ CASES = [
     # log_q without requires_grad: the forward skips W, dx and dp still exact
     case(2, 3, 20, 50, F32, F32, "N20-L50-no_log_q_grad-float32", with_hx=False, log_q_grad=False),
     case(2, 3, 24, 90, F64, F64, "N24-L90-no_log_q_grad-float64", with_hx=False, log_q_grad=False),
+    # ... and in the other (x, coefficient) pairs the CUDA kernels take (each its own instantiation)
+    *(case(2, 3, 20, 50, x, c, f"N20-L50-no_log_q_grad-x_{_dt(x)}-c_{_dt(c)}", with_hx=False, log_q_grad=False)
+      for x, c in [(BF16, F32), (BF16, F64), (F32, F64)]),
     # every power-table block size of the torch backend: the reverse layout pads at the front, so
     # L = 50 leaves a partial first block for T = 3 and 8
     *(case(2, 2, 3, 50, F32, F32, f"power_block{T}", knobs={"torch": dict(power_block=T)}, only=("torch",))
@@ -164,7 +166,7 @@ def test_property_torch(B, D, N, L, dtypes, with_hx, contiguous, power_block, se
     ("torch", {}),
     # one program per d for the forward, 256 x 256 tiles (few, large programs)
     ("triton", dict(block_m=256, block_r=256)),
-    pytest.param("cuda", {}, marks=needs_emulator),
+    ("cuda", {}),
 ], ids=["torch", "triton", "cuda"])
 def test_fp32_accuracy_at_long_length(backend, config):
     # h and its gradients at L = 2**18, 1-|q| = 1e-5, within 1e-5 of float64 (exact powers, chunked),
@@ -198,7 +200,7 @@ def test_fp32_accuracy_at_long_length(backend, config):
 
 @pytest.mark.parametrize("backend, xdtype, cdtype", [
     ("torch", F32, F32), ("torch", F64, F64), ("triton", F32, F32),
-    pytest.param("cuda", F32, F32, marks=needs_emulator), pytest.param("cuda", F64, F64, marks=needs_emulator),
+    ("cuda", F32, F32), ("cuda", F64, F64),
 ], ids=["torch-fp32", "torch-fp64", "triton-fp32", "cuda-fp32", "cuda-fp64"])
 @pytest.mark.parametrize("with_hx", [False, True], ids=["no_hx", "hx"])
 def test_streaming(backend, xdtype, cdtype, with_hx):
@@ -268,7 +270,6 @@ def _crandn(*shape, generator, dtype=F32):
                                                                                    dtype=dtype))
 
 
-@needs_emulator
 @pytest.mark.parametrize("real,dtype", KERNEL_DTYPES, ids=KERNEL_DTYPE_IDS)
 @pytest.mark.parametrize("with_hx", [True, False], ids=["hx", "no_hx"])
 @pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
@@ -302,7 +303,6 @@ def test_cuda_kernels(ext, order, shape, with_hx, real, dtype):
         assert_close(name, a, r, bwd)
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 def test_cuda_kernels_unweighted_and_partial_needs(ext, real):
     """weighted=False leaves W out (the inference path); the backward then computes no dlog_q, and
@@ -324,7 +324,6 @@ def test_cuda_kernels_unweighted_and_partial_needs(ext, real):
         K.ema_hidden_bwd(ext, dh, p, log_q, hx, V0, None, L, (False, False, True, True))
 
 
-@needs_emulator
 @given(D=st.integers(1, 5), N=st.integers(1, 64), B=st.integers(0, 3), L=st.integers(1, 700),
        x_bf16=st.booleans(), fp64=st.booleans(), seed=st.integers(0, 2**31 - 1))
 def test_cuda_kernels_property(ext, D, N, B, L, x_bf16, fp64, seed):
@@ -346,7 +345,6 @@ def test_cuda_kernels_property(ext, D, N, B, L, x_bf16, fp64, seed):
             assert_close(name, a, r, bwd)
 
 
-@needs_emulator
 @pytest.mark.parametrize("L", [1 << 16, 1 << 20], ids=["L=2^16", "L=2^20"])
 def test_cuda_kernels_long_length_accuracy(ext, L):
     """|q| close to 1 (1 - |q| ~ 1e-6 .. 2e-5, decay length ~1e5 steps) and phases over the whole circle:
@@ -369,7 +367,6 @@ def test_cuda_kernels_long_length_accuracy(ext, L):
         assert_close(name, a, r, 1e-5)
 
 
-@needs_emulator
 @pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs x87 long double for the exact sums")
 @pytest.mark.parametrize("L", [4096, 1 << 16], ids=["L=4096", "L=2^16"])
 def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
@@ -398,7 +395,6 @@ def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
         assert_close(name, a, r, budget)
 
 
-@needs_emulator
 def test_cuda_kernels_several_tiles_per_block_fp64(ext):
     """D = 1025 features leave one block per feature (Y = 1), so each block walks several tiles: fp64
     at N = 64 has 8-row synthesis tiles (one row per thread) and 16-row analysis tiles, and L = 520
@@ -420,7 +416,6 @@ def test_cuda_kernels_several_tiles_per_block_fp64(ext):
         assert_close(name, a, to_np(r), bwd)
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 def test_cuda_kernels_deterministic_across_runs_and_fiber_orders(ext, real):
     """Reductions over j run in a fixed order (per-thread sums, fixed-order block sum, Y partials
@@ -439,7 +434,6 @@ def test_cuda_kernels_deterministic_across_runs_and_fiber_orders(ext, real):
             assert torch.equal(a, b)
 
 
-@needs_emulator
 @pytest.mark.parametrize("real", [F32, F64], ids=str)
 def test_cuda_kernels_strided_and_conj_inputs(ext, real):
     """Strided views of every input and a conj view of dh give the same bits as contiguous copies."""
@@ -458,7 +452,6 @@ def test_cuda_kernels_strided_and_conj_inputs(ext, real):
         assert torch.equal(a, b)
 
 
-@needs_emulator
 def test_cuda_kernels_bad_inputs(ext):
     p, log_q, _, _ = cema_coefficients(0, 2, 16, 1)
     with pytest.raises(TypeError, match="dh torch.complex128"):
@@ -522,7 +515,6 @@ def test_triton_refuses_what_it_cannot_run():
         ema_hidden(torch.randn(1, 2, 8, dtype=F64), p, log_q, backend="triton")
 
 
-@needs_emulator
 def test_cuda_reasons_name_the_fix(emulated):
     p, log_q, _, hx = cema_coefficients(0, 2, 80, 1)
     p64, lq64, hx64 = p[:, :16].double(), log_q[:, :16].to(torch.complex128), hx[..., :16].to(torch.complex128)

@@ -9,8 +9,9 @@
 * The reference's own backward against finite differences.
 * Triton: the tile plan, one gradient alone, the long case L = 2**17 against a float64 FFT.
 * The CUDA kernels' tensor API (cuda/kernels.py over cuda/fftconv*.cuh) in the emulator, in both
-  fiber orders: the multi-pass FFT above L = 16384 (float: 8192 in float64) against float64, up to
-  L = 2**20, the twiddles, workspace chunking, the float64 instantiations, what the launchers refuse.
+  fiber orders: one block per row up to L = 16384 in fp32 and bf16, the multi-pass FFT above it
+  (float: 8192 in float64) against float64, up to L = 2**20, the twiddles, workspace chunking, the
+  float64 instantiations, what the launchers refuse.
 * Argument validation and what each backend refuses, naming the fix.
 
 reference/fftconv.py is the O(L^2) definition; it is affordable once at L = 16385 (B = D = 1).
@@ -31,9 +32,8 @@ from megalodon_kernels.ops.fftconv import fftconv
 from megalodon_kernels.ops.fftconv import torch_impl as conv_torch
 from megalodon_kernels.ops.fftconv import triton_impl as conv_triton
 from megalodon_kernels.reference import fftconv as ref
-from support import (as_input, assert_close, backend_module, finite_difference_grad, knobs, needs_emulator,
-                     on_backends, to_np, tol)
-from support import cuda_backend_in_emulator  # noqa: F401  (autouse: backend="cuda" runs in the emulator)
+from support import (as_input, assert_close, backend_module, finite_difference_grad, knobs, on_backends,
+                     to_np, tol)
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
@@ -168,8 +168,8 @@ IDENTITY_RUNS = [
     pytest.param("torch", "fft", F64, 1e-13, id="torch-fft-float64"),
     pytest.param("triton", "direct", F32, 1e-5, id="triton-direct-float32"),
     pytest.param("triton", "fft", F32, 1e-5, id="triton-fft-float32"),
-    pytest.param("cuda", "fft", F32, 1e-5, id="cuda-float32", marks=needs_emulator),
-    pytest.param("cuda", "fft", F64, 1e-13, id="cuda-float64", marks=needs_emulator),
+    pytest.param("cuda", "fft", F32, 1e-5, id="cuda-float32"),
+    pytest.param("cuda", "fft", F64, 1e-13, id="cuda-float64"),
 ]
 
 
@@ -233,7 +233,7 @@ def test_direct_equals_fft_triton():
 @pytest.mark.parametrize("backend, path, length, fast_mode", [
     ("torch", "direct", 9, True), ("torch", "fft", 9, True),
     # finite differences through the emulated CUDA kernels in float64, the full Jacobian
-    pytest.param("cuda", "fft", 19, False, marks=needs_emulator),
+    ("cuda", "fft", 19, False),
 ], ids=["torch-direct", "torch-fft", "cuda"])
 def test_gradcheck(backend, path, length, fast_mode):
     gen = torch.Generator().manual_seed(5)
@@ -391,7 +391,6 @@ def _check_kernels64(ext, x, k, dy, refs=None, **kw):
     return y, dx, dk
 
 
-@needs_emulator
 def test_cuda_kernels_lengths_and_workspace_sizes(ext):
     assert ext.fftconv_one_block_max_length() == K.FFTCONV_ONE_BLOCK_MAX_LEN == 16384
     assert ext.fftconv_max_length() == K.FFTCONV_MAX_LEN == 2**27
@@ -401,7 +400,6 @@ def test_cuda_kernels_lengths_and_workspace_sizes(ext):
     assert ext.fftconv_fft_size(70001) == 2**17
 
 
-@needs_emulator
 def test_cuda_kernels_fp64_lengths_and_workspace_sizes(ext):
     assert ext.fftconv_one_block_max_length(4) == K.FFTCONV_FP64_ONE_BLOCK_MAX_LEN == 8192
     assert ext.fftconv_max_length(4) == K.FFTCONV_FP64_MAX_LEN == 2**25
@@ -416,7 +414,6 @@ def test_cuda_kernels_fp64_lengths_and_workspace_sizes(ext):
     assert max(table[f] for f in ("fft4_col_fwd_kernel", "fft4_row_conv_kernel")) <= 128 * 1024
 
 
-@needs_emulator
 def test_cuda_kernels_launchers_reject_bad_lengths_and_a_missing_workspace(ext):
     with pytest.raises(ValueError, match="L <= 134217728"):
         ext.fftconv_fwd(0, 0, 0, 0, 1, 1, 2**27 + 1, 0, 0, 0)
@@ -434,7 +431,6 @@ def test_cuda_kernels_launchers_reject_bad_lengths_and_a_missing_workspace(ext):
         ext.fftconv_bwd_dk(1, 0, 0, dk.data_ptr(), 1, 1, 100, False, True, 0, 0, 0)
 
 
-@needs_emulator
 def test_cuda_kernels_fp64_refuse_float16_x_naming_it(ext):
     x = torch.zeros(1, 1, 8, dtype=F16)
     with pytest.raises(TypeError, match="float64 x, got torch.float16"):
@@ -443,7 +439,53 @@ def test_cuda_kernels_fp64_refuse_float16_x_naming_it(ext):
         K.fftconv_bwd(ext, x, x, torch.zeros(1, 8))
 
 
-@needs_emulator
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+@pytest.mark.parametrize("B,D,L", [(1, 1, 1), (2, 3, 31), (1, 2, 33), (2, 1, 129)], ids=lambda v: str(v))
+def test_cuda_kernels_one_block_vs_direct_reference(ext, order, dtype, B, D, L):
+    g = torch.Generator().manual_seed(8)
+    x = torch.randn(B, D, L, generator=g).to(dtype)
+    k = torch.randn(D, L, generator=g) * torch.exp(-torch.arange(L) / 20.0)
+    y = K.fftconv_fwd(ext, x, k)
+    dy = torch.randn(B, D, L, generator=g).to(dtype)
+    dx, dk = K.fftconv_bwd(ext, dy, x, k)
+    assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", dtype, "fwd"))
+    dxr, dkr = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
+    assert dx.dtype == dtype and dk.dtype == F32
+    assert_close("dx", dx, dxr, tol("cuda", dtype, "bwd"))
+    assert_close("dk", dk, dkr, 5e-5)
+
+
+def test_cuda_kernels_16k_one_block_per_row(ext, order):
+    B, D, L = 1, 1, 16384
+    assert ext.fftconv_fft_size(L) == 16384
+    g = torch.Generator().manual_seed(9)
+    x = torch.randn(B, D, L, generator=g)
+    k = torch.randn(D, L, generator=g) * torch.exp(-torch.arange(L) / 2000.0)
+    dy = torch.randn(B, D, L, generator=g)
+    y = K.fftconv_fwd(ext, x, k)
+    dx, dk = K.fftconv_bwd(ext, dy, x, k)
+    yr, dxr, dkr = _fft_ref(x, k, dy)
+    assert_close("y", y, yr, 2e-5)
+    assert_close("dx", dx, dxr, 5e-5)
+    assert_close("dk", dk, dkr, 5e-5)
+
+
+def test_cuda_kernels_one_block_dk_over_batch_slices(ext):
+    # the product-spectrum workspace split over batch slices (accumulate, then finalize)
+    B, D, L = 5, 2, 40
+    g = torch.Generator().manual_seed(10)
+    x, dy = torch.randn(B, D, L, generator=g), torch.randn(B, D, L, generator=g)
+    k = torch.randn(D, L, generator=g)
+    N = ext.fftconv_fft_size(L)
+    dx, dk = K.fftconv_bwd(ext, dy, x, k, max_workspace_bytes=2 * D * (N + 1) * 8)
+    _, dxr, dkr = _fft_ref(x, k, dy)
+    assert_close("dx", dx, dxr, 5e-5)
+    assert_close("dk", dk, dkr, 5e-5)
+    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
+    assert none is None
+    assert_close("dx only", dx_only, dxr, 5e-5)
+
+
 def test_cuda_kernels_just_above_one_block_vs_direct_reference(ext):
     # L = 16385: the first multi-pass length, against the O(L^2) definition itself
     L = 16385
@@ -456,7 +498,6 @@ def test_cuda_kernels_just_above_one_block_vs_direct_reference(ext):
     assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))
 
 
-@needs_emulator
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
 @pytest.mark.parametrize("L", [32768, 70001], ids=lambda v: f"L{v}")
 def test_cuda_kernels_multipass_vs_float64(ext, dtype, L):
@@ -465,21 +506,18 @@ def test_cuda_kernels_multipass_vs_float64(ext, dtype, L):
     _check_kernels(ext, x, k, dy, dtype)
 
 
-@needs_emulator
 def test_cuda_kernels_multipass_batch_and_channels_both_fiber_orders(ext, order):
     # rows b * D + d pick kf[d]; dk sums the batch; a missing barrier shows in one fiber order
     x, k, dy = _inputs(3, 2, 2, 16385, F32)
     _check_kernels(ext, x, k, dy, F32)
 
 
-@needs_emulator
 def test_cuda_kernels_multipass_2_pow_17_and_beyond(ext):
     # L >= 2^17 with N = 2^18 (plan N1 = N2 = 512): the longest case the test budget allows
     x, k, dy = _inputs(4, 1, 1, 2**17 + 3, BF16)
     _check_kernels(ext, x, k, dy, BF16)
 
 
-@needs_emulator
 def test_cuda_kernels_forward_at_2_pow_20(ext):
     # the longest length asked for (N = 2^20, plan N1 = N2 = 1024, 8 columns per block); forward
     # only, the backward runs the same passes (see the N = 2^17 and 2^18 cases)
@@ -491,7 +529,6 @@ def test_cuda_kernels_forward_at_2_pow_20(ext):
     assert_close("y", y, np.fft.irfft(np.fft.rfft(xr, n) * np.fft.rfft(kr, n), n)[..., :L], tol("cuda", F32, "fwd"))
 
 
-@needs_emulator
 def test_cuda_kernels_twiddles_exact_angle_also_above_2_pow_24(ext):
     # cispi_frac(a, s) = e^{+-i pi a / 2^s}: a < 2^24 goes straight to sincospif; larger a (only at
     # N >= 2^25, too long to run here) is split into two exactly representable angles.
@@ -511,7 +548,6 @@ def test_cuda_kernels_twiddles_exact_angle_also_above_2_pow_24(ext):
         assert err.max() < 2.0**-23
 
 
-@needs_emulator
 def test_cuda_kernels_workspace_chunks_give_identical_results(ext):
     # one workspace row at a time (ws_rows = 1) and a product-spectrum slice of one batch
     # element (accumulate, then finalize): the arithmetic per row is the same, so bit-identical,
@@ -528,7 +564,6 @@ def test_cuda_kernels_workspace_chunks_give_identical_results(ext):
     assert none is None and torch.equal(dx_only, dx)
 
 
-@needs_emulator
 def test_cuda_kernels_one_block_boundary_still_one_block(ext):
     # 16384 stays on the one-block kernels (no workspace row), its neighbour 16385 is multi-pass;
     # the two paths meet float64 with the same budget on either side of the switch
@@ -538,7 +573,6 @@ def test_cuda_kernels_one_block_boundary_still_one_block(ext):
         _check_kernels(ext, x, k, dy, F32)
 
 
-@needs_emulator
 @pytest.mark.parametrize("L", [1, 2, 33, 100, 257], ids=lambda v: f"L{v}")
 def test_cuda_kernels_fp64_one_block_vs_direct_reference(ext, order, L):
     # B = 2: dk sums the batch; D = 3: rows pick kf[d]; the O(L^2) definition in float64
@@ -551,7 +585,6 @@ def test_cuda_kernels_fp64_one_block_vs_direct_reference(ext, order, L):
     assert torch.equal(dx_only, dx) and torch.equal(dk_only, dk)
 
 
-@needs_emulator
 def test_cuda_kernels_fp64_one_block_boundary(ext, order):
     # 8192 is the last one-block length in double (no workspace), 8193 the first multi-pass one
     # (N = 2^14: plan N1 = N2 = 128); the float path keeps one block at 8193
@@ -561,7 +594,6 @@ def test_cuda_kernels_fp64_one_block_boundary(ext, order):
         _check_kernels64(ext, x, k, dy)
 
 
-@needs_emulator
 def test_cuda_kernels_fp64_multipass_batch_channels_and_workspace_chunks(ext, order):
     # rows b * D + d pick kf[d]; dk sums the batch; one workspace row at a time and a product
     # spectrum slice of one batch element give bit-identical results (same per-row arithmetic,
@@ -579,7 +611,6 @@ def test_cuda_kernels_fp64_multipass_batch_channels_and_workspace_chunks(ext, or
     assert none is None and none2 is None and torch.equal(dx_only, dx) and torch.equal(dk_only, dk)
 
 
-@needs_emulator
 def test_cuda_kernels_fp64_multipass_16385(ext):
     # L = 16385 (N = 2^15, plan N1 = 256, N2 = 128) against the O(L^2) definition itself
     x, k, dy = _inputs64(22, 1, 1, 16385)
@@ -587,14 +618,12 @@ def test_cuda_kernels_fp64_multipass_16385(ext):
     _check_kernels64(ext, x, k, dy, refs)
 
 
-@needs_emulator
 def test_cuda_kernels_fp64_multipass_2_pow_17_plus_3(ext):
     # N = 2^18 (plan N1 = N2 = 512), forward and backward
     x, k, dy = _inputs64(23, 1, 1, 2**17 + 3)
     _check_kernels64(ext, x, k, dy)
 
 
-@needs_emulator
 def test_cuda_kernels_fp64_twiddles_accurate_to_double(ext):
     # the multi-pass twiddles e^{+-i pi a / 2^s} in double: a / 2^s is exact for every 32-bit a, so
     # one sincospi. A twiddle rounded through fp32 anywhere (angle or value) would be off by ~1e-8.
@@ -647,7 +676,6 @@ def test_triton_refuses_what_it_cannot_run():
     assert any(f"L = {L} > {conv_triton.MAX_LENGTH}" in r for r in why)
 
 
-@needs_emulator
 def test_cuda_accepts_long_l_and_names_the_limit(emulated):
     impl = emulated["fftconv"]
     assert impl.not_supported_reasons(torch.zeros(1, 1, 20000), torch.zeros(1, 20000)) == []
@@ -656,7 +684,6 @@ def test_cuda_accepts_long_l_and_names_the_limit(emulated):
     assert "L <= 134217728" in why and "backend='torch'" in why
 
 
-@needs_emulator
 def test_cuda_fp64_reasons(emulated):
     impl = emulated["fftconv"]
     x64, k64 = torch.zeros(1, 1, 20000, dtype=F64), torch.zeros(1, 20000, dtype=F64)
