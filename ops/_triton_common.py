@@ -3,10 +3,10 @@ device functions more than one op's kernels call (complex multiply, short-range 
 DropKey hash).
 
 Triton kernels run on CUDA tensors, or on CPU tensors when ``TRITON_INTERPRET=1`` (how the test
-suite executes them here). In the interpreter bf16 values
-are raw uint16 bits, so kernels convert to fp32 right after ``tl.load``, compute in fp32, and round
-to bf16 once, on store, with round-to-nearest-even done in integer arithmetic (the interpreter's
-own ``.to(tl.bfloat16)`` truncates). On a GPU the same code compiles to the same rounding.
+suite executes them here). In the interpreter bf16 values are raw uint16 bits, so kernels convert
+to fp32 right after ``tl.load``, compute in fp32, and round to bf16 once, on store, with
+round-to-nearest-even done in integer arithmetic (the interpreter's own ``.to(tl.bfloat16)``
+truncates). On a GPU the same code compiles to the same rounding.
 """
 from __future__ import annotations
 

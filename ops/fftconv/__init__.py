@@ -1,4 +1,5 @@
-"""Causal long convolution (docs/math.md, fftconv; algorithms in docs/fft.md):  y[b, d, t] = sum_{s <= t} k[d, t-s] x[b, d, s].
+"""Causal long convolution:  y[b, d, t] = sum_{s <= t} k[d, t-s] x[b, d, s]  (docs/math.md, fftconv;
+the FFT algorithms of every backend: docs/fft.md).
 
 A linear convolution truncated to L (no wrap-around). CEMA calls it with k in float32 and x in
 bf16/fp16: arithmetic runs in float32 (float64 if x or k is float64) whatever the input dtypes,

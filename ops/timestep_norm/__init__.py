@@ -6,12 +6,13 @@ on top of a prior worth ``prev_count`` steps::
 
     y[b, t, i] = (x[b, t, i] - mu_t) / sqrt(var_t + eps) * scale[i] + bias[i]
 
-where (n_t, mu_t, var_t) follow the Welford merge (docs/math.md, TimestepNorm), one observation per step (its group
-mean and population variance). A padded step (``padding_mask`` True) outputs 0, is not counted and
-leaves the state alone; NaN/inf in a padded x never reach anything, while genuine NaN/inf inputs
-propagate (upstream silently drops infinities; docs/math.md, TimestepNorm). The returned (count, mean, var) are the
-streaming state: feeding them back as (prev_count, prev_mean, prev_var) for the next segment gives
-the same outputs as one call on the whole sequence, and gradients flow back through them.
+where (n_t, mu_t, var_t) follow the Welford merge (docs/math.md, TimestepNorm), one observation
+per step (its group mean and population variance). A padded step (``padding_mask`` True) outputs 0,
+is not counted and leaves the state alone; NaN/inf in a padded x never reach anything, while
+genuine NaN/inf inputs propagate (upstream silently drops infinities). The returned (count, mean,
+var) are the streaming state: feeding them back as (prev_count, prev_mean, prev_var) for the next
+segment gives the same outputs as one call on the whole sequence, and gradients flow back through
+them.
 
 Numerics: the backends never form cumsum(x) and cumsum(x^2); statistics come from an
 associative (Chan) Welford merge in fp32 (fp64 for fp64 inputs) - see ``torch_impl``.
