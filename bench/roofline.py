@@ -123,7 +123,7 @@ _MEASURE_SNIPPET = """
 import json, os
 os.environ["TRITON_INTERPRET"] = "1"
 from megalodon_kernels.bench.triton_bytes import measure
-from megalodon_kernels.ops._triton_aot import TRITON_OPS
+from megalodon_kernels.bench.aot import TRITON_OPS
 out = []
 for op in TRITON_OPS:
     for name, shape, c, ideal in measure(op):

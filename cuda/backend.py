@@ -261,7 +261,7 @@ class _CemaBackend(_Backend):
         if p.dtype not in K.CEMA_REAL_CODES:
             reasons.append(f"the CUDA CEMA kernels take float32 or float64 p, got p {p.dtype} (use backend='torch')")
         else:
-            # The parameters share p's precision (ops.cema_kernel.check_coefficients enforces it for
+            # The parameters share p's precision (ops._checks.check_coefficients enforces it for
             # the public ops); a mix is refused rather than cast, as the kernels' tensor API does.
             want = K._CEMA_COMPLEX[p.dtype]
             for name in ("log_q", "gamma", "hx"):

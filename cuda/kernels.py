@@ -482,7 +482,7 @@ def _coef_p(p: torch.Tensor) -> torch.Tensor:
 
 def _cplx(t: torch.Tensor | None, name: str, real: torch.dtype) -> torch.Tensor | None:
     """complex of p's precision -> contiguous interleaved (re, im) real view (a conj view is resolved
-    first). A mixed precision is refused, not cast: the op (ops.cema_kernel.check_coefficients) never
+    first). A mixed precision is refused, not cast: the op (ops._checks.check_coefficients) never
     produces one, and a silent cast would hide which precision the caller gets."""
     if t is None:
         return None
