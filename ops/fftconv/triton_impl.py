@@ -21,8 +21,9 @@ registers and spilled, with K = 16 a level costs ~140 registers at 8 warps (meas
 room for k's spectrum. Dot precision (DOT_PRECISION, env FFTCONV_DOT at import): "tf32x3" on the GPU
 (tensor cores; each fp32 operand split into a TF32 head and tail, 3 products, only tail*tail dropped:
 about 3 * 2**-22 relative per product, ~1e-6 on y after the three dot levels, under the 2e-5 fp32
-budget; plain TF32 would be ~1e-3). The interpreter ignores the precision and computes exact fp32
-products, so the tests measure the algorithm, not TF32 rounding.
+budget; plain TF32 would be ~1e-3). The interpreter itself computes exact fp32 products; the tests
+run it under a tl.dot device model (tests/device_model.py) that rounds the operands per
+input_precision as the tensor cores do, so they measure the tf32x3 error, not only the algorithm.
 
 Register discipline (what made the variants spill-free, each measured with ops/_triton_aot): the
 compiler otherwise hoists every loop-invariant index / pointer tensor and table load of the transforms
