@@ -9,8 +9,9 @@ whatever ``input_precision`` says, while on the GPU fp32 operands go through the
   2**-11, so a product of order-1 values is off by ~1e-3 relative.
 * ``"tf32x3"``: each fp32 operand x is split into a TF32 head hi = rna(x) (``cvt.rna.tf32.f32``:
   to nearest, ties away from zero, as Triton emits it) and a tail lo = x - hi (exact in fp32), which
-  the next tensor-core product rounds to TF32 again; Triton sums lo_a*hi_b, then hi_a*lo_b, then
-  hi_a*hi_b into the accumulator (in that order) and drops lo_a*lo_b: ~2**-22 relative per product.
+  the next tensor-core product rounds to TF32 again; Triton's F32DotTC pass sums lo_a*hi_b and
+  hi_a*lo_b, zeroes a NaN there (the tails of infinite operands), adds hi_a*hi_b, then the
+  accumulator, and drops lo_a*lo_b: ~2**-22 relative per product.
 * ``"ieee"``: fp32 FMA products, exact as the interpreter computes them.
 * fp16 / bf16 operands: exact products, fp32 accumulation (bf16 values, which the interpreter holds
   as raw bits, are widened to fp32 here); fp8 operands as the interpreter converts them.
@@ -85,9 +86,9 @@ def device_dot(a: np.ndarray, b: np.ndarray, acc: np.ndarray, precision: str) ->
         a_hi, a_lo = tf32_split(a)
         b_hi, b_lo = tf32_split(b)
         with np.errstate(invalid="ignore"):
-            out = acc + _mm(a_lo, b_hi)
-            out = out + _mm(a_hi, b_lo)
-            return out + _mm(a_hi, b_hi)
+            small = _mm(a_lo, b_hi) + _mm(a_hi, b_lo)
+            small = np.where(np.isnan(small), np.float32(0), small)  # inf operands: inf - inf tails
+            return (small + _mm(a_hi, b_hi)) + acc
     raise ValueError(f"unknown input_precision {precision!r} (expected one of {PRECISIONS})")
 
 
