@@ -157,6 +157,10 @@ __host__ __device__ __forceinline__ float2 cconj(float2 a) { return make_float2(
 __host__ __device__ __forceinline__ double2 cconj(double2 a) { return make_double2(a.x, -a.y); }
 __host__ __device__ __forceinline__ float2 cadd(float2 a, float2 b) { return make_float2(a.x + b.x, a.y + b.y); }
 __host__ __device__ __forceinline__ double2 cadd(double2 a, double2 b) { return make_double2(a.x + b.x, a.y + b.y); }
+// s + z * P of the analysis kernel: explicit FMAs for float (cmac); double keeps the contractible
+// form (explicit FMAs there cost 4 bytes of spills in the unweighted fp64 kernel on sm_80).
+__host__ __device__ __forceinline__ float2 acc_cmul(float2 s, float2 z, float2 p) { return cmac(s, z, p); }
+__host__ __device__ __forceinline__ double2 acc_cmul(double2 s, double2 z, double2 p) { return cadd(s, cmul(z, p)); }
 template <class V>
 __host__ __device__ __forceinline__ V add4(V a, V b) {
   a.x += b.x;
@@ -412,10 +416,10 @@ __global__ void __launch_bounds__(kThreads)
             }
           }
           const C z = q2[m * NP + n];
-          s = cmac(s, z, P);
+          s = acc_cmul(s, z, P);
           if (WEIGHTED) {
             const R e2 = static_cast<R>(row_exponent<REVERSE>(row0 + m, M, T, shift));  // exact: < 2**24
-            s1 = cmac(s1, z, mkc<R>(rfma(e2, P.x, P1.x), rfma(e2, P.y, P1.y)));
+            s1 = acc_cmul(s1, z, mkc<R>(rfma(e2, P.x, P1.x), rfma(e2, P.y, P1.y)));
           }
         }
       }
