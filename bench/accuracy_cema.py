@@ -1,6 +1,10 @@
 """Accuracy of the fp32 CEMA kernel (forward and backward) at long L against a float64 oracle.
 
-    python bench/accuracy_cema.py [--lengths 18 20] [--gaps 1e-5 1e-6] [--D 4] [--N 16] [--B 2]
+    python bench/accuracy_cema.py [--lengths 18 20] [--gaps 1e-5 1e-6] [--D 4] [--N 16] [--B 2] [--backend torch]
+
+``--backend triton`` runs the Triton kernels (on CPU: in the interpreter, under the tl.dot device
+model with ``python tests/device_model.py bench/accuracy_cema.py --backend triton``); ``--backend
+cuda`` the CUDA kernels (on CPU: in the emulator, bench/emulated_cuda.py, with its device model).
 
 For every length 2**e and gap 1-|q|, draws fp32 coefficients (|q| = 1-gap, phases uniform in
 (-pi, pi]), runs ``ops.cema_kernel`` in fp32 (k, b and all four gradients with random upstream
@@ -19,6 +23,7 @@ import time
 import numpy as np
 import torch
 
+from megalodon_kernels.bench import emulated_cuda
 from megalodon_kernels.ops.cema_kernel import cema_kernel
 
 CHUNK = 1 << 16
@@ -85,8 +90,10 @@ def main():
     ap.add_argument("--D", type=int, default=4)
     ap.add_argument("--N", type=int, default=16)
     ap.add_argument("--B", type=int, default=2)
+    ap.add_argument("--backend", default="torch", choices=["torch", "triton", "cuda"])
     args = ap.parse_args()
-    print(f"D={args.D} N={args.N} B={args.B}; norm-wise error max|fp32 - f64| / max|f64|")
+    emulated_cuda.use(args.backend, ["cema_kernel"])
+    print(f"backend={args.backend} D={args.D} N={args.N} B={args.B}; norm-wise error max|fp32 - f64| / max|f64|")
     print(f"{'L':>8} {'1-|q|':>7} | {'k':>8} {'b':>8} {'dp':>8} {'dlog_q':>8} {'dgamma':>8} {'dhx':>8} | "
           f"{'k tail':>8} | {'naive k':>8} | time")
     for e in args.lengths:
@@ -95,7 +102,7 @@ def main():
             p, lq, g, hx = make_inputs(args.D, args.N, args.B, gap)
             ins = [t.requires_grad_() for t in (p, lq, g, hx)]
             t0 = time.perf_counter()
-            k, b = cema_kernel(*ins[:3], L, ins[3], backend="torch")
+            k, b = cema_kernel(*ins[:3], L, ins[3], backend=args.backend)
             gen = torch.Generator().manual_seed(1)
             dk, db = torch.randn(k.shape, generator=gen), torch.randn(b.shape, generator=gen)
             grads = torch.autograd.grad((k, b), ins, (dk, db))

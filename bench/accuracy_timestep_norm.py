@@ -23,6 +23,10 @@ Run::
 
     python bench/accuracy_timestep_norm.py                  # L = 2^18, B = 1, D = 64, G = 4
     python bench/accuracy_timestep_norm.py --log2-length 14 --oracle both
+    python bench/accuracy_timestep_norm.py --log2-length 20 --oracle torch64 --backend cuda
+
+``--backend`` picks the fp32 run's backend (the oracle stays float64 torch / NumPy): triton runs in
+the interpreter on CPU, cuda in the emulator (bench/emulated_cuda.py, with its device model).
 """
 from __future__ import annotations
 
@@ -32,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+from megalodon_kernels.bench import emulated_cuda
 from megalodon_kernels.ops.timestep_norm import timestep_norm, torch_impl
 from megalodon_kernels.reference import timestep_norm as ref
 
@@ -66,7 +71,10 @@ def main():
     p.add_argument("--prior", action="store_true", help="start from prev_count=1000, prev_mean=1e3, prev_var=2")
     p.add_argument("--outlier", type=float, default=1e4, help="std of the first step around 1e3 (0: no outlier)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--backend", default="torch", choices=["torch", "triton", "cuda"],
+                   help="backend of the fp32 run (the float64 oracle is torch or the NumPy reference)")
     args = p.parse_args()
+    emulated_cuda.use(args.backend, ["timestep_norm"])
     torch_impl.DEFAULT_CONFIG["chunk"] = args.chunk
 
     B, L, D, G, eps = args.batch, 2 ** args.log2_length, args.features, args.groups, 1e-5
@@ -95,11 +103,11 @@ def main():
     print(f"x = 1e3 + randn, x[:, 0] = 1e3 + {args.outlier:g}*randn (fp32-rounded); "
           "scale = 1+0.1 randn, bias = 0.1 randn")
 
-    def run(inputs, ups):
+    def run(inputs, ups, backend="torch"):
         leaves = [t.clone().requires_grad_() for t in inputs]
         t0 = time.perf_counter()
         y, count, mean, var = timestep_norm(leaves[0], leaves[1], leaves[2], G, n0, leaves[3], leaves[4],
-                                            backend="torch")
+                                            backend=backend)
         grads = torch.autograd.grad((y, mean, var), leaves, ups)
         sec = time.perf_counter() - t0
         with torch.no_grad():  # the running per-step stats, for the per-step rows
@@ -109,8 +117,8 @@ def main():
         return dict(y=y, mean=mean, var=var, step_mean=step_mu, step_rstd=step_rstd, dx=grads[0], dscale=grads[1],
                     dbias=grads[2], dprev_mean=grads[3], dprev_var=grads[4]), sec
 
-    out32, sec32 = run(inputs32, up32)
-    print(f"torch backend fp32 fwd+bwd: {sec32:.2f} s")
+    out32, sec32 = run(inputs32, up32, args.backend)
+    print(f"{args.backend} backend fp32 fwd+bwd: {sec32:.2f} s")
     oracles = {}
     if args.oracle in ("torch64", "both"):
         oracles["torch64"], sec = run(inputs64, up64)
@@ -142,6 +150,8 @@ def main():
     for k in oracle:
         if k in ("dprev_mean", "dprev_var") and not args.prior:
             continue  # exactly 0 with prev_count = 0
+        if k.startswith("step_") and args.backend != "torch":
+            continue  # the per-step rows read the torch backend's saved statistics
         nv = naive.get(k)
         ns = f"{rel(nv, oracle[k]):13.2e}" if nv is not None else f"{'-':>13s}"
         print(f"  {k:11s} {rel(out32[k], oracle[k]):12.2e} {ns}")

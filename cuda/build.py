@@ -37,7 +37,17 @@ SMEM_LIMIT = {80: 166912, 90: 232448}
 #: Registers per thread the hardware allows at 1024 threads per block (65536 / 1024).
 
 CXX = os.environ.get("CXX", "g++")
-CXXFLAGS = ["-std=c++20", "-O2", "-fPIC", "-Wall", "-Wno-unused-function", "-fno-strict-aliasing"]
+def _host_has_fma() -> bool:
+    try:
+        return " fma " in f" {Path('/proc/cpuinfo').read_text()} ".replace("\n", " ")
+    except OSError:
+        return False
+
+
+#: nvcc contracts a*b+c into one FMA by default (-fmad=true); g++ does not under -std=c++20, so the
+#: emulator asks for it (with the host's FMA instructions; emu/device_math.h models the math library).
+FMA_FLAGS = ["-ffp-contract=fast", "-mfma"] if _host_has_fma() else ["-ffp-contract=fast"]
+CXXFLAGS = ["-std=c++20", "-O2", "-fPIC", "-Wall", "-Wno-unused-function", "-fno-strict-aliasing", *FMA_FLAGS]
 BINDING_FLAGS = ["-std=c++20", "-O1", "-fPIC", "-fvisibility=hidden"]
 NVCC_FLAGS = ["-std=c++20", "-cubin", "-Xptxas", "-v", "-lineinfo"]
 

@@ -103,6 +103,13 @@ __device__ __forceinline__ void kahan_add(A& sum, A& comp, A v) {
 }
 template <class A>
 __device__ __forceinline__ void kw_observe(KahanWelford<A>& s, A gmu, A gvar) {
+  if (s.n == 0) {  // the first observation is the state: (gmu - prev_mean) * rcp(1) would carry rcp's
+    s.n = 1;       // error (up to 2 ulp for __fdividef) times an arbitrary distance into mu, and into M2
+    s.mu = gmu;    // through delta * (gmu - mu); prev_mean of a count-0 prior must not matter
+    s.m2 = gvar;
+    s.c_mu = s.c_m2 = A(0);
+    return;
+  }
   s.n += 1;
   const A delta = gmu - s.mu;
   kahan_add(s.mu, s.c_mu, delta * rcp_count(static_cast<A>(s.n)));

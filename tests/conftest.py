@@ -18,6 +18,9 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from hypothesis import settings  # noqa: E402
 
+# tl.dot in the interpreter rounds like the GPU's tensor cores (tests/device_model.py); on for every test
+pytest_plugins = ["device_model"]
+
 settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
 settings.register_profile("stress", max_examples=300, deadline=None, print_blob=True)

@@ -161,32 +161,9 @@ inline float __int_as_float(int i) { float f; std::memcpy(&f, &i, 4); return f; 
 inline int __float_as_int(float f) { int i; std::memcpy(&i, &f, 4); return i; }
 inline float __uint_as_float(unsigned int i) { float f; std::memcpy(&f, &i, 4); return f; }
 inline unsigned int __float_as_uint(float f) { unsigned int i; std::memcpy(&i, &f, 4); return i; }
-inline float __expf(float x) { return std::exp(x); }
-inline float __logf(float x) { return std::log(x); }
-inline float __fdividef(float a, float b) { return a / b; }
-inline float __frcp_rn(float x) { return 1.0f / x; }
-inline double __drcp_rn(double x) { return 1.0 / x; }
-inline float rsqrtf(float x) { return 1.0f / std::sqrt(x); }
-inline double rsqrt(double x) { return 1.0 / std::sqrt(x); }
 inline float __saturatef(float x) { return x < 0.0f ? 0.0f : (x > 1.0f ? 1.0f : x); }
-// sin/cos of pi*x: computed in double then rounded, i.e. correctly rounded for practical purposes
-// (CUDA's sincospif is within 1 ulp; tests compare with tolerances).
-inline void sincospif(float x, float* s, float* c) {
-  const double a = 3.14159265358979323846 * static_cast<double>(x);
-  *s = static_cast<float>(std::sin(a));
-  *c = static_cast<float>(std::cos(a));
-}
-inline float sinpif(float x) { return static_cast<float>(std::sin(3.14159265358979323846 * static_cast<double>(x))); }
-inline float cospif(float x) { return static_cast<float>(std::cos(3.14159265358979323846 * static_cast<double>(x))); }
-inline void sincospi(double x, double* s, double* c) {
-  *s = std::sin(3.14159265358979323846 * x);
-  *c = std::cos(3.14159265358979323846 * x);
-}
-inline void __sincosf(float x, float* s, float* c) {
-  *s = std::sin(x);
-  *c = std::cos(x);
-}
-inline void sincosf(float x, float* s, float* c) { __sincosf(x, s, c); }
+// expf, logf, erfcf, exp, rsqrtf, sincospif, __expf, __fdividef, ...: the device math model
+#include "device_math.h"
 template <class T>
 inline T __ldg(const T* p) { return *p; }
 inline void __threadfence() { std::atomic_thread_fence(std::memory_order_seq_cst); }

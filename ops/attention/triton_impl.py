@@ -26,7 +26,7 @@ one program owns one (batch, head) plane and one block of rows.
 Numerics: inputs are converted to fp32 right after loading (the interpreter cannot compute on
 bf16; docs/verification.md), every product is accumulated in fp32, and each output is rounded once on
 store (bf16 by integer round-to-nearest-even). On the GPU the dots of fp16/bf16 inputs use TF32
-(exact fp32 in the interpreter): its 10-bit mantissa holds q, k, v and dO exactly (q is
+(the tests round them so in the interpreter too: tests/device_model.py): its 10-bit mantissa holds q, k, v and dO exactly (q is
 multiplied by ``scale`` after the dot, not before, for that reason), so only P and dS are
 rounded (to 10 bits), below the output's own rounding. fp32 inputs use "tf32x3" (each operand a
 TF32 head and tail, three products: fp32-accurate, ~1e-6 relative, where plain TF32 would give
