@@ -326,6 +326,9 @@ class MegalodonAttention(nn.Module):
             v_all = torch.cat([state.v.to(v.dtype), v], dim=1)
         else:
             k_all, v_all = k, v
+        # q and k come out of fp32 parameters (gamma, beta): under autocast v is already in the
+        # autocast dtype, and attention takes one dtype, the matmul dtype autocast chose for v.
+        q, k_all = q.to(v_all.dtype), k_all.to(v_all.dtype)
         dropkey_p = self.dropkey_p if self.training else 0.0
         attn = ops.attention(q, k_all, v_all, scale=1.0, causal=True, chunk_size=C, dropkey_p=dropkey_p,
                              attn_fn=self.attn_fn, backend=self._attn_backend)

@@ -1,4 +1,6 @@
-"""Public ops of megalodon_kernels (docs/design.md, The ops), each a PyTorch autograd function.
+"""Public ops of megalodon_kernels (docs/design.md, The ops), each a differentiable torch.library
+custom op ``torch.ops.megalodon_kernels.<name>`` with a backward op ``<name>_bwd`` (ops/_library.py),
+so torch.compile(fullgraph=True) and torch.export see one node per call.
 
 Every op takes ``backend="auto" | "torch" | "triton" | "cuda"``; see ``_dispatch.py`` for how
 "auto" resolves and ``MEGALODON_KERNELS_BACKEND`` to force one.

@@ -14,6 +14,11 @@ never picks Triton for CPU tensors: that is the interpreter (``TRITON_INTERPRET=
 only when asked for by name. The choice is logged once per (op, backend, device type, dtype, key)
 at INFO level on the ``megalodon_kernels`` logger.
 
+``select`` runs inside each op's torch.library custom op (``ops/_library.py``), when the op
+runs, never while torch.compile or torch.export trace it: it reads the environment, the autotune
+tables and this cache, none of which a graph could hold. The backward op selects again from the
+same inputs and gets the same (cached) choice.
+
 A resolved :class:`Choice` is cached, so that a repeated call costs building a key and one
 dictionary lookup. The key holds everything the choice was resolved from: the backend argument,
 ``MEGALODON_KERNELS_BACKEND`` (for ``auto``), the autotune user cache dir, device, dtype and the
@@ -101,6 +106,14 @@ class _Watched(dict):
         super().__setitem__(key, value)
 
 
+def check_backend(backend) -> str:
+    """The public functions' check of the ``backend`` argument (the choice itself is made inside
+    the custom op, see ``ops/_library.py``)."""
+    if not isinstance(backend, str) or backend not in _BACKEND_ARGS:
+        raise ValueError(f"backend must be one of {list(_BACKEND_ARGS)}, got {backend!r}")
+    return backend
+
+
 class OpBackends:
     def __init__(self, op: str, modules: dict[str, str]):
         unknown = set(modules) - set(PRIORITY)
@@ -145,8 +158,7 @@ class OpBackends:
     def select(self, backend: str, inputs: dict, *, device: torch.device, dtype: torch.dtype) -> Choice:
         """Resolve ``backend`` ("auto" or a name in PRIORITY) for these inputs (cached: see the
         module docstring)."""
-        if not isinstance(backend, str) or backend not in _BACKEND_ARGS:
-            raise ValueError(f"backend must be one of {list(_BACKEND_ARGS)}, got {backend!r}")
+        check_backend(backend)
         tuning = autotune_registry.forced(self.op, inputs)
         if tuning is not None:  # the tuner is measuring one candidate: exactly that one
             name, config = tuning

@@ -113,3 +113,23 @@ def resolve_seed(seed) -> int:
     if not 0 <= seed <= MAX_SEED:
         raise ValueError(f"seed must be in [0, 2**63 - 1], got {seed}")
     return seed
+
+
+#: The ``seed`` a custom op receives when the caller gave none and DropKey is on: the op draws
+#: one with :func:`resolve_seed` when it runs (not when it is traced), so a compiled model draws
+#: the same seeds from torch's default generator as an eager one.
+DRAW_SEED = -1
+
+
+def seed_tensor(seed: int) -> torch.Tensor:
+    """The seed an op used, as the int64 CPU tensor (1,) its backward reads (a CPU read: no sync)."""
+    return torch.tensor([seed], dtype=torch.int64, device="cpu")
+
+
+def seed_tensor_like() -> torch.Tensor:
+    """The fake implementation's :func:`seed_tensor`."""
+    return torch.empty(1, dtype=torch.int64, device="cpu")
+
+
+def seed_value(seed: torch.Tensor) -> int:
+    return int(seed[0])

@@ -1,5 +1,5 @@
 """Attention with bottom-right causal, chunked (Megalodon), blockwise-causal (LeX) masks, DropKey
-and Mega's Laplace attention function, as one autograd op.
+and Mega's Laplace attention function, as one op (``torch.ops.megalodon_kernels.attention``).
 
 Why one op for all of them: every variant is "scores, a visibility mask, an attention function,
 P v", and a fused backend must never materialise the L x S matrix, so the masks have to be
@@ -7,20 +7,22 @@ known to the kernel rather than added as a tensor. The semantics (docs/math.md,
 attention) are in :func:`attention`'s docstring.
 
 The DropKey mask is a pure function of (seed, b, h, i, j) (``ops/dropkey_rule.py``): the
-forward saves only the resolved seed and the backward regenerates the identical mask.
+forward returns the seed it used (an int64 CPU tensor) and the backward regenerates the identical
+mask from it.
 """
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from typing import Optional
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
-from .._checks import REAL_DTYPES, check_choice, check_float, check_int, check_same_dtype, check_tensor
+from .._checks import REAL_DTYPES, acc_dtype, check_choice, check_float, check_int, check_same_dtype, check_tensor
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
-from ..dropkey_rule import resolve_seed
+from .._dispatch import OpBackends, check_backend
+from .._library import absent, custom_op, empty_like
+from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
 __all__ = ["attention", "ATTN_FNS"]
 
@@ -45,34 +47,66 @@ autotune.register(
 ATTN_FNS = ("softmax", "laplace")
 
 
-@dataclass(frozen=True)
-class AttentionParams:
-    """The non-tensor arguments, validated; passed unchanged to a backend's fwd and bwd."""
-
-    scale: float
-    causal: bool
-    chunk_size: int | None
-    block_causal: bool
-    dropkey_p: float
-    seed: int
-    attn_fn: str
+def _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend):
+    return BACKENDS.select(backend, {"q": q, "k": k, "v": v, "chunk_size": chunk_size, "causal": causal,
+                                     "block_causal": block_causal, "dropkey": dropkey_p > 0.0},
+                           device=q.device, dtype=q.dtype)
 
 
-class AttentionFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, q, k, v, params: AttentionParams, impl):
-        kw = {**asdict(params), **impl.config}
-        o, lse = impl.module.attention_fwd(q, k, v, **kw)
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.kw, ctx.impl = kw, impl
-        return o
+def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend):
+    B, L, H, _ = q.shape
+    o = q.new_empty(B, L, H, v.shape[-1])
+    lse = q.new_empty(B, H, L, dtype=acc_dtype(q.dtype)) if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))
+    return o, lse, seed_tensor_like()
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = ctx.impl.module.attention_bwd(do, q, k, v, o, lse, **ctx.kw)
-        return dq, dk, dv, None, None
+
+@custom_op("attention", _fwd_fake, tags=(torch.Tag.nondeterministic_seeded,))
+def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, chunk_size: Optional[int],
+                 block_causal: bool, dropkey_p: float, seed: int, attn_fn: str,
+                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (o, and for the backward lse r(B H L) in the accumulation dtype (a placeholder for
+    laplace) and the seed used, an int64 CPU tensor (1,)). ``seed`` = DRAW_SEED draws one from
+    torch's default generator here, at run time (so compiled and eager draw the same seeds)."""
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    seed = resolve_seed(None) if seed == DRAW_SEED else seed
+    o, lse = impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
+                                       block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
+                                       **impl.config)
+    acc = acc_dtype(q.dtype)
+    lse = lse.to(acc) if attn_fn == "softmax" else absent(q, acc)
+    return o, lse, seed_tensor(seed)
+
+
+def _bwd_fake(do, q, k, v, o, lse, seed, scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend):
+    return tuple(empty_like(t) for t in (q, k, v))
+
+
+@custom_op("attention_bwd", _bwd_fake)
+def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, scale: float,
+                     causal: bool, chunk_size: Optional[int], block_causal: bool, dropkey_p: float, attn_fn: str,
+                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv) in the inputs' dtypes; ``seed`` is the forward's seed tensor."""
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    dq, dk, dv = impl.module.attention_bwd(
+        do, q, k, v, o, lse if attn_fn == "softmax" else None, scale=scale, causal=causal, chunk_size=chunk_size,
+        block_causal=block_causal, dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn, **impl.config)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def _setup(ctx, inputs, output):
+    q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend = inputs
+    o, lse, seed_t = output
+    ctx.save_for_backward(q, k, v, o, lse, seed_t)
+    ctx.args = (scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
+
+
+def _backward(ctx, do, _dlse, _dseed):
+    q, k, v, o, lse, seed_t = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None
+
+
+attention_op.register_autograd(_backward, setup_context=_setup)
 
 
 def _check_bool(name, value):
@@ -143,10 +177,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         raise ValueError("block_causal=True needs chunk_size (the key block length); got chunk_size=None")
     dropkey_p = check_float("dropkey_p", dropkey_p, low=0.0, high=1.0, high_open=True)
     check_choice("attn_fn", attn_fn, ATTN_FNS)
-    # Validate an explicit seed always; draw one only when DropKey is on (no RNG use otherwise).
-    seed = resolve_seed(seed) if (seed is not None or dropkey_p > 0.0) else 0
-    impl = BACKENDS.select(backend, {"q": q, "k": k, "v": v, "chunk_size": chunk_size, "causal": causal,
-                                     "block_causal": block_causal, "dropkey": dropkey_p > 0.0},
-                           device=q.device, dtype=q.dtype)
-    params = AttentionParams(scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn)
-    return AttentionFunction.apply(q, k, v, params, impl)
+    # Validate an explicit seed always; with DropKey on and no seed, the op draws one (DRAW_SEED).
+    seed = resolve_seed(seed) if seed is not None else (DRAW_SEED if dropkey_p > 0.0 else 0)
+    check_backend(backend)
+    return attention_op(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend)[0]

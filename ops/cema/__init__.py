@@ -12,11 +12,15 @@ rounded once to x's dtype.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .._checks import REAL_DTYPES, check_coefficients, check_sequence, check_tensor
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
+from .._dispatch import OpBackends, check_backend
+from .._library import absent, custom_op, empty_like, grad_or_none
 from ..cema_kernel import TRITON_SPACE as KERNEL_TRITON_SPACE
 from ..fftconv import TRITON_SPACE as CONV_TRITON_SPACE
 
@@ -38,28 +42,74 @@ autotune.register(
 )
 
 
-class CemaFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, p, log_q, gamma, omega, hx, return_state, impl):
-        ctx.set_materialize_grads(False)
-        weighted = return_state and ctx.needs_input_grad[2]
-        y, h, (k, V, W) = impl.module.cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted,
-                                               **impl.config)
-        ctx.save_for_backward(x, p, log_q, gamma, omega, hx, k, V, W)
-        ctx.impl = impl
-        return y, h
+def _select(x, p, log_q, gamma, omega, hx, backend):
+    return BACKENDS.select(backend, {"x": x, "p": p, "log_q": log_q, "gamma": gamma, "omega": omega, "hx": hx},
+                           device=x.device, dtype=x.dtype)
 
-    @staticmethod
-    def backward(ctx, dy, dh):
-        x, p, log_q, gamma, omega, hx, k, V, W = ctx.saved_tensors
-        if dy is None and dh is None:
-            return (None,) * 8
-        grads = ctx.impl.module.cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, (k, V, W),
-                                         ctx.needs_input_grad[:6], **ctx.impl.config)
-        inputs = (x, p, log_q, gamma, omega, hx)
-        out = [None if g is None or not need else g.to(t.dtype)
-               for g, t, need in zip(grads, inputs, ctx.needs_input_grad[:6])]
-        return (*out, None, None)
+
+def _fwd_fake(x, p, log_q, gamma, omega, hx, return_state, weighted, backend):
+    B, D, L = x.shape
+    N = p.shape[1]
+    state = log_q.new_empty(B, D, N) if return_state else absent(log_q)
+    return (empty_like(x), state, p.new_empty(D, L),
+            empty_like(state), empty_like(state) if return_state and weighted else absent(log_q))
+
+
+@custom_op("cema", _fwd_fake)
+def cema_op(x: Tensor, p: Tensor, log_q: Tensor, gamma: Tensor, omega: Tensor, hx: Optional[Tensor],
+            return_state: bool, weighted: bool, backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (y, h or a placeholder, and for the backward k r(D L) in p's dtype, V c(B D N) or a
+    placeholder (without return_state), W c(B D N) or a placeholder (unless return_state and
+    ``weighted``))."""
+    impl = _select(x, p, log_q, gamma, omega, hx, backend)
+    weighted = return_state and weighted
+    y, h, (k, V, W) = impl.module.cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted, **impl.config)
+    if not return_state:
+        h = V = absent(log_q)
+    return y, h, k.to(p.dtype), V, (W if weighted else absent(log_q))
+
+
+def _bwd_fake(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, backend):
+    inputs = (x, p, log_q, gamma, omega, hx)
+    return tuple(empty_like(t) if t is not None and need else absent(x)
+                 for t, need in zip(inputs, needs))
+
+
+@custom_op("cema_bwd", _bwd_fake)
+def cema_bwd_op(dy: Tensor, dh: Optional[Tensor], x: Tensor, p: Tensor, log_q: Tensor, gamma: Tensor, omega: Tensor,
+                hx: Optional[Tensor], k: Tensor, V: Tensor, W: Tensor, needs: list[bool],
+                backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> the gradients of (x, p, log_q, gamma, omega, hx) in their dtypes, placeholders where not
+    needed; ``dh`` is None without return_state."""
+    impl = _select(x, p, log_q, gamma, omega, hx, backend)
+    if dh is None:
+        V = W = None
+    elif W.dim() != 3:  # forward without a log_q gradient in sight
+        W = None
+        if needs[2]:
+            V, W = impl.module.cema_fwd(x, p, log_q, gamma, omega, hx, True, True, **impl.config)[2][1:]
+    grads = impl.module.cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, (k, V, W), tuple(needs), **impl.config)
+    inputs = (x, p, log_q, gamma, omega, hx)
+    return tuple(g.to(t.dtype) if t is not None and need else absent(x)
+                 for g, t, need in zip(grads, inputs, needs))
+
+
+def _setup(ctx, inputs, output):
+    x, p, log_q, gamma, omega, hx, return_state, weighted, backend = inputs
+    _, _, k, V, W = output
+    ctx.save_for_backward(x, p, log_q, gamma, omega, hx, k, V, W)
+    ctx.return_state, ctx.backend = return_state, backend
+
+
+def _backward(ctx, dy, dh, _dk, _dV, _dW):
+    x, p, log_q, gamma, omega, hx, k, V, W = ctx.saved_tensors
+    needs = [bool(n) and t is not None for n, t in zip(ctx.needs_input_grad[:6], (x, p, log_q, gamma, omega, hx))]
+    grads = cema_bwd_op(dy, dh if ctx.return_state else None, x, p, log_q, gamma, omega, hx, k, V, W, needs,
+                        ctx.backend)
+    return (*(grad_or_none(g, need) for g, need in zip(grads, needs)), None, None, None)
+
+
+cema_op.register_autograd(_backward, setup_context=_setup)
 
 
 def cema(x: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, gamma: torch.Tensor, omega: torch.Tensor,
@@ -90,6 +140,7 @@ def cema(x: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, gamma: torch.Ten
     check_tensor("omega", omega, (D,), REAL_DTYPES, device=x.device, dims="(D,)")
     if not isinstance(return_state, bool):
         raise TypeError(f"return_state must be a bool, got {type(return_state).__name__}")
-    impl = BACKENDS.select(backend, {"x": x, "p": p, "log_q": log_q, "gamma": gamma, "omega": omega, "hx": hx},
-                           device=x.device, dtype=x.dtype)
-    return CemaFunction.apply(x, p, log_q, gamma, omega, hx, return_state, impl)
+    check_backend(backend)
+    weighted = return_state and log_q.requires_grad and torch.is_grad_enabled()
+    y, h = cema_op(x, p, log_q, gamma, omega, hx, return_state, weighted, backend)[:2]
+    return y, (h if return_state else None)

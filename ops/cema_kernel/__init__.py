@@ -17,11 +17,15 @@ never repeated multiplication, never j*arg(q) in fp32. fp32 error vs float64 sta
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .._checks import check_coefficients, check_int
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
+from .._dispatch import OpBackends, check_backend
+from .._library import absent, custom_op, empty_like, grad_or_none
 
 __all__ = ["cema_kernel"]
 
@@ -41,25 +45,58 @@ autotune.register(
     space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]}, "triton": TRITON_SPACE},
 )
 
-class CemaKernelFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, p, log_q, gamma, hx, length, impl):
-        ctx.set_materialize_grads(False)
-        k, b = impl.module.cema_kernel_fwd(p, log_q, gamma, length, hx, **impl.config)
-        ctx.save_for_backward(p, log_q, gamma, hx)
-        ctx.length, ctx.impl = length, impl
-        return k, b
+def _select(p, log_q, gamma, length, hx, backend):
+    return BACKENDS.select(backend, {"p": p, "log_q": log_q, "gamma": gamma, "length": length, "hx": hx},
+                           device=p.device, dtype=p.dtype)
 
-    @staticmethod
-    def backward(ctx, dk, db):
-        p, log_q, gamma, hx = ctx.saved_tensors
-        impl = ctx.impl
-        if dk is None and db is None:
-            return None, None, None, None, None, None
-        dp, dlq, dgamma, dhx = impl.module.cema_kernel_bwd(
-            dk, db, p, log_q, gamma, ctx.length, hx, ctx.needs_input_grad[:4], **impl.config)
-        return (dp.to(p.dtype), dlq.to(log_q.dtype), dgamma.to(gamma.dtype),
-                None if dhx is None else dhx.to(hx.dtype), None, None)
+
+def _fwd_fake(p, log_q, gamma, length, hx, backend):
+    D = p.shape[0]
+    b = p.new_empty(hx.shape[0], D, length) if hx is not None else absent(p)
+    return p.new_empty(D, length), b
+
+
+@custom_op("cema_kernel", _fwd_fake)
+def cema_kernel_op(p: Tensor, log_q: Tensor, gamma: Tensor, length: int, hx: Optional[Tensor],
+                   backend: str) -> tuple[Tensor, Tensor]:
+    """-> (k r(D L), b r(B D L), or an empty placeholder without hx), in p's dtype."""
+    impl = _select(p, log_q, gamma, length, hx, backend)
+    k, b = impl.module.cema_kernel_fwd(p, log_q, gamma, length, hx, **impl.config)
+    return k.to(p.dtype), (b.to(p.dtype) if hx is not None else absent(p))
+
+
+def _bwd_fake(dk, db, p, log_q, gamma, length, hx, needs, backend):
+    return (empty_like(p), empty_like(log_q), empty_like(gamma),
+            empty_like(hx) if hx is not None and needs[3] else absent(p, log_q.dtype))
+
+
+@custom_op("cema_kernel_bwd", _bwd_fake)
+def cema_kernel_bwd_op(dk: Tensor, db: Optional[Tensor], p: Tensor, log_q: Tensor, gamma: Tensor, length: int,
+                       hx: Optional[Tensor], needs: list[bool], backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dp, dlog_q, dgamma, dhx or an empty placeholder) in the inputs' dtypes."""
+    impl = _select(p, log_q, gamma, length, hx, backend)
+    dp, dlq, dgamma, dhx = impl.module.cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx, tuple(needs),
+                                                       **impl.config)
+    return (dp.to(p.dtype), dlq.to(log_q.dtype), dgamma.to(gamma.dtype),
+            dhx.to(hx.dtype) if hx is not None and needs[3] else absent(p, log_q.dtype))
+
+
+def _setup(ctx, inputs, output):
+    p, log_q, gamma, length, hx, backend = inputs
+    ctx.save_for_backward(p, log_q, gamma, hx)
+    ctx.length, ctx.backend = length, backend
+
+
+def _backward(ctx, dk, db):
+    p, log_q, gamma, hx = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:3]) + [ctx.needs_input_grad[4]]
+    dp, dlq, dgamma, dhx = cema_kernel_bwd_op(dk, db if hx is not None else None, p, log_q, gamma, ctx.length, hx,
+                                              needs, ctx.backend)
+    return (grad_or_none(dp, needs[0]), grad_or_none(dlq, needs[1]), grad_or_none(dgamma, needs[2]), None,
+            grad_or_none(dhx, needs[3] and hx is not None), None)
+
+
+cema_kernel_op.register_autograd(_backward, setup_context=_setup)
 
 
 def cema_kernel(p: torch.Tensor, log_q: torch.Tensor, gamma: torch.Tensor, length: int,
@@ -83,6 +120,6 @@ def cema_kernel(p: torch.Tensor, log_q: torch.Tensor, gamma: torch.Tensor, lengt
     """
     check_coefficients(p, log_q, gamma, hx)
     length = check_int("length", length, minimum=1)
-    impl = BACKENDS.select(backend, {"p": p, "log_q": log_q, "gamma": gamma, "length": length, "hx": hx},
-                           device=p.device, dtype=p.dtype)
-    return CemaKernelFunction.apply(p, log_q, gamma, hx, length, impl)
+    check_backend(backend)
+    k, b = cema_kernel_op(p, log_q, gamma, length, hx, backend)
+    return k, (b if hx is not None else None)

@@ -9,12 +9,13 @@ y = 0 and get zero gradient, so no mask replay is needed.
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
 from .._checks import REAL_DTYPES, _dtype_names, check_float
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
-from ..dropkey_rule import resolve_seed
+from .._dispatch import OpBackends, check_backend
+from .._library import custom_op, empty_like
+from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
 __all__ = ["dropkey_softmax"]
 
@@ -32,20 +33,42 @@ autotune.register(
 )
 
 
-class DropKeySoftmaxFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, scores, kw: dict, impl):
-        kw = {**kw, **impl.config}
-        y = impl.module.dropkey_softmax_fwd(scores, **kw)
-        ctx.save_for_backward(y)
-        ctx.kw, ctx.impl = kw, impl
-        return y
+def _fwd_fake(scores, causal, dropkey_p, seed, backend):
+    return empty_like(scores), seed_tensor_like()
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy):
-        (y,) = ctx.saved_tensors
-        return ctx.impl.module.dropkey_softmax_bwd(dy, y, **ctx.kw), None, None
+
+@custom_op("dropkey_softmax", _fwd_fake, tags=(torch.Tag.nondeterministic_seeded,))
+def dropkey_softmax_op(scores: Tensor, causal: bool, dropkey_p: float, seed: int,
+                       backend: str) -> tuple[Tensor, Tensor]:
+    """-> (y, the seed used as an int64 CPU tensor (1,)); ``seed`` = DRAW_SEED draws one here."""
+    impl = BACKENDS.select(backend, {"scores": scores}, device=scores.device, dtype=scores.dtype)
+    seed = resolve_seed(None) if seed == DRAW_SEED else seed
+    y = impl.module.dropkey_softmax_fwd(scores, causal=causal, dropkey_p=dropkey_p, seed=seed, **impl.config)
+    return y, seed_tensor(seed)
+
+
+@custom_op("dropkey_softmax_bwd",
+           lambda dy, y, seed, causal, dropkey_p, backend: empty_like(y))
+def dropkey_softmax_bwd_op(dy: Tensor, y: Tensor, seed: Tensor, causal: bool, dropkey_p: float,
+                           backend: str) -> Tensor:
+    """-> dscores from the saved output alone (dropped and masked entries have y = 0)."""
+    impl = BACKENDS.select(backend, {"scores": y}, device=y.device, dtype=y.dtype)
+    return impl.module.dropkey_softmax_bwd(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed_value(seed),
+                                           **impl.config).to(y.dtype)
+
+
+def _setup(ctx, inputs, output):
+    scores, causal, dropkey_p, seed, backend = inputs
+    ctx.save_for_backward(*output)
+    ctx.args = (causal, dropkey_p, backend)
+
+
+def _backward(ctx, dy, _dseed):
+    y, seed = ctx.saved_tensors
+    return dropkey_softmax_bwd_op(dy, y, seed, *ctx.args), None, None, None, None
+
+
+dropkey_softmax_op.register_autograd(_backward, setup_context=_setup)
 
 
 def dropkey_softmax(scores: torch.Tensor, causal: bool = True, dropkey_p: float = 0.0, seed=None, *,
@@ -87,6 +110,6 @@ def dropkey_softmax(scores: torch.Tensor, causal: bool = True, dropkey_p: float 
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {type(causal).__name__}")
     dropkey_p = check_float("dropkey_p", dropkey_p, low=0.0, high=1.0, high_open=True)
-    seed = resolve_seed(seed) if (seed is not None or dropkey_p > 0.0) else 0
-    impl = BACKENDS.select(backend, {"scores": scores}, device=scores.device, dtype=scores.dtype)
-    return DropKeySoftmaxFunction.apply(scores, dict(causal=causal, dropkey_p=dropkey_p, seed=seed), impl)
+    seed = resolve_seed(seed) if seed is not None else (DRAW_SEED if dropkey_p > 0.0 else 0)
+    check_backend(backend)
+    return dropkey_softmax_op(scores, causal, dropkey_p, seed, backend)[0]

@@ -11,11 +11,15 @@ own dtype (fp16/bf16/fp32/fp64) and accumulated in the coefficient dtype.
 """
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
+from torch import Tensor
 
 from .._checks import check_coefficients, check_sequence
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
+from .._dispatch import OpBackends, check_backend
+from .._library import absent, custom_op, empty_like, grad_or_none
 
 __all__ = ["ema_hidden"]
 
@@ -34,24 +38,61 @@ autotune.register(
 )
 
 
-class EmaHiddenFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, p, log_q, hx, impl):
-        ctx.set_materialize_grads(False)
-        h, V, W = impl.module.ema_hidden_fwd(x, p, log_q, hx, ctx.needs_input_grad[2], **impl.config)
-        ctx.save_for_backward(p, log_q, hx, V, W)
-        ctx.length, ctx.x_dtype, ctx.impl = x.shape[-1], x.dtype, impl
-        return h
+def _select(x, p, log_q, hx, backend):
+    return BACKENDS.select(backend, {"x": x, "p": p, "log_q": log_q, "hx": hx}, device=x.device, dtype=x.dtype)
 
-    @staticmethod
-    def backward(ctx, dh):
-        if dh is None:
-            return None, None, None, None, None
-        p, log_q, hx, V, W = ctx.saved_tensors
-        dx, dp, dlq, dhx = ctx.impl.module.ema_hidden_bwd(
-            dh, p, log_q, hx, V, W, ctx.length, ctx.needs_input_grad[:4], **ctx.impl.config)
-        return (None if dx is None else dx.to(ctx.x_dtype), dp.to(p.dtype), dlq.to(log_q.dtype),
-                None if dhx is None else dhx.to(hx.dtype), None)
+
+def _fwd_fake(x, p, log_q, hx, weighted, backend):
+    B, D, N = x.shape[0], x.shape[1], p.shape[1]
+    h = log_q.new_empty(B, D, N)
+    return h, empty_like(h), empty_like(h) if weighted else absent(log_q)
+
+
+@custom_op("ema_hidden", _fwd_fake)
+def ema_hidden_op(x: Tensor, p: Tensor, log_q: Tensor, hx: Optional[Tensor], weighted: bool,
+                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (h c(B D N), and for the backward V c(B D N) and W c(B D N) (an empty placeholder unless
+    ``weighted``: W is needed for the gradient of log_q only))."""
+    impl = _select(x, p, log_q, hx, backend)
+    h, V, W = impl.module.ema_hidden_fwd(x, p, log_q, hx, weighted, **impl.config)
+    return h, V, (W if weighted else absent(log_q))
+
+
+def _bwd_fake(dh, x, p, log_q, hx, V, W, needs, backend):
+    return (empty_like(x) if needs[0] else absent(x), empty_like(p), empty_like(log_q),
+            empty_like(hx) if hx is not None and needs[3] else absent(log_q))
+
+
+@custom_op("ema_hidden_bwd", _bwd_fake)
+def ema_hidden_bwd_op(dh: Tensor, x: Tensor, p: Tensor, log_q: Tensor, hx: Optional[Tensor], V: Tensor,
+                      W: Tensor, needs: list[bool], backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (dx or a placeholder, dp, dlog_q, dhx or a placeholder) in the inputs' dtypes."""
+    impl = _select(x, p, log_q, hx, backend)
+    if W.dim() != 3:  # the placeholder: the forward ran without log_q needing a gradient
+        W = None
+        if needs[2]:  # a caller that asked for the gradient anyway: compute the weighted sums now
+            _, V, W = impl.module.ema_hidden_fwd(x, p, log_q, hx, True, **impl.config)
+    dx, dp, dlq, dhx = impl.module.ema_hidden_bwd(dh, p, log_q, hx, V, W, x.shape[-1], tuple(needs), **impl.config)
+    return (dx.to(x.dtype) if needs[0] else absent(x), dp.to(p.dtype), dlq.to(log_q.dtype),
+            dhx.to(hx.dtype) if hx is not None and needs[3] else absent(log_q))
+
+
+def _setup(ctx, inputs, output):
+    x, p, log_q, hx, weighted, backend = inputs
+    h, V, W = output
+    ctx.save_for_backward(x, p, log_q, hx, V, W)
+    ctx.backend = backend
+
+
+def _backward(ctx, dh, _dV, _dW):
+    x, p, log_q, hx, V, W = ctx.saved_tensors
+    needs = list(ctx.needs_input_grad[:4])
+    dx, dp, dlq, dhx = ema_hidden_bwd_op(dh, x, p, log_q, hx, V, W, needs, ctx.backend)
+    return (grad_or_none(dx, needs[0]), grad_or_none(dp, needs[1]), grad_or_none(dlq, needs[2]),
+            grad_or_none(dhx, needs[3] and hx is not None), None, None)
+
+
+ema_hidden_op.register_autograd(_backward, setup_context=_setup)
 
 
 def ema_hidden(x: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, hx: torch.Tensor | None = None, *,
@@ -75,5 +116,6 @@ def ema_hidden(x: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, hx: torch.
     """
     B, D, L = check_sequence(x)
     check_coefficients(p, log_q, None, hx, D=D, B=B, device=x.device)
-    impl = BACKENDS.select(backend, {"x": x, "p": p, "log_q": log_q, "hx": hx}, device=x.device, dtype=x.dtype)
-    return EmaHiddenFunction.apply(x, p, log_q, hx, impl)
+    check_backend(backend)
+    weighted = log_q.requires_grad and torch.is_grad_enabled()
+    return ema_hidden_op(x, p, log_q, hx, weighted, backend)[0]

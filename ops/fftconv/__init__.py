@@ -11,10 +11,12 @@ The torch backend uses zero-padded FFTs of size 2*nextpow2(L) and, for L up to t
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .._checks import REAL_DTYPES, check_sequence, check_tensor
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
+from .._dispatch import OpBackends, check_backend
+from .._library import absent, custom_op, empty_like, grad_or_none
 
 __all__ = ["fftconv"]
 
@@ -40,22 +42,39 @@ autotune.register(
 )
 
 
-class FftconvFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, k, impl):
-        ctx.set_materialize_grads(False)
-        ctx.save_for_backward(x, k)
-        ctx.impl = impl
-        return impl.module.fftconv_fwd(x, k, **impl.config)
+@custom_op("fftconv", lambda x, k, backend: empty_like(x))
+def fftconv_op(x: Tensor, k: Tensor, backend: str) -> Tensor:
+    impl = BACKENDS.select(backend, {"x": x, "k": k}, device=x.device, dtype=x.dtype)
+    return impl.module.fftconv_fwd(x, k, **impl.config)
 
-    @staticmethod
-    def backward(ctx, dy):
-        if dy is None:
-            return None, None, None
-        x, k = ctx.saved_tensors
-        need_x, need_k = ctx.needs_input_grad[:2]
-        dx, dk = ctx.impl.module.fftconv_bwd(dy, x, k, need_x, need_k, **ctx.impl.config)
-        return (None if dx is None else dx.to(x.dtype), None if dk is None else dk.to(k.dtype), None)
+
+def _bwd_fake(dy, x, k, need_x, need_k, backend):
+    return (empty_like(x) if need_x else absent(x),
+            empty_like(k) if need_k else absent(k))
+
+
+@custom_op("fftconv_bwd", _bwd_fake)
+def fftconv_bwd_op(dy: Tensor, x: Tensor, k: Tensor, need_x: bool, need_k: bool,
+                   backend: str) -> tuple[Tensor, Tensor]:
+    impl = BACKENDS.select(backend, {"x": x, "k": k}, device=x.device, dtype=x.dtype)
+    dx, dk = impl.module.fftconv_bwd(dy, x, k, need_x, need_k, **impl.config)
+    return (dx.to(x.dtype) if need_x else absent(x), dk.to(k.dtype) if need_k else absent(k))
+
+
+def _setup(ctx, inputs, output):
+    x, k, backend = inputs
+    ctx.save_for_backward(x, k)
+    ctx.backend = backend
+
+
+def _backward(ctx, dy):
+    x, k = ctx.saved_tensors
+    need_x, need_k = ctx.needs_input_grad[:2]
+    dx, dk = fftconv_bwd_op(dy, x, k, need_x, need_k, ctx.backend)
+    return grad_or_none(dx, need_x), grad_or_none(dk, need_k), None
+
+
+fftconv_op.register_autograd(_backward, setup_context=_setup)
 
 
 def fftconv(x: torch.Tensor, k: torch.Tensor, *, backend: str = "auto") -> torch.Tensor:
@@ -75,5 +94,5 @@ def fftconv(x: torch.Tensor, k: torch.Tensor, *, backend: str = "auto") -> torch
     """
     B, D, L = check_sequence(x)
     check_tensor("k", k, (D, L), REAL_DTYPES, device=x.device, dims="(D, L)")
-    impl = BACKENDS.select(backend, {"x": x, "k": k}, device=x.device, dtype=x.dtype)
-    return FftconvFunction.apply(x, k, impl)
+    check_backend(backend)
+    return fftconv_op(x, k, backend)

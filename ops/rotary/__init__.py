@@ -16,10 +16,12 @@ compute dtype, so large positions (a long KV cache) keep fp32-accurate angles.
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_tensor
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
+from .._dispatch import OpBackends, check_backend
+from .._library import custom_op, empty_like
 
 __all__ = ["rotary", "rotation_tables"]
 
@@ -55,18 +57,36 @@ def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_b
     return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
 
-class RotaryFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, cos, sin, impl):
-        ctx.save_for_backward(cos, sin)
-        ctx.impl = impl
-        return impl.module.rotary_fwd(x, cos, sin, **impl.config)
+def _like(x, *_):
+    return empty_like(x)
 
-    @staticmethod
-    def backward(ctx, dy):
-        cos, sin = ctx.saved_tensors
-        dx = ctx.impl.module.rotary_bwd(dy, cos, sin, **ctx.impl.config)
-        return dx, None, None, None
+
+@custom_op("rotary", _like)
+def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, backend: str) -> Tensor:
+    """-> x rotated by the tables of :func:`rotation_tables`."""
+    impl = BACKENDS.select(backend, {"x": x}, device=x.device, dtype=x.dtype)
+    return impl.module.rotary_fwd(x, cos, sin, **impl.config)
+
+
+@custom_op("rotary_bwd", _like)
+def rotary_bwd_op(dy: Tensor, cos: Tensor, sin: Tensor, backend: str) -> Tensor:
+    """-> dx: the inverse rotation of dy (times the same xPos scale)."""
+    impl = BACKENDS.select(backend, {"x": dy}, device=dy.device, dtype=dy.dtype)
+    return impl.module.rotary_bwd(dy, cos, sin, **impl.config).to(dy.dtype)
+
+
+def _setup(ctx, inputs, output):
+    x, cos, sin, backend = inputs
+    ctx.save_for_backward(cos, sin)
+    ctx.backend = backend
+
+
+def _backward(ctx, dy):
+    cos, sin = ctx.saved_tensors
+    return rotary_bwd_op(dy, cos, sin, ctx.backend), None, None, None
+
+
+rotary_op.register_autograd(_backward, setup_context=_setup)
 
 
 def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0, xpos_scale_base=None, *,
@@ -104,6 +124,6 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0, xpos
         xpos_scale_base = check_float("xpos_scale_base", xpos_scale_base, low=0.0, low_open=True)
     if not isinstance(xpos_downscale, bool):
         raise TypeError(f"xpos_downscale must be a bool, got {type(xpos_downscale).__name__}")
-    impl = BACKENDS.select(backend, {"x": x}, device=x.device, dtype=x.dtype)
+    check_backend(backend)
     cos, sin = rotation_tables(positions, d, base, xpos_scale_base, xpos_downscale, acc_dtype(x.dtype))
-    return RotaryFunction.apply(x, cos, sin, impl)
+    return rotary_op(x, cos, sin, backend)

@@ -20,11 +20,12 @@ associative (Chan) Welford merge in fp32 (fp64 for fp64 inputs) - see ``torch_im
 from __future__ import annotations
 
 import torch
-from torch.autograd.function import once_differentiable
+from torch import Tensor
 
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_int, check_tensor
 from ...autotune import registry as autotune
-from .._dispatch import OpBackends
+from .._dispatch import OpBackends, check_backend
+from .._library import custom_op, empty_like
 from .._host_sync import check_on_device
 
 __all__ = ["timestep_norm"]
@@ -43,26 +44,82 @@ autotune.register(
 )
 
 
-class TimestepNormFunction(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, scale, bias, prev_mean, prev_var, prev_count, padding_mask, num_groups, eps, impl):
-        y, count, mean, var, saved = impl.module.timestep_norm_fwd(
-            x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, **impl.config
-        )
-        ctx.save_for_backward(*saved)
-        ctx.num_groups = num_groups
-        ctx.impl = impl
-        ctx.dtypes = (x.dtype, scale.dtype, bias.dtype, prev_mean.dtype, prev_var.dtype)
-        ctx.mark_non_differentiable(count)
-        return y, count, mean, var
+def _select(x, num_groups, backend):
+    return BACKENDS.select(backend, {"x": x, "num_groups": num_groups}, device=x.device, dtype=x.dtype)
 
-    @staticmethod
-    @once_differentiable
-    def backward(ctx, dy, _dcount, dmean, dvar):
-        grads = ctx.impl.module.timestep_norm_bwd(dy, dmean, dvar, ctx.saved_tensors, ctx.num_groups,
-                                                  **ctx.impl.config)
-        dx, dscale, dbias, dprev_mean, dprev_var = (g.to(dt) for g, dt in zip(grads, ctx.dtypes))
-        return dx, dscale, dbias, dprev_mean, dprev_var, None, None, None, None, None
+
+def _fwd_fake(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend):
+    B, L, D = x.shape
+    acc = acc_dtype(x.dtype)
+    stats = x.new_empty(B, L, num_groups, dtype=acc)
+    state = x.new_empty(B, num_groups, dtype=acc)
+    return (empty_like(x), x.new_empty(B, dtype=torch.int64),
+            state, empty_like(state), stats, empty_like(stats), empty_like(stats),
+            empty_like(state))
+
+
+@custom_op("timestep_norm", _fwd_fake)
+def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor, prev_mean: Tensor, prev_var: Tensor,
+                     padding_mask: Tensor, num_groups: int, eps: float,
+                     backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (y, count, mean, var, and for the backward mu, rstd, gmu r(B L G) and K r(B G) in the
+    accumulation dtype): the running mean and reciprocal std per step, each step's group mean
+    and the per-group shift they are relative to (the CUDA backend's statistics are absolute:
+    gmu and K are zeros there)."""
+    check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
+    impl = _select(x, num_groups, backend)
+    y, count, mean, var, saved = impl.module.timestep_norm_fwd(
+        x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, **impl.config)
+    acc = acc_dtype(x.dtype)
+    if impl.name == "cuda":  # saved = (x, scale, count, mean, mask, cummean, cumrstd)
+        mu, rstd = saved[5], saved[6]
+        gmu, K = torch.zeros_like(mu), mean.new_zeros(mean.shape)
+    else:  # saved = (x, scale, mu, rstd, gmu, mask, count, mu0 - K, K)
+        mu, rstd, gmu, K = saved[2], saved[3], saved[4], saved[8]
+    return (y, count.to(torch.int64), mean.to(acc), var.to(acc), mu.to(acc), rstd.to(acc), gmu.to(acc),
+            K.to(acc))
+
+
+def _bwd_fake(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, mu, rstd, gmu, K,
+              num_groups, backend):
+    return tuple(empty_like(t)
+                 for t in (x, scale, bias, prev_mean, prev_var))
+
+
+@custom_op("timestep_norm_bwd", _bwd_fake)
+def timestep_norm_bwd_op(dy: Tensor, dmean: Tensor, dvar: Tensor, x: Tensor, scale: Tensor, bias: Tensor,
+                         prev_count: Tensor, prev_mean: Tensor, prev_var: Tensor, padding_mask: Tensor, mu: Tensor,
+                         rstd: Tensor, gmu: Tensor, K: Tensor, num_groups: int,
+                         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> the gradients of (x, scale, bias, prev_mean, prev_var), each in its input's dtype."""
+    impl = _select(x, num_groups, backend)
+    acc = acc_dtype(x.dtype)
+    if impl.name == "cuda":
+        saved = (x.contiguous(), scale.to(acc).contiguous(), prev_count.to(torch.int64).contiguous(),
+                 prev_mean.to(acc).contiguous(), padding_mask.contiguous(), mu, rstd)
+    else:  # Triton's kernels read the contiguous copy of x its forward saved
+        xs = x.contiguous() if impl.name == "triton" else x
+        saved = (xs, scale, mu, rstd, gmu, padding_mask, prev_count, prev_mean.to(acc) - K, K)
+    grads = impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, **impl.config)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))
+
+
+def _setup(ctx, inputs, output):
+    x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend = inputs
+    ctx.save_for_backward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, *output[4:])
+    ctx.num_groups, ctx.backend = num_groups, backend
+    ctx.mark_non_differentiable(output[1])
+
+
+def _backward(ctx, dy, _dcount, dmean, dvar, *_stats):
+    x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, mu, rstd, gmu, K = ctx.saved_tensors
+    dx, dscale, dbias, dpm, dpv = timestep_norm_bwd_op(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean,
+                                                       prev_var, padding_mask, mu, rstd, gmu, K, ctx.num_groups,
+                                                       ctx.backend)
+    return dx, dscale, dbias, None, dpm, dpv, None, None, None, None
+
+
+timestep_norm_op.register_autograd(_backward, setup_context=_setup)
 
 
 def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_groups: int,
@@ -113,7 +170,7 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
         prev_count = torch.zeros(B, dtype=torch.int64, device=dev)
     else:
         check_tensor("prev_count", prev_count, (B,), INT_DTYPES, device=dev, dims="(B,)")
-        check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
+        # its values (>= 0) are checked inside the op, where reading them traces nothing
     if prev_mean is None:
         prev_mean = torch.zeros(B, G, dtype=acc, device=dev)
     else:
@@ -127,5 +184,5 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
     else:
         check_tensor("padding_mask", padding_mask, (B, L), (torch.bool,), device=dev, dims="(B, L)")
     eps = check_float("eps", eps, low=0.0, low_open=True)
-    impl = BACKENDS.select(backend, {"x": x, "num_groups": num_groups}, device=dev, dtype=x.dtype)
-    return TimestepNormFunction.apply(x, scale, bias, prev_mean, prev_var, prev_count, padding_mask, G, eps, impl)
+    check_backend(backend)
+    return timestep_norm_op(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, G, eps, backend)[:4]
