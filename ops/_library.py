@@ -74,9 +74,9 @@ def _lazy_views_resolved():
     AOTAutograd compiled (e.g. the ``aot_eager`` backend) runs with these keys in the thread's
     excluded set, where ``dh.conj() * V`` would silently multiply by dh itself; the backends use
     conj() views freely, so every real implementation runs with the keys back on."""
-    excluded = torch._C._dispatch_tls_local_exclude_set()
-    if not any(excluded.has(k) for k in _VIEW_KEYS):
+    if not any(map(torch._C._dispatch_tls_is_dispatch_key_excluded, _VIEW_KEYS)):
         return contextlib.nullcontext()
+    excluded = torch._C._dispatch_tls_local_exclude_set()
     for k in _VIEW_KEYS:
         excluded = excluded.remove(k)
     return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), excluded)
