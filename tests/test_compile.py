@@ -114,7 +114,7 @@ def test_opcheck_forward(op, args):
 def _backward_cases():
     """Each backward op on the inputs its forward would hand it (no autograd on these)."""
     torch.manual_seed(2)
-    for name, dt in (("fp32", torch.float32), ("fp64", torch.float64)):
+    for name, dt in REAL.items():
         B, D, N, L = 2, 3, 4, 9
         p, lq, gm, hx = _coef(dt, D, N, B)
         x, k, om = torch.randn(B, D, L, dtype=dt), torch.randn(D, L, dtype=dt), torch.randn(D, dtype=dt)
@@ -150,7 +150,8 @@ def _backward_cases():
         s = torch.randn(2, 2, 5, 7, dtype=dt)
         y, seed = OPS.dropkey_softmax(s, True, 0.3, 5, "auto")
         yield f"dropkey_softmax_bwd-{name}", OPS.dropkey_softmax_bwd, (torch.randn_like(y), y, seed, True, 0.3, "auto")
-        cos, sin = rotation_tables(torch.arange(5), 4, 10000.0, 512.0, True, dt)
+        acc = torch.float64 if dt == torch.float64 else torch.float32
+        cos, sin = rotation_tables(torch.arange(5), 4, 10000.0, 512.0, True, acc)
         yield f"rotary_bwd-{name}", OPS.rotary_bwd, (torch.randn(2, 5, 2, 4, dtype=dt), cos, sin, "auto")
 
 
