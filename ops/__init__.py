@@ -6,6 +6,7 @@ Every op takes ``backend="auto" | "torch" | "triton" | "cuda"``; see ``_dispatch
 "auto" resolves and ``MEGALODON_KERNELS_BACKEND`` to force one.
 """
 from . import dropkey_rule
+from ._packing import document_positions
 from .attention import attention
 from .cema import cema
 from .cema_kernel import cema_kernel
@@ -15,5 +16,5 @@ from .fftconv import fftconv
 from .rotary import rotary
 from .timestep_norm import timestep_norm
 
-__all__ = ["attention", "cema", "cema_kernel", "dropkey_rule", "dropkey_softmax", "ema_hidden", "fftconv",
+__all__ = ["attention", "cema", "cema_kernel", "dropkey_rule", "document_positions", "dropkey_softmax", "ema_hidden", "fftconv",
            "rotary", "timestep_norm"]

@@ -1,0 +1,177 @@
+"""Packed sequences: documents laid end to end in one row, delimited by ``cu_seqlens``
+(docs/design.md, Packed sequences).
+
+A packed call must equal each document run on its own from an empty (or its own initial) state.
+The stateful ops get there by running a packed row as *document rows*: the documents are grouped
+into buckets of equal row length (by default the next power of two of their length), each bucket
+is gathered into a zero-padded batch (nb, ..., row_length, ...) and runs through the op's ordinary
+batched kernels in one launch, and the valid positions are scattered back. So:
+
+* a row of thousands of short documents costs a few launches per bucket, never one per document:
+  there are at most log2(L) + 1 buckets;
+* each document's cost is that of its own row length, at most twice its length, so the
+  convolutions stay O(L log L) and the chunked attention O(L C) whatever the lengths;
+* every backend (torch, Triton, CUDA) supports packing with the kernels it already has, and what
+  the kernels were verified for (exact causal prefixes, padding masks, per-row initial states)
+  carries over.
+
+Documents sit at the start of their rows (``align="left"``: outputs at the valid positions are
+exact because every op is causal) or at the end (``align="right"``: the zeros in front leave a
+sum over the document unchanged, which gives ema_hidden the state at the document's last step).
+
+Planning reads ``cu_seqlens`` on the host once per tensor (a device synchronisation when it lives
+on a GPU, like FlashAttention's ``max_seqlen``); the plan is cached on the tensor, so the forward
+and backward of every layer of a model reuse it.
+"""
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ._checks import INT_DTYPES
+
+__all__ = ["Bucket", "Plan", "check_cu_seqlens", "document_positions", "next_pow2", "plan"]
+
+
+def next_pow2(n: int) -> int:
+    """The row length of a document of n >= 1 steps: the smallest power of two >= n."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+def check_cu_seqlens(cu_seqlens, *, batch: int, length: int, device: torch.device, batch_arg: str = "x") -> int:
+    """Validate the shape, dtype and device of ``cu_seqlens`` for a packed call on a row of
+    ``length`` steps; returns the number of documents n. Its values (0 first, non-decreasing,
+    ``length`` last) are checked when the op plans the call (:func:`plan`)."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an integer torch.Tensor of shape (n + 1,), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in INT_DTYPES:
+        raise TypeError(f"cu_seqlens must have an integer dtype (int32 or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape (n + 1,) with n >= 1 documents, got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != device:
+        raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the other inputs are on {device}")
+    if batch != 1:
+        raise ValueError(f"with cu_seqlens, {batch_arg} must hold one packed row (batch size 1), got batch size {batch} "
+                         f"(flatten the batch into one row and offset cu_seqlens)")
+    return cu_seqlens.shape[0] - 1
+
+
+def document_positions(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
+    """Each token's position within its document, int64 (L,), on cu_seqlens's device: for
+    :func:`ops.rotary` on a packed row. cu_seqlens = [0, 3, 5] gives [0, 1, 2, 0, 1].
+
+    ``length`` (= cu_seqlens[-1]) saves the one host read of cu_seqlens[-1]; positions themselves
+    are computed on the device."""
+    if not isinstance(cu_seqlens, torch.Tensor):
+        raise TypeError(f"cu_seqlens must be an integer torch.Tensor of shape (n + 1,), got {type(cu_seqlens).__name__}")
+    if cu_seqlens.dtype not in INT_DTYPES:
+        raise TypeError(f"cu_seqlens must have an integer dtype (int32 or int64), got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
+        raise ValueError(f"cu_seqlens must have shape (n + 1,) with n >= 1 documents, got shape {tuple(cu_seqlens.shape)}")
+    cu = cu_seqlens.to(torch.int64)
+    if length is None:
+        length = int(cu[-1])
+    t = torch.arange(length, dtype=torch.int64, device=cu.device)
+    # the document of step t is the last one starting at or before t (empty documents share a start)
+    doc = torch.searchsorted(cu, t, right=True) - 1
+    return t - cu[doc.clamp(0, cu.shape[0] - 2)]
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """Documents run as rows of one length.
+
+    size: the row length Lb; docs (nb,) int64: the documents' indices; lengths (nb,) int64;
+    index (nb, Lb) int64: the packed position each row step reads (clamped into the row where the
+    step is padding); valid (nb, Lb) bool: the step holds a document token."""
+
+    size: int
+    docs: torch.Tensor
+    lengths: torch.Tensor
+    index: torch.Tensor
+    valid: torch.Tensor
+
+    def rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
+        """Gather the packed tensor t (batch 1, time at ``dim``) into rows (nb, ..., Lb, ...), zeros
+        at padded steps; contiguous."""
+        tt = t[0].movedim(dim - 1, 0)
+        r = tt[self.index]  # (nb, Lb, *rest)
+        mask = self.valid.view(*self.valid.shape, *([1] * (r.dim() - 2)))
+        r = torch.where(mask, r, r.new_zeros(()))
+        return r.movedim(1, dim).contiguous()
+
+    def put(self, rows: torch.Tensor, out: torch.Tensor, dim: int) -> None:
+        """Write the valid steps of rows (nb, ..., Lb, ...) into the packed tensor out (batch 1)."""
+        ot = out[0].movedim(dim - 1, 0)
+        ot[self.index[self.valid]] = rows.movedim(dim, 1)[self.valid].to(out.dtype)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """How a packed row of length L runs: n documents, their lengths (n,) int64 on the device and
+    on the host, and the buckets (documents of length 0 are in none)."""
+
+    n: int
+    length: int
+    lengths: torch.Tensor
+    host_lengths: tuple
+    buckets: tuple
+
+    def per_document(self, values: torch.Tensor, bucket: Bucket) -> torch.Tensor:
+        """The rows of a per-document tensor (n, ...) that belong to ``bucket``."""
+        return values.index_select(0, bucket.docs)
+
+
+_CACHE: dict = {}
+
+
+def plan(cu_seqlens: torch.Tensor, length: int, *, align: str = "left",
+         row_length: Callable[[int], int] = next_pow2, key=None) -> Plan:
+    """Plan a packed call on a row of ``length`` steps (see the module docstring); raises
+    ValueError naming cu_seqlens when its values are not 0 first, non-decreasing, ``length``
+    last. ``key`` names ``row_length`` in the cache (functions with one key must agree)."""
+    if align not in ("left", "right"):
+        raise ValueError(f"align must be 'left' or 'right', got {align!r}")
+    cache_key = (id(cu_seqlens), cu_seqlens._version, length, align, key or row_length)
+    hit = _CACHE.get(cache_key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1]
+    result = _make_plan(cu_seqlens, length, align, row_length)
+    ref = weakref.ref(cu_seqlens, lambda _, k=cache_key: _CACHE.pop(k, None))
+    _CACHE[cache_key] = (ref, result)
+    return result
+
+
+def _make_plan(cu_seqlens, length, align, row_length) -> Plan:
+    cu = [int(v) for v in cu_seqlens.tolist()]  # the one host read of a packed call
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
+    lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
+    bad = next((i for i, n in enumerate(lengths) if n < 0), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}] = {cu[bad]} > "
+                         f"cu_seqlens[{bad + 1}] = {cu[bad + 1]}")
+    if cu[-1] != length:
+        raise ValueError(f"cu_seqlens must end at the packed length L = {length}, got cu_seqlens[-1] = {cu[-1]}")
+    dev = cu_seqlens.device
+    groups: dict = {}
+    for d, n in enumerate(lengths):
+        if n:  # a row never needs to be longer than the packed row itself
+            groups.setdefault(min(row_length(n), length), []).append(d)
+    buckets = []
+    for size in sorted(groups):
+        docs = groups[size]
+        starts = torch.tensor([cu[d] for d in docs], dtype=torch.int64)
+        lens = torch.tensor([lengths[d] for d in docs], dtype=torch.int64)
+        steps = torch.arange(size, dtype=torch.int64)
+        offset = starts[:, None] if align == "left" else (starts + lens - size)[:, None]
+        index = offset + steps
+        valid = (index >= starts[:, None]) & (index < (starts + lens)[:, None])
+        index = index.clamp(0, max(length - 1, 0))
+        buckets.append(Bucket(size, torch.tensor(docs, dtype=torch.int64, device=dev), lens.to(dev),
+                              index.to(dev), valid.to(dev)))
+    return Plan(len(lengths), length, torch.tensor(lengths, dtype=torch.int64, device=dev), tuple(lengths),
+                tuple(buckets))
