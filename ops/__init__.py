@@ -16,5 +16,5 @@ from .fftconv import fftconv
 from .rotary import rotary
 from .timestep_norm import timestep_norm
 
-__all__ = ["attention", "cema", "cema_kernel", "dropkey_rule", "document_positions", "dropkey_softmax", "ema_hidden", "fftconv",
-           "rotary", "timestep_norm"]
+__all__ = ["attention", "cema", "cema_kernel", "document_positions", "dropkey_rule", "dropkey_softmax", "ema_hidden",
+           "fftconv", "rotary", "timestep_norm"]
