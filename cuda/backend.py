@@ -223,17 +223,17 @@ class AttentionBackend(_Backend):
         return reasons
 
     def attention_fwd(self, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                      path=None, **_config):
+                      path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
-                  seed=seed)
+                  seed=seed, batch_index=batch_index)
         if self._path(q, v, attn_fn, path) == "flash":
             return K.attention_flash_fwd(self.ext, q, k, v, attn_fn=attn_fn, **kw)
         return K.attention_matmul_fwd(self.ext, q, k, v, **kw)
 
     def attention_bwd(self, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-                      attn_fn, path=None, **_config):
+                      attn_fn, path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
-                  seed=seed)
+                  seed=seed, batch_index=batch_index)
         if self._path(q, v, attn_fn, path) == "flash":
             return K.attention_flash_bwd(self.ext, do, q, k, v, o, lse, attn_fn=attn_fn, **kw)
         return K.attention_matmul_bwd(self.ext, do, q, k, v, **kw)

@@ -35,8 +35,9 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
 
   m.def("dropkey_softmax_fwd",
         [](int dtype, uptr x, uptr y, std::int64_t Bf, std::int64_t Hf, std::int64_t L, std::int64_t S, bool causal,
-           double p, std::uint64_t seed, uptr stream) {
-          mk::dropkey_softmax_fwd(dtype, P(x), P(y), Bf, Hf, L, S, causal, p, seed, P(stream));
+           double p, std::uint64_t seed, uptr batch_index, uptr stream) {
+          mk::dropkey_softmax_fwd(dtype, P(x), P(y), Bf, Hf, L, S, causal, p, seed, P<const std::int64_t>(batch_index),
+                                  P(stream));
         },
         nogil);
   m.def("dropkey_softmax_bwd",
@@ -141,19 +142,20 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
   m.def("flash_attention_fwd",
         [](int dtype, uptr q, uptr k, uptr v, uptr o, uptr lse, std::int64_t B, std::int64_t L, std::int64_t S,
            std::int64_t H, std::int64_t D, std::int64_t ldv, double scale, bool causal, std::int64_t chunk,
-           bool block_causal, bool laplace, double p, std::uint64_t seed, uptr stream) {
+           bool block_causal, bool laplace, double p, std::uint64_t seed, uptr batch_index, uptr stream) {
           mk::flash_attention_fwd(dtype, P(q), P(k), P(v), P(o), P<float>(lse), B, L, S, H, D, ldv, scale, causal,
-                                  chunk, block_causal, laplace, p, seed, P(stream));
+                                  chunk, block_causal, laplace, p, seed, P<const std::int64_t>(batch_index),
+                                  P(stream));
         },
         nogil);
   m.def("flash_attention_bwd",
         [](int dtype, uptr q, uptr k, uptr v, uptr dout, uptr lse, uptr delta, uptr dq, uptr dk, uptr dv,
            std::int64_t B, std::int64_t L, std::int64_t S, std::int64_t H, std::int64_t D, std::int64_t ldv,
            double scale, bool causal, std::int64_t chunk, bool block_causal, bool laplace, double p,
-           std::uint64_t seed, uptr stream) {
+           std::uint64_t seed, uptr batch_index, uptr stream) {
           mk::flash_attention_bwd(dtype, P(q), P(k), P(v), P(dout), P<const float>(lse), P<const float>(delta), P(dq),
                                   P(dk), P(dv), B, L, S, H, D, ldv, scale, causal, chunk, block_causal, laplace, p,
-                                  seed, P(stream));
+                                  seed, P<const std::int64_t>(batch_index), P(stream));
         },
         nogil);
   // --- end attention ---

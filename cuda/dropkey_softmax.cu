@@ -19,7 +19,8 @@ void check_rows(std::int64_t Bf, std::int64_t Hf, std::int64_t L, std::int64_t S
 }  // namespace
 
 void dropkey_softmax_fwd(int dtype, const void* x, void* y, std::int64_t Bf, std::int64_t Hf, std::int64_t L,
-                         std::int64_t S, bool causal, double p, std::uint64_t seed, void* stream) {
+                         std::int64_t S, bool causal, double p, std::uint64_t seed, const std::int64_t* batch_index,
+                         void* stream) {
   check_rows(Bf, Hf, L, S);
   require(p >= 0.0 && p < 1.0, "dropkey_softmax: dropkey_p must be in [0, 1)");
   const std::int64_t rows = Bf * Hf * L;
@@ -30,7 +31,7 @@ void dropkey_softmax_fwd(int dtype, const void* x, void* y, std::int64_t Bf, std
     const auto dropkey_softmax_fwd = &dropkey_softmax_fwd_kernel<T, kSoftmaxItems>;
     MK_LAUNCH(dropkey_softmax_fwd, grid_1d(rows), softmax_threads(S), 0, stream, static_cast<const T*>(x),
               static_cast<T*>(y), rows, static_cast<int>(Hf), static_cast<int>(L), static_cast<int>(S), causal, key,
-              thr);
+              thr, batch_index);
   });
 }
 

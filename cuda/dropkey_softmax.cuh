@@ -2,7 +2,8 @@
 //
 // Scores are (Bf, Hf, L, S) contiguous, one row = S logits of query i. Row i sees keys
 // j < hi(i) = min(S, i + S - L + 1) when causal (bottom-right alignment, a KV cache of S - L keys),
-// and among those the ones the DropKey rule keeps. A row with no visible kept key is all 0; keys
+// and among those the ones the DropKey rule keeps, with (b, h, i, j) = (flat batch, head, row,
+// column), or b = batch_index[flat batch] when batch_index is given (packed document rows). A row with no visible kept key is all 0; keys
 // >= hi are written as 0 and never read. Arithmetic in acc_t<T> (fp32 for float/bf16 scores, fp64
 // with exp in double for double scores), one rounding on store; the DropKey decisions are 32-bit
 // integer arithmetic and so identical for every T.
@@ -53,7 +54,8 @@ __device__ __forceinline__ MaxSum<double> ms_shfl_xor(MaxSum<double> a, int o) {
 template <class T, int ITEMS>
 __global__ void __launch_bounds__(kSoftmaxMaxThreads) dropkey_softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                    std::int64_t rows, int Hf, int L, int S,
-                                                                   bool causal, std::uint32_t key, std::uint32_t thr) {
+                                                                   bool causal, std::uint32_t key, std::uint32_t thr,
+                                                                   const std::int64_t* __restrict__ batch_index) {
   using A = acc_t<T>;
   MK_STATIC_SMEM(MaxSum<A>, s_part, 32);
   const int NT = blockDim.x;
@@ -62,7 +64,7 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) dropkey_softmax_fwd_kernel
     const int i = static_cast<int>(row % L);
     const std::int64_t bh = row / L;
     const std::uint32_t h = static_cast<std::uint32_t>(bh % Hf);
-    const std::uint32_t b = static_cast<std::uint32_t>(bh / Hf);
+    const std::uint32_t b = static_cast<std::uint32_t>(batch_index ? batch_index[bh / Hf] : bh / Hf);
     const int hi = causal ? imax(0, imin(S, i + S - L + 1)) : S;
     const std::uint32_t rkey = thr ? dropkey::row_key(key, b, h, static_cast<std::uint32_t>(i)) : 0u;
     const T* xr = x + row * S;

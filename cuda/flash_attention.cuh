@@ -67,6 +67,9 @@ struct Params {
   float scale;
   int causal, chunk, block_causal, laplace;
   std::uint32_t key, thr;  // DropKey stream key and threshold (thr = 0: off)
+  // (B,) the batch index the DropKey rule hashes for each row, or null: the row's own index
+  // (packed document rows pass their documents' indices).
+  const std::int64_t* batch_index;
 };
 
 // ----------------------------------------------------------------------------------------------
@@ -211,7 +214,8 @@ __device__ __forceinline__ int2 query_range(const Params& p, int j0, int j1) {
 __device__ __forceinline__ float masked_score(const Params& p, int b, int h, int i, int j, float acc) {
   if (i >= p.L || j >= p.S || !visible(p, i, j)) return -INFINITY;
   if (p.thr != 0u) {
-    const std::uint32_t rk = dropkey::row_key(p.key, static_cast<std::uint32_t>(b), static_cast<std::uint32_t>(h),
+    const std::int64_t rb = p.batch_index ? p.batch_index[b] : b;
+    const std::uint32_t rk = dropkey::row_key(p.key, static_cast<std::uint32_t>(rb), static_cast<std::uint32_t>(h),
                                               static_cast<std::uint32_t>(i));
     if (!dropkey::keep(rk, static_cast<std::uint32_t>(j), p.thr)) return -INFINITY;
   }

@@ -33,8 +33,9 @@ void flash_attention_bwd(int dtype, const void* q, const void* k, const void* v,
                          const float* delta, void* dq, void* dk, void* dv, std::int64_t B, std::int64_t L,
                          std::int64_t S, std::int64_t H, std::int64_t D, std::int64_t ldv, double scale, bool causal,
                          std::int64_t chunk, bool block_causal, bool laplace, double p, std::uint64_t seed,
-                         void* stream) {
-  flash::Params prm = flash::make_params(B, L, S, H, ldv, scale, causal, chunk, block_causal, laplace, p, seed);
+                         const std::int64_t* batch_index, void* stream) {
+  flash::Params prm =
+      flash::make_params(B, L, S, H, ldv, scale, causal, chunk, block_causal, laplace, p, seed, batch_index);
   prm.q = q;
   prm.k = k;
   prm.v = v;
@@ -65,7 +66,8 @@ void flash_attention_bwd(int dtype, const void* q, const void* k, const void* v,
 namespace mk {
 void flash_attention_bwd(int, const void*, const void*, const void*, const void*, const float*, const float*, void*,
                          void*, void*, std::int64_t, std::int64_t, std::int64_t, std::int64_t, std::int64_t,
-                         std::int64_t, double, bool, std::int64_t, bool, bool, double, std::uint64_t, void*) {
+                         std::int64_t, double, bool, std::int64_t, bool, bool, double, std::uint64_t,
+                         const std::int64_t*, void*) {
   throw std::invalid_argument("flash attention was built without CuTe (pip install nvidia-cutlass)");
 }
 }  // namespace mk

@@ -51,8 +51,9 @@ std::vector<std::pair<std::string, std::int64_t>> flash_attention_smem() {
 void flash_attention_fwd(int dtype, const void* q, const void* k, const void* v, void* o, float* lse, std::int64_t B,
                          std::int64_t L, std::int64_t S, std::int64_t H, std::int64_t D, std::int64_t ldv,
                          double scale, bool causal, std::int64_t chunk, bool block_causal, bool laplace, double p,
-                         std::uint64_t seed, void* stream) {
-  flash::Params prm = flash::make_params(B, L, S, H, ldv, scale, causal, chunk, block_causal, laplace, p, seed);
+                         std::uint64_t seed, const std::int64_t* batch_index, void* stream) {
+  flash::Params prm =
+      flash::make_params(B, L, S, H, ldv, scale, causal, chunk, block_causal, laplace, p, seed, batch_index);
   prm.q = q;
   prm.k = k;
   prm.v = v;
@@ -74,7 +75,7 @@ std::int64_t flash_attention_dv_tile(int, std::int64_t) { return 0; }
 std::vector<std::pair<std::string, std::int64_t>> flash_attention_smem() { return {}; }
 void flash_attention_fwd(int, const void*, const void*, const void*, void*, float*, std::int64_t, std::int64_t,
                          std::int64_t, std::int64_t, std::int64_t, std::int64_t, double, bool, std::int64_t, bool, bool,
-                         double, std::uint64_t, void*) {
+                         double, std::uint64_t, const std::int64_t*, void*) {
   throw std::invalid_argument("flash attention was built without CuTe (pip install nvidia-cutlass)");
 }
 }  // namespace mk

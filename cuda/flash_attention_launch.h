@@ -16,7 +16,7 @@ enum : int { kAttnFloat32 = 0, kAttnBFloat16 = 1, kAttnFloat16 = 2, kAttnBFloat1
 
 inline Params make_params(std::int64_t B, std::int64_t L, std::int64_t S, std::int64_t H, std::int64_t ldv,
                           double scale, bool causal, std::int64_t chunk, bool block_causal, bool laplace, double p,
-                          std::uint64_t seed) {
+                          std::uint64_t seed, const std::int64_t* batch_index) {
   require(B >= 0 && L >= 0 && S >= 0 && H >= 1 && ldv >= 0, "flash_attention: negative sizes");
   require(L < (1ll << 30) && S < (1ll << 30), "flash_attention: L and S must be < 2^30");
   require(B * H < (1ll << 31) && B <= 0xFFFFFFFFll, "flash_attention: B * H must be < 2^31");
@@ -36,6 +36,7 @@ inline Params make_params(std::int64_t B, std::int64_t L, std::int64_t S, std::i
   prm.laplace = laplace;
   prm.thr = dropkey::threshold(p);
   prm.key = dropkey::seed_key(seed);
+  prm.batch_index = batch_index;
   return prm;
 }
 

@@ -92,6 +92,15 @@ def _f32(t: torch.Tensor) -> torch.Tensor:
 # dropkey_softmax
 # ------------------------------------------------------------------------------------------------
 
+def _batch_index(batch_index, B: int, device) -> torch.Tensor | None:
+    """A DropKey batch index (B,) as the kernels read it (contiguous int64 on ``device``), or None."""
+    if batch_index is None:
+        return None
+    if batch_index.shape != (B,):
+        raise ValueError(f"batch_index must have shape ({B},), got {tuple(batch_index.shape)}")
+    return batch_index.to(device=device, dtype=torch.int64).contiguous()
+
+
 def _bhls(shape) -> tuple[int, int, int, int]:
     L, S = shape[-2:]
     H = shape[-3] if len(shape) >= 3 else 1
@@ -99,15 +108,20 @@ def _bhls(shape) -> tuple[int, int, int, int]:
 
 
 @_on_device_of_first_tensor
-def dropkey_softmax_fwd(ext, scores: torch.Tensor, *, causal: bool, dropkey_p: float, seed: int) -> torch.Tensor:
-    """Probabilities in scores' dtype (float32, bfloat16, or float64 with fp64 exp and sums)."""
+def dropkey_softmax_fwd(ext, scores: torch.Tensor, *, causal: bool, dropkey_p: float, seed: int,
+                        batch_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities in scores' dtype (float32, bfloat16, or float64 with fp64 exp and sums).
+
+    ``batch_index`` (Bf,) int64 or None: the batch index the DropKey rule hashes for each flat
+    batch (None: the flat batch index itself)."""
     code = dtype_code(scores, "scores", fp64=True)
     _check_device(ext, scores)
     x = scores.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     Bf, Hf, L, S = _bhls(x.shape)
+    bidx = _batch_index(batch_index, Bf, x.device)
     ext.dropkey_softmax_fwd(code, _ptr(x), _ptr(y), Bf, Hf, L, S, bool(causal), float(dropkey_p), int(seed),
-                            _stream(x))
+                            _ptr(bidx), _stream(x))
     return y
 
 
@@ -331,7 +345,7 @@ def _attn_visible(L: int, S: int, chunk_size, block_causal: bool, device) -> tor
     return (cj == cp) | (cj == cp - 1) if block_causal else cj == cp
 
 
-def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed):
+def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index):
     """(P (B, H, L, S), s (B, H, L, S)) of the matmul path (scores masked with -inf), both in
     _acc_dtype(q): float64 q/k/v run float64 matmuls and the fp64 dropkey_softmax kernel."""
     B, L, H, _ = q.shape
@@ -343,20 +357,21 @@ def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, s
     if vis is not None:
         s.masked_fill_(~vis, float("-inf"))
     # The kernel's (flat batch, head, row, column) of a (B, H, L, S) tensor are the attention's (b, h, i, j).
-    p = dropkey_softmax_fwd(ext, s, causal=causal, dropkey_p=dropkey_p, seed=seed)
+    p = dropkey_softmax_fwd(ext, s, causal=causal, dropkey_p=dropkey_p, seed=seed, batch_index=batch_index)
     return p, s
 
 
-def attention_matmul_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed):
+def attention_matmul_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+                         batch_index=None):
     """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 (fp64 for float64 q); -inf for rows with no
-    visible kept key)."""
+    visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
     _check_device(ext, q, k, v)
     B, L, H, _ = q.shape
     S = k.shape[1]
     if B * H * L * S == 0:
         o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
         return o, torch.full((B, H, L), float("-inf"), dtype=_acc_dtype(q), device=q.device)
-    p, s = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
+    p, s = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
     o = torch.matmul(p, v.transpose(1, 2).to(p.dtype)).transpose(1, 2).to(q.dtype).contiguous()
     # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
     pmax, idx = p.max(dim=-1, keepdim=True)
@@ -365,14 +380,15 @@ def attention_matmul_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causa
     return o, lse
 
 
-def attention_matmul_bwd(ext, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed):
+def attention_matmul_bwd(ext, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+                         batch_index=None):
     """(dq, dk, dv) in the input dtypes; P is recomputed by the forward kernel (same DropKey mask)."""
     _check_device(ext, do, q, k, v)
     B, L, H, _ = q.shape
     S = k.shape[1]
     if B * H * L * S == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    p, _ = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
+    p, _ = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
     acc = lambda x: x.transpose(1, 2).to(p.dtype)  # noqa: E731  (B, H, T, d) in _acc_dtype(q)
     dot, qt, kt, vt = acc(do), acc(q), acc(k), acc(v)
     dv = torch.matmul(p.transpose(-1, -2), dot)
@@ -413,8 +429,10 @@ def _flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed)
 
 
 @_on_device_of_first_tensor
-def attention_flash_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn):
-    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 or None for Laplace) by the flash kernel."""
+def attention_flash_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                        batch_index=None):
+    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 or None for Laplace) by the flash kernel.
+    ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
     _check_device(ext, q, k, v)
     B, L, H, dh = q.shape
     S, dv = k.shape[1], v.shape[-1]
@@ -424,16 +442,18 @@ def attention_flash_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal
     qp, kp, vp = _pad_last(q, D), _pad_last(k, D), _pad_last(v, ldv)
     o = torch.empty(B, L, H, ldv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, L, dtype=torch.float32, device=q.device)
+    bidx = _batch_index(batch_index, B, q.device)
     ext.flash_attention_fwd(ATTN_DTYPE_CODES[q.dtype], _ptr(qp), _ptr(kp), _ptr(vp), _ptr(o), _ptr(lse), B, L, S, H,
                             D, ldv, float(scale),
-                            *_flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed), _stream(qp))
+                            *_flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed),
+                            _ptr(bidx), _stream(qp))
     o = o if ldv == dv else o[..., :dv].contiguous()
     return o, (None if attn_fn == "laplace" else lse)
 
 
 @_on_device_of_first_tensor
 def attention_flash_bwd(ext, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-                        attn_fn):
+                        attn_fn, batch_index=None):
     """(dq, dk, dv) in the input dtypes by the flash backward kernels (P regenerated from lse)."""
     _check_device(ext, do, q, k, v, o)
     B, L, H, dh = q.shape
@@ -453,9 +473,11 @@ def attention_flash_bwd(ext, do, q, k, v, o, lse, *, scale, causal, chunk_size, 
     dq = torch.empty(B, L, H, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device)
     dvp = torch.empty(B, S, H, ldv, dtype=q.dtype, device=q.device)
+    bidx = _batch_index(batch_index, B, q.device)
     ext.flash_attention_bwd(ATTN_DTYPE_CODES[q.dtype], _ptr(qp), _ptr(kp), _ptr(vp), _ptr(dop), _ptr(lse_f),
                             _ptr(delta), _ptr(dq), _ptr(dk), _ptr(dvp), B, L, S, H, D, ldv, float(scale),
-                            *_flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed), _stream(qp))
+                            *_flash_mask_args(causal, chunk_size, block_causal, attn_fn, dropkey_p, seed),
+                            _ptr(bidx), _stream(qp))
     cut = lambda x, n: x if x.shape[-1] == n else x[..., :n].contiguous()  # noqa: E731
     return cut(dq, dh), cut(dk, dh), cut(dvp, dv)
 # --- end attention ---

@@ -9,6 +9,12 @@ attention) are in :func:`attention`'s docstring.
 The DropKey mask is a pure function of (seed, b, h, i, j) (``ops/dropkey_rule.py``): the
 forward returns the seed it used (an int64 CPU tensor) and the backward regenerates the identical
 mask from it.
+
+Packed rows (``cu_seqlens``) run as document rows (``ops/_packing.py``): each bucket of documents
+is gathered into a zero-padded batch with every document at the start of its row, so a row's
+chunks start at its document's start and the causal mask hides the padding (it comes after every
+valid query); one backend call per bucket, then the valid rows are scattered back. The backends
+take ``batch_index`` (the document of each row) so DropKey hashes b = the document's index.
 """
 from __future__ import annotations
 
@@ -22,6 +28,7 @@ from .._checks import REAL_DTYPES, acc_dtype, check_choice, check_float, check_i
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import absent, custom_op, empty_like
+from .._packing import check_cu_seqlens, plan
 from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
 __all__ = ["attention", "ATTN_FNS"]
@@ -53,7 +60,52 @@ def _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend):
                            device=q.device, dtype=q.dtype)
 
 
-def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend):
+def _document_rows(cu_seqlens, L, dropkey_p):
+    """(bucket, extra backend kwargs) of a packed row: the documents' rows (left-aligned, row
+    length the next power of two of the document's length, so a row's chunks are the document's
+    own) and, with DropKey, each row's document index as the rule's batch index."""
+    for bucket in plan(cu_seqlens, L).buckets:
+        yield bucket, ({"batch_index": bucket.docs} if dropkey_p > 0.0 else {})
+
+
+def _packed_fwd(q, k, v, cu_seqlens, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend):
+    """(o r(1 L H dv), lse r(1 H L) or None for laplace) of a packed call: one backend call per
+    bucket of document rows (the backend chosen for the rows' shapes), valid rows scattered back."""
+    L, H = q.shape[1], q.shape[2]
+    o = q.new_empty(1, L, H, v.shape[-1])
+    lse = q.new_empty(1, H, L, dtype=acc_dtype(q.dtype)) if attn_fn == "softmax" else None
+    for bucket, extra in _document_rows(cu_seqlens, L, dropkey_p):
+        qr, kr, vr = (bucket.rows(t, 1) for t in (q, k, v))
+        impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, backend)
+        o_rows, lse_rows = impl.module.attention_fwd(qr, kr, vr, scale=scale, causal=causal, chunk_size=chunk_size,
+                                                     block_causal=block_causal, dropkey_p=dropkey_p, seed=seed,
+                                                     attn_fn=attn_fn, **extra, **impl.config)
+        bucket.put(o_rows, o, 1)
+        if lse is not None:
+            bucket.put(lse_rows, lse, 2)
+    return o, lse
+
+
+def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+                attn_fn, backend):
+    """(dq, dk, dv) of a packed call. The padded query rows of a document row have q = dO = O = 0
+    (and lse = 0), so their dS is 0 and they add nothing to dk / dv; the causal mask keeps the
+    padded keys out of every valid row."""
+    L = q.shape[1]
+    dq, dk, dv = (empty_like(t) for t in (q, k, v))
+    for bucket, extra in _document_rows(cu_seqlens, L, dropkey_p):
+        dor, qr, kr, vr, orr = (bucket.rows(t, 1) for t in (do, q, k, v, o))
+        lser = None if lse is None else bucket.rows(lse, 2)
+        impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, backend)
+        grads = impl.module.attention_bwd(dor, qr, kr, vr, orr, lser, scale=scale, causal=causal,
+                                          chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                                          seed=seed, attn_fn=attn_fn, **extra, **impl.config)
+        for rows, out in zip(grads, (dq, dk, dv)):
+            bucket.put(rows, out, 1)
+    return dq, dk, dv
+
+
+def _fwd_fake(q, k, v, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend):
     B, L, H, _ = q.shape
     o = q.new_empty(B, L, H, v.shape[-1])
     lse = q.new_empty(B, H, L, dtype=acc_dtype(q.dtype)) if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))
@@ -61,14 +113,20 @@ def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed,
 
 
 @custom_op("attention", _fwd_fake, tags=(torch.Tag.nondeterministic_seeded,))
-def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, chunk_size: Optional[int],
-                 block_causal: bool, dropkey_p: float, seed: int, attn_fn: str,
+def attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], scale: float, causal: bool,
+                 chunk_size: Optional[int], block_causal: bool, dropkey_p: float, seed: int, attn_fn: str,
                  backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """-> (o, and for the backward lse r(B H L) in the accumulation dtype (a placeholder for
     laplace) and the seed used, an int64 CPU tensor (1,)). ``seed`` = DRAW_SEED draws one from
-    torch's default generator here, at run time (so compiled and eager draw the same seeds)."""
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    torch's default generator here, at run time (so compiled and eager draw the same seeds).
+    With ``cu_seqlens`` (B = 1, S = L) every document attends within itself (_packed_fwd)."""
     seed = resolve_seed(None) if seed == DRAW_SEED else seed
+    if cu_seqlens is not None:
+        o, lse = _packed_fwd(q, k, v, cu_seqlens, scale=scale, causal=causal, chunk_size=chunk_size,
+                             block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
+                             backend=backend)
+        return o, (lse if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))), seed_tensor(seed)
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
     o, lse = impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
                                        block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                                        **impl.config)
@@ -77,15 +135,20 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, ch
     return o, lse, seed_tensor(seed)
 
 
-def _bwd_fake(do, q, k, v, o, lse, seed, scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend):
+def _bwd_fake(do, q, k, v, o, lse, seed, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, attn_fn,
+              backend):
     return tuple(empty_like(t) for t in (q, k, v))
 
 
 @custom_op("attention_bwd", _bwd_fake)
-def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, scale: float,
-                     causal: bool, chunk_size: Optional[int], block_causal: bool, dropkey_p: float, attn_fn: str,
-                     backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
+                     cu_seqlens: Optional[Tensor], scale: float, causal: bool, chunk_size: Optional[int],
+                     block_causal: bool, dropkey_p: float, attn_fn: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv) in the inputs' dtypes; ``seed`` is the forward's seed tensor."""
+    if cu_seqlens is not None:
+        return _packed_bwd(do, q, k, v, o, lse if attn_fn == "softmax" else None, cu_seqlens, scale=scale,
+                           causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                           seed=seed_value(seed), attn_fn=attn_fn, backend=backend)
     impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
     dq, dk, dv = impl.module.attention_bwd(
         do, q, k, v, o, lse if attn_fn == "softmax" else None, scale=scale, causal=causal, chunk_size=chunk_size,
@@ -94,16 +157,16 @@ def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend = inputs
+    q, k, v, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend = inputs
     o, lse, seed_t = output
-    ctx.save_for_backward(q, k, v, o, lse, seed_t)
+    ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens)
     ctx.args = (scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
 
 
 def _backward(ctx, do, _dlse, _dseed):
-    q, k, v, o, lse, seed_t = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args)
-    return dq, dk, dv, None, None, None, None, None, None, None, None
+    q, k, v, o, lse, seed_t, cu_seqlens = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, cu_seqlens, *ctx.args)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
 attention_op.register_autograd(_backward, setup_context=_setup)
@@ -116,7 +179,7 @@ def _check_bool(name, value):
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float = 1.0, causal: bool = True,
               chunk_size: int | None = None, block_causal: bool = False, dropkey_p: float = 0.0, seed=None,
-              attn_fn: str = "softmax", backend: str = "auto") -> torch.Tensor:
+              attn_fn: str = "softmax", backend: str = "auto", cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
     """Multi-head attention o = P v with causal / chunked / blockwise-causal masks and DropKey.
 
     Args:
@@ -132,6 +195,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
             default generator (so ``torch.manual_seed`` makes it reproducible).
         attn_fn: "softmax" or "laplace" (Mega).
         backend: "auto", "torch", "triton" or "cuda".
+        cu_seqlens: None, or an integer tensor (n + 1,) on q's device delimiting n documents
+            packed in one row (0 first, non-decreasing, L last; empty documents allowed): q, k, v
+            of batch size 1 with S == L, causal=True. Every document attends only within itself,
+            exactly as if run on its own (see below).
 
     Returns:
         o: r(B L H dv) in q's dtype.
@@ -152,6 +219,12 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
       laplace: P_ij = 0.5 * (1 + erf((s_ij - mu) / (sigma * sqrt 2))) on visible and kept
       entries and 0 elsewhere, mu = sqrt(1/2), sigma = sqrt(1 / (4 pi)), not normalised.
     * o_i = sum_j P_ij v_j, computed in fp32 (fp64 for fp64 inputs), rounded once to q's dtype.
+    * Packed (``cu_seqlens``): for the document [s, e) every index above is taken within the
+      document (i - s, j - s), keys of other documents are never visible, chunks of C start at
+      s, and DropKey uses b = the document's index: a packed call equals the padded batch call
+      whose row d holds document d (same seed), and each document's output equals a call on that
+      document alone (without DropKey). Runs as document rows, one backend call per bucket of
+      row lengths (docs/math.md, attention).
 
     Example::
 
@@ -159,6 +232,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         o = attention(q, k, v, chunk_size=2048, dropkey_p=0.1, seed=step)
         # Decoding with a KV cache: q (B, 1, H, dh), k/v (B, cache + 1, H, d).
         o = attention(q_new, k_all, v_all)
+        # Documents of 100, 23 and 900 tokens packed into one row (batch size 1, L = 1023):
+        cu = torch.tensor([0, 100, 123, 1023], device=q.device)
+        o = attention(q, k, v, chunk_size=2048, cu_seqlens=cu)
     """
     check_tensor("q", q, (None, None, None, None), REAL_DTYPES, dims="(B, L, H, dh)")
     B, L, H, dh = q.shape
@@ -180,4 +256,13 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     # Validate an explicit seed always; with DropKey on and no seed, the op draws one (DRAW_SEED).
     seed = resolve_seed(seed) if seed is not None else (DRAW_SEED if dropkey_p > 0.0 else 0)
     check_backend(backend)
-    return attention_op(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend)[0]
+    if cu_seqlens is not None:
+        check_cu_seqlens(cu_seqlens, batch=B, length=L, device=q.device, batch_arg="q")
+        if S != L:
+            raise ValueError(f"with cu_seqlens, k and v must be the same packed row as q: k has S = {S} keys but q "
+                             f"has L = {L} queries")
+        if not causal:
+            raise ValueError("packed attention (cu_seqlens) is causal-only: with causal=False a document row's "
+                             "padded keys would be visible; pass causal=True or unpack the documents")
+    return attention_op(q, k, v, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                        backend)[0]

@@ -79,19 +79,22 @@ def _blocked(pos, j, S, causal, chunk_size, block_causal):
     return blocked
 
 
-def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed):
+def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index):
     """Which entries of a score tile [B, H, ..., rows, keys] get no probability.
 
     ``pos``/``i_idx`` (query positions / query indices) and ``j`` (key indices) are int64 index
     tensors broadcasting against the tile; DropKey uses these GLOBAL indices, so every tiling
-    regenerates the same mask. Returns (blocked, a, b): ``blocked`` covers only the key columns
+    regenerates the same mask. ``batch_index`` (B,) int64 or None: the batch index the DropKey
+    rule sees for each batch row (None: the row's own index; packed document rows pass their
+    documents' indices). Returns (blocked, a, b): ``blocked`` covers only the key columns
     [a, b) of the tile that hold any blocked entry (None if there is none), so a causal tile
     masks its diagonal part only instead of every column.
     """
     blocked = _blocked(pos, j, S, causal, chunk_size, block_causal)  # small: no B, H dims
     if dropkey_p > 0.0:
         nd = pos.dim()
-        b_idx = torch.arange(B, device=pos.device).view((B,) + (1,) * (nd - 1))
+        b_idx = torch.arange(B, device=pos.device) if batch_index is None else batch_index
+        b_idx = b_idx.view((B,) + (1,) * (nd - 1))
         h_idx = torch.arange(H, device=pos.device).view((1, H) + (1,) * (nd - 2))
         # Padding keys may have j < 0 or j >= S: clamp so the hash sees valid 32-bit inputs (they stay blocked).
         keep = keep_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j.clamp(0, max(S - 1, 0)))
@@ -192,7 +195,7 @@ def _tile_indices(i0, i1, lo, hi, L, S, device):
     return i_idx, i_idx + (S - L), j
 
 
-def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, seed, batch_index, attn_fn,
                  block_q, max_block_elems):
     B, H, L, _ = qt.shape
     S = kt.shape[2]
@@ -204,7 +207,7 @@ def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p
                 lse[:, :, i0:i1] = -math.inf
             continue
         i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
-        mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed)
+        mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
         s = torch.matmul(qt[:, :, i0:i1], kt[:, :, lo:hi].transpose(-1, -2))  # [B, H, rows, keys]
         p, row_lse = _probs_fwd(s, mask, attn_fn)
         ob = torch.matmul(p, vt[:, :, lo:hi])  # [B, H, rows, dv]
@@ -214,7 +217,7 @@ def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p
 
 
 def _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_size, block_causal, dropkey_p,
-                 seed, attn_fn, block_q, max_block_elems):
+                 seed, batch_index, attn_fn, block_q, max_block_elems):
     B, H, L, _ = qt.shape
     S = kt.shape[2]
     for i0, i1, lo, hi in _general_tiles(B, H, L, S, causal, chunk_size, block_causal, block_q,
@@ -223,7 +226,7 @@ def _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_s
             dq[:, :, i0:i1] = 0
             continue
         i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
-        mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed)
+        mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
         qb, kb, vb, dob = qt[:, :, i0:i1], kt[:, :, lo:hi], vt[:, :, lo:hi], dot[:, :, i0:i1]
         s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, rows, keys]
         p, extra = _probs_bwd(s, mask, None if lse is None else lse[:, :, i0:i1], attn_fn)
@@ -272,7 +275,7 @@ def _chunk_indices(c0, c1, C, block_causal, device):
     return i_idx, j
 
 
-def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, seed, batch_index, attn_fn,
                chunks_per_step, max_block_elems):
     B, H, L, _ = qt.shape
     C = chunk_size
@@ -281,7 +284,7 @@ def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, 
     qc, kc, vc = _chunked(qt, C, nc, 0), _chunked(kt, C, nc, front), _chunked(vt, C, nc, front)
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
         i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
-        mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed)
+        mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
         s = torch.matmul(qc[:, :, c0:c1], kb.transpose(-1, -2))  # [B, H, G, C, keys]
         p, row_lse = _probs_fwd(s, mask, attn_fn)
@@ -293,7 +296,7 @@ def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, 
 
 
 def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_size, block_causal, dropkey_p,
-               seed, attn_fn, chunks_per_step, max_block_elems):
+               seed, batch_index, attn_fn, chunks_per_step, max_block_elems):
     B, H, L, _ = qt.shape
     C = chunk_size
     nc = -(-L // C)
@@ -308,7 +311,7 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
     dkc, dvc = kc.new_zeros(kc.shape), vc.new_zeros(vc.shape)
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
         i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
-        mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed)
+        mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
         qb, dob = qc[:, :, c0:c1], doc[:, :, c0:c1]
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
         s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, G, C, keys]
@@ -338,8 +341,11 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
 
 
 def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  block_q, chunks_per_step, max_block_elems):
-    """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32/fp64 or None for laplace)."""
+                  block_q, chunks_per_step, max_block_elems, batch_index=None):
+    """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32/fp64 or None for laplace).
+
+    ``batch_index`` (B,) int64 or None: the batch index b of each row in the DropKey rule
+    (packed document rows pass their documents' indices; None: b is the row itself)."""
     B, L, H, _ = q.shape
     S, dv = k.shape[1], v.shape[-1]
     acc = acc_dtype(q.dtype)
@@ -347,7 +353,8 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     o = torch.empty((B, L, H, dv), dtype=q.dtype, device=q.device)
     lse = torch.empty((B, H, L), dtype=acc, device=q.device) if attn_fn == "softmax" else None
     common = dict(causal=causal, chunk_size=chunk_size, block_causal=block_causal,
-                  dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, max_block_elems=max_block_elems)
+                  dropkey_p=dropkey_p, seed=seed, batch_index=batch_index, attn_fn=attn_fn,
+                  max_block_elems=max_block_elems)
     if use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems):
         _chunk_fwd(qt, kt, vt, o, lse, chunks_per_step=chunks_per_step, **common)
     else:
@@ -356,7 +363,7 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
 
 
 def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  block_q, chunks_per_step, max_block_elems):
+                  block_q, chunks_per_step, max_block_elems, batch_index=None):
     """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile."""
     B, L, H, _ = q.shape
     S = k.shape[1]
@@ -368,7 +375,8 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     dq = torch.empty_like(qt)
     dk, dv = torch.zeros_like(kt), torch.zeros_like(vt)
     common = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
-                  dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, max_block_elems=max_block_elems)
+                  dropkey_p=dropkey_p, seed=seed, batch_index=batch_index, attn_fn=attn_fn,
+                  max_block_elems=max_block_elems)
     if use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems):
         _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, chunks_per_step=chunks_per_step, **common)
     else:

@@ -112,6 +112,12 @@ if HAVE_TRITON:
         return mix32(row_key ^ o_j.to(tl.uint32)) >= thr
 
     @triton.jit
+    def _rule_bh(bidx_ptr, b, h, H):
+        """The plane index b' * H + h the DropKey rule hashes, b' = bidx[b] (the launcher passes
+        arange(B), or a packed call's document index of each row)."""
+        return tl.load(bidx_ptr + b).to(tl.int64) * H + h
+
+    @triton.jit
     def _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Keys [lo, hi) that query rows [i0, i0 + BLOCK_M) can see at all; lo aligned down to BLOCK_N."""
         p0 = i0 + shift
@@ -160,7 +166,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bidx_ptr,
         L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
@@ -180,7 +186,7 @@ if HAVE_TRITON:
         k_base = k_ptr + (b.to(tl.int64) * S * rq + h * DH)
         v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
         if DROP:
-            row_key = dropkey_row_keys(seed_k, bh, H, o_i)
+            row_key = dropkey_row_keys(seed_k, _rule_bh(bidx_ptr, b, h, H), H, o_i)
             thr = thr_i.to(tl.uint32, bitcast=True)
         lo, hi = _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
@@ -238,7 +244,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_bwd_dkdv_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bidx_ptr,
         L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
         COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ONE_DV: tl.constexpr,
@@ -266,6 +272,7 @@ if HAVE_TRITON:
                           mask=m_j[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BN, BDV]
         if DROP:
             thr = thr_i.to(tl.uint32, bitcast=True)
+            rule_bh = _rule_bh(bidx_ptr, b, h, H)
         b_dk = tl.zeros([BLOCK_N, BLOCK_DH], tl.float32)
         b_dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
         lo, hi = _query_range(j0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
@@ -277,7 +284,7 @@ if HAVE_TRITON:
             b_st = tl.dot(b_k, b_qt, input_precision=PREC) * scale  # [BN, BM] scores, transposed
             ok = _allowed(o_i[None, :], o_j[:, None], L, S, shift, causal, chunk, bc)
             if DROP:
-                ok = ok & _keep(dropkey_row_keys(seed_k, bh, H, o_i)[None, :], o_j[:, None], thr)
+                ok = ok & _keep(dropkey_row_keys(seed_k, rule_bh, H, o_i)[None, :], o_j[:, None], thr)
             if LAPLACE:
                 b_pt = tl.where(ok, _laplace(b_st), 0.0)
                 b_gt = tl.where(ok, _laplace_grad(b_st), 0.0)
@@ -318,7 +325,7 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_bwd_dq_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, bidx_ptr,
         L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
         ONE_DV: tl.constexpr,
@@ -344,7 +351,7 @@ if HAVE_TRITON:
             b_do = tl.load(do_base + o_i[:, None].to(tl.int64) * rv + o_dv[None, :],
                            mask=m_i[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BM, BDV]
         if DROP:
-            row_key = dropkey_row_keys(seed_k, bh, H, o_i)
+            row_key = dropkey_row_keys(seed_k, _rule_bh(bidx_ptr, b, h, H), H, o_i)
             thr = thr_i.to(tl.uint32, bitcast=True)
         if not LAPLACE:
             lse = tl.load(lse_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
@@ -449,9 +456,21 @@ def _prec(dtype):
     return "tf32x3" if _exact(dtype) else "tf32"
 
 
+def _rule_batch_index(batch_index, B, device):
+    """The (B,) int64 batch indices the kernels' DropKey rule hashes: ``batch_index`` (a packed
+    call's document of each row) or each row's own index."""
+    if batch_index is None:
+        return torch.arange(B, dtype=torch.int64, device=device)
+    return batch_index.to(device=device, dtype=torch.int64).contiguous()
+
+
 def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255):
-    """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32, or None for laplace)."""
+                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255,
+                  batch_index=None):
+    """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32, or None for laplace).
+
+    ``batch_index`` (B,) int64 or None: the batch index b of each row in the DropKey rule
+    (packed document rows pass their documents' indices; None: b is the row itself)."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, L, H, dh = q.shape
     S, dv = k.shape[1], v.shape[-1]
@@ -464,7 +483,8 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
     grid = (triton.cdiv(L, bm), B * H, max(1, triton.cdiv(dv, bdv)))
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse if lse is not None else o, L, S, H, dh, dv, *args,
+        q, k, v, o, lse if lse is not None else o, _rule_batch_index(batch_index, B, q.device), L, S, H, dh, dv,
+        *args,
         OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=attn_fn == "laplace", PREC=_prec(q.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages,
     )
@@ -472,7 +492,8 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
 
 
 def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255):
+                  BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255,
+                  batch_index=None):
     """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, L, H, dh = q.shape
@@ -498,19 +519,20 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     lse_p = lse if lse is not None else q
     delta_p = delta if delta is not None else q
     ptrs = (q, k, v, do, lse_p, delta_p)
+    bidx = _rule_batch_index(batch_index, B, q.device)
     if S > 0:
         nb = triton.cdiv(S, bn_k)
         kv = dict(BLOCK_M=bm_k, BLOCK_N=bn_k, **flags)
         if one:  # dk and dv together, one dv tile
-            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, L, S, H, dh, dv, *args,
+            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, bidx, L, S, H, dh, dv, *args,
                                                   COMPUTE_DK=True, COMPUTE_DV=True, ONE_DV=True, **kv)
         else:  # dk with dP summed over dv tiles in-kernel, then dv: one program per (key block, dv tile)
-            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, L, S, H, dh, dv, *args,
+            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, bidx, L, S, H, dh, dv, *args,
                                                   COMPUTE_DK=True, COMPUTE_DV=False, ONE_DV=False, **kv)
-            _attn_bwd_dkdv_kernel[(nb, B * H, triton.cdiv(dv, bdv))](*ptrs, dk, dvv, L, S, H, dh, dv, *args,
+            _attn_bwd_dkdv_kernel[(nb, B * H, triton.cdiv(dv, bdv))](*ptrs, dk, dvv, bidx, L, S, H, dh, dv, *args,
                                                                      COMPUTE_DK=False, COMPUTE_DV=True,
                                                                      ONE_DV=False, **kv)
     if L > 0:
-        _attn_bwd_dq_kernel[(triton.cdiv(L, bm_q), B * H)](*ptrs, dq, L, S, H, dh, dv, *args, ONE_DV=one,
+        _attn_bwd_dq_kernel[(triton.cdiv(L, bm_q), B * H)](*ptrs, dq, bidx, L, S, H, dh, dv, *args, ONE_DV=one,
                                                            BLOCK_M=bm_q, BLOCK_N=bn_q, **flags)
     return dq, dk, dvv
