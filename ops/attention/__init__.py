@@ -105,7 +105,7 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
     return dq, dk, dv
 
 
-def _fwd_fake(q, k, v, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend):
+def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens=None):
     B, L, H, _ = q.shape
     o = q.new_empty(B, L, H, v.shape[-1])
     lse = q.new_empty(B, H, L, dtype=acc_dtype(q.dtype)) if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))
@@ -113,9 +113,9 @@ def _fwd_fake(q, k, v, cu_seqlens, scale, causal, chunk_size, block_causal, drop
 
 
 @custom_op("attention", _fwd_fake, tags=(torch.Tag.nondeterministic_seeded,))
-def attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], scale: float, causal: bool,
-                 chunk_size: Optional[int], block_causal: bool, dropkey_p: float, seed: int, attn_fn: str,
-                 backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, chunk_size: Optional[int],
+                 block_causal: bool, dropkey_p: float, seed: int, attn_fn: str, backend: str,
+                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """-> (o, and for the backward lse r(B H L) in the accumulation dtype (a placeholder for
     laplace) and the seed used, an int64 CPU tensor (1,)). ``seed`` = DRAW_SEED draws one from
     torch's default generator here, at run time (so compiled and eager draw the same seeds).
@@ -135,15 +135,15 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, cu_seqlens: Optional[Tensor], 
     return o, lse, seed_tensor(seed)
 
 
-def _bwd_fake(do, q, k, v, o, lse, seed, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, attn_fn,
-              backend):
+def _bwd_fake(do, q, k, v, o, lse, seed, scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend,
+              cu_seqlens=None):
     return tuple(empty_like(t) for t in (q, k, v))
 
 
 @custom_op("attention_bwd", _bwd_fake)
-def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor,
-                     cu_seqlens: Optional[Tensor], scale: float, causal: bool, chunk_size: Optional[int],
-                     block_causal: bool, dropkey_p: float, attn_fn: str, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, scale: float,
+                     causal: bool, chunk_size: Optional[int], block_causal: bool, dropkey_p: float, attn_fn: str,
+                     backend: str, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
     """-> (dq, dk, dv) in the inputs' dtypes; ``seed`` is the forward's seed tensor."""
     if cu_seqlens is not None:
         return _packed_bwd(do, q, k, v, o, lse if attn_fn == "softmax" else None, cu_seqlens, scale=scale,
@@ -157,7 +157,7 @@ def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
 
 
 def _setup(ctx, inputs, output):
-    q, k, v, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend = inputs
+    q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens = inputs
     o, lse, seed_t = output
     ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens)
     ctx.args = (scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
@@ -165,7 +165,7 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse, _dseed):
     q, k, v, o, lse, seed_t, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, cu_seqlens, *ctx.args)
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args, cu_seqlens)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -264,5 +264,5 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         if not causal:
             raise ValueError("packed attention (cu_seqlens) is causal-only: with causal=False a document row's "
                              "padded keys would be visible; pass causal=True or unpack the documents")
-    return attention_op(q, k, v, cu_seqlens, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                        backend)[0]
+    return attention_op(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend,
+                        cu_seqlens)[0]
