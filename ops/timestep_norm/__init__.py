@@ -16,8 +16,15 @@ them.
 
 Numerics: the backends never form cumsum(x) and cumsum(x^2); statistics come from an
 associative (Chan) Welford merge in fp32 (fp64 for fp64 inputs) - see ``torch_impl``.
+
+Packed rows (``cu_seqlens``): each document runs as a row of its own, left-aligned in a bucket of
+equal-length rows (``ops/_packing.py``), with the steps after its end marked padded; a padded step
+already leaves the state alone, so a row's returned state is its document's state at its last
+step. One backend call per bucket, forward and backward.
 """
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 from torch import Tensor
@@ -27,6 +34,7 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import custom_op, empty_like
 from .._host_sync import check_on_device
+from .._packing import check_cu_seqlens, plan
 
 __all__ = ["timestep_norm"]
 
@@ -48,40 +56,90 @@ def _select(x, num_groups, backend):
     return BACKENDS.select(backend, {"x": x, "num_groups": num_groups}, device=x.device, dtype=x.dtype)
 
 
-def _fwd_fake(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend):
+def _residuals(impl, saved, mean, acc):
+    """A backend's saved tensors as the op's residuals (mu, rstd, gmu, K) in the accumulation dtype."""
+    if impl.name == "cuda":  # saved = (x, scale, count, mean, mask, cummean, cumrstd)
+        mu, rstd = saved[5], saved[6]
+        gmu, K = torch.zeros_like(mu), mean.new_zeros(mean.shape)
+    else:  # saved = (x, scale, mu, rstd, gmu, mask, count, mu0 - K, K)
+        mu, rstd, gmu, K = saved[2], saved[3], saved[4], saved[8]
+    return mu.to(acc), rstd.to(acc), gmu.to(acc), K.to(acc)
+
+
+def _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc):
+    """The op's residuals back as the ``saved`` tuple of the backend ``impl``'s backward."""
+    if impl.name == "cuda":
+        return (x.contiguous(), scale.to(acc).contiguous(), prev_count.to(torch.int64).contiguous(),
+                prev_mean.to(acc).contiguous(), padding_mask.contiguous(), mu, rstd)
+    xs = x.contiguous() if impl.name == "triton" else x  # Triton's kernels read the contiguous copy of x
+    return (xs, scale, mu, rstd, gmu, padding_mask, prev_count, prev_mean.to(acc) - K, K)
+
+
+def _fwd_fake(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend,
+              cu_seqlens=None):
     B, L, D = x.shape
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1  # states: one per row, or per document
     acc = acc_dtype(x.dtype)
     stats = x.new_empty(B, L, num_groups, dtype=acc)
-    state = x.new_empty(B, num_groups, dtype=acc)
-    return (empty_like(x), x.new_empty(B, dtype=torch.int64),
+    state = x.new_empty(n, num_groups, dtype=acc)
+    return (empty_like(x), x.new_empty(n, dtype=torch.int64),
             state, empty_like(state), stats, empty_like(stats), empty_like(stats),
             empty_like(state))
 
 
 @custom_op("timestep_norm", _fwd_fake)
 def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor, prev_mean: Tensor, prev_var: Tensor,
-                     padding_mask: Tensor, num_groups: int, eps: float,
-                     backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """-> (y, count, mean, var, and for the backward mu, rstd, gmu r(B L G) and K r(B G) in the
+                     padding_mask: Tensor, num_groups: int, eps: float, backend: str,
+                     cu_seqlens: Optional[Tensor] = None
+                     ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """-> (y, count, mean, var, and for the backward mu, rstd, gmu r(B L G) and K in the
     accumulation dtype): the running mean and reciprocal std per step, each step's group mean
     and the per-group shift they are relative to (the CUDA backend's statistics are absolute:
-    gmu and K are zeros there)."""
+    gmu and K are zeros there). count, mean, var and K have one row per batch element, or with
+    ``cu_seqlens`` one per document."""
     check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
+    if cu_seqlens is not None:
+        return _fwd_packed(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend,
+                           cu_seqlens)
     impl = _select(x, num_groups, backend)
     y, count, mean, var, saved = impl.module.timestep_norm_fwd(
         x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, **impl.config)
     acc = acc_dtype(x.dtype)
-    if impl.name == "cuda":  # saved = (x, scale, count, mean, mask, cummean, cumrstd)
-        mu, rstd = saved[5], saved[6]
-        gmu, K = torch.zeros_like(mu), mean.new_zeros(mean.shape)
-    else:  # saved = (x, scale, mu, rstd, gmu, mask, count, mu0 - K, K)
-        mu, rstd, gmu, K = saved[2], saved[3], saved[4], saved[8]
-    return (y, count.to(torch.int64), mean.to(acc), var.to(acc), mu.to(acc), rstd.to(acc), gmu.to(acc),
-            K.to(acc))
+    return (y, count.to(torch.int64), mean.to(acc), var.to(acc), *_residuals(impl, saved, mean, acc))
+
+
+def _row_inputs(bucket, x, padding_mask):
+    """A bucket's document rows of x and their padding mask: the user's mask, and every step past
+    the document's end."""
+    return bucket.rows(x, 1), bucket.rows(padding_mask, 1) | ~bucket.valid
+
+
+def _fwd_packed(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend, cu_seqlens):
+    L = x.shape[1]
+    acc = acc_dtype(x.dtype)
+    # every step lies in exactly one document, so the scatters below write all of y and the statistics
+    y = x.new_empty(x.shape)
+    mu, rstd, gmu = (x.new_empty(1, L, num_groups, dtype=acc) for _ in range(3))
+    # an empty document is in no bucket: its state stays the initial one
+    count = prev_count.to(torch.int64).clone()
+    mean, var = prev_mean.to(acc).clone(), prev_var.to(acc).clone()
+    K = mean.new_zeros(mean.shape)
+    for bucket in plan(cu_seqlens, L).buckets:
+        xb, maskb = _row_inputs(bucket, x, padding_mask)
+        state = [t.index_select(0, bucket.docs) for t in (prev_count, prev_mean, prev_var)]
+        impl = _select(xb, num_groups, backend)  # per bucket: each row length gets its own tuned choice
+        yb, countb, meanb, varb, saved = impl.module.timestep_norm_fwd(
+            xb, scale, bias, *state, maskb, num_groups, eps, **impl.config)
+        mub, rstdb, gmub, Kb = _residuals(impl, saved, meanb, acc)
+        for rows, out in ((yb, y), (mub, mu), (rstdb, rstd), (gmub, gmu)):
+            bucket.put(rows, out, 1)
+        for rows, out in ((countb, count), (meanb, mean), (varb, var), (Kb, K)):
+            out.index_copy_(0, bucket.docs, rows.to(out.dtype))
+    return y, count, mean, var, mu, rstd, gmu, K
 
 
 def _bwd_fake(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, mu, rstd, gmu, K,
-              num_groups, backend):
+              num_groups, backend, cu_seqlens=None):
     return tuple(empty_like(t)
                  for t in (x, scale, bias, prev_mean, prev_var))
 
@@ -89,34 +147,61 @@ def _bwd_fake(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean, prev_var, 
 @custom_op("timestep_norm_bwd", _bwd_fake)
 def timestep_norm_bwd_op(dy: Tensor, dmean: Tensor, dvar: Tensor, x: Tensor, scale: Tensor, bias: Tensor,
                          prev_count: Tensor, prev_mean: Tensor, prev_var: Tensor, padding_mask: Tensor, mu: Tensor,
-                         rstd: Tensor, gmu: Tensor, K: Tensor, num_groups: int,
-                         backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+                         rstd: Tensor, gmu: Tensor, K: Tensor, num_groups: int, backend: str,
+                         cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> the gradients of (x, scale, bias, prev_mean, prev_var), each in its input's dtype."""
-    impl = _select(x, num_groups, backend)
     acc = acc_dtype(x.dtype)
-    if impl.name == "cuda":
-        saved = (x.contiguous(), scale.to(acc).contiguous(), prev_count.to(torch.int64).contiguous(),
-                 prev_mean.to(acc).contiguous(), padding_mask.contiguous(), mu, rstd)
-    else:  # Triton's kernels read the contiguous copy of x its forward saved
-        xs = x.contiguous() if impl.name == "triton" else x
-        saved = (xs, scale, mu, rstd, gmu, padding_mask, prev_count, prev_mean.to(acc) - K, K)
-    grads = impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, **impl.config)
+    if cu_seqlens is not None:
+        grads = _bwd_packed(dy, dmean, dvar, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K,
+                            num_groups, backend, cu_seqlens)
+    else:
+        impl = _select(x, num_groups, backend)
+        saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
+        grads = impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, **impl.config)
     return tuple(g.to(t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))
 
 
+def _bwd_packed(dy, dmean, dvar, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, num_groups, backend,
+                cu_seqlens):
+    """The forward's buckets again (the plan is cached): each bucket's rows through the backend's
+    backward; dx scattered back, dscale/dbias summed over buckets in float64."""
+    L, D = x.shape[1:]
+    acc = acc_dtype(x.dtype)
+    dx = x.new_empty(x.shape)
+    dscale = torch.zeros(D, dtype=torch.float64, device=x.device)
+    dbias = torch.zeros(D, dtype=torch.float64, device=x.device)
+    # an empty document's returned state IS its initial state: the gradient passes straight through
+    dprev_mean, dprev_var = dmean.to(acc).clone(), dvar.to(acc).clone()
+    for bucket in plan(cu_seqlens, L).buckets:
+        xb, maskb = _row_inputs(bucket, x, padding_mask)
+        mub, rstdb, gmub, dyb = (bucket.rows(t, 1) for t in (mu, rstd, gmu, dy))
+        countb, meanb, Kb, dmeanb, dvarb = (t.index_select(0, bucket.docs)
+                                            for t in (prev_count, prev_mean, K, dmean, dvar))
+        impl = _select(xb, num_groups, backend)  # the forward's choice for these rows (cached)
+        saved = _saved(impl, xb, scale, countb, meanb, maskb, mub, rstdb, gmub, Kb, acc)
+        dxb, dscaleb, dbiasb, dpmb, dpvb = impl.module.timestep_norm_bwd(dyb, dmeanb, dvarb, saved, num_groups,
+                                                                         **impl.config)
+        bucket.put(dxb, dx, 1)
+        dscale += dscaleb.to(torch.float64)
+        dbias += dbiasb.to(torch.float64)
+        dprev_mean.index_copy_(0, bucket.docs, dpmb.to(acc))
+        dprev_var.index_copy_(0, bucket.docs, dpvb.to(acc))
+    return dx, dscale, dbias, dprev_mean, dprev_var
+
+
 def _setup(ctx, inputs, output):
-    x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend = inputs
-    ctx.save_for_backward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, *output[4:])
+    x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend, cu_seqlens = inputs
+    ctx.save_for_backward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, cu_seqlens, *output[4:])
     ctx.num_groups, ctx.backend = num_groups, backend
     ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dy, _dcount, dmean, dvar, *_stats):
-    x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, mu, rstd, gmu, K = ctx.saved_tensors
+    x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, cu_seqlens, mu, rstd, gmu, K = ctx.saved_tensors
     dx, dscale, dbias, dpm, dpv = timestep_norm_bwd_op(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean,
                                                        prev_var, padding_mask, mu, rstd, gmu, K, ctx.num_groups,
-                                                       ctx.backend)
-    return dx, dscale, dbias, None, dpm, dpv, None, None, None, None
+                                                       ctx.backend, cu_seqlens)
+    return dx, dscale, dbias, None, dpm, dpv, None, None, None, None, None
 
 
 timestep_norm_op.register_autograd(_backward, setup_context=_setup)
@@ -125,7 +210,7 @@ timestep_norm_op.register_autograd(_backward, setup_context=_setup)
 def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_groups: int,
                   prev_count: torch.Tensor | None = None, prev_mean: torch.Tensor | None = None,
                   prev_var: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
-                  eps: float = 1e-5, *, backend: str = "auto"):
+                  eps: float = 1e-5, *, cu_seqlens: torch.Tensor | None = None, backend: str = "auto"):
     """Causal cumulative group norm over time with a carried (count, mean, var) state.
 
     Args:
@@ -139,6 +224,10 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
             prev_count = 0 the prior mean and variance are ignored.
         padding_mask: bool (B L), True = padded step (default: nothing padded).
         eps: > 0, added to the running variance inside the square root.
+        cu_seqlens: integer (n + 1,) on x's device, or None: x is one packed row (B = 1) of n
+            documents, document d at steps [cu_seqlens[d], cu_seqlens[d + 1]) (0 first,
+            non-decreasing, L last; empty documents allowed). Each document is normalised on
+            its own, from its own initial state: prev_count (n,), prev_mean / prev_var r(n G).
         backend: "auto", "torch", "triton" or "cuda".
 
     Returns:
@@ -146,19 +235,30 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
         count: int64 (B,) = prev_count + number of unmasked steps;
         mean, var: r(B G), float32 (float64 for float64 x), the state after the last step
         (prev_mean / prev_var when nothing was observed). mean and var are differentiable.
+        With cu_seqlens: count (n,) and mean, var r(n G), each document's state after its last
+        step (an empty document returns its initial state).
 
     Gradients flow to x, scale, bias, prev_mean and prev_var (each in its own dtype), from y and
-    from mean/var; prev_count and padding_mask get none.
+    from mean/var; prev_count, padding_mask and cu_seqlens get none.
 
     Example::
 
         y1, n, m, v = timestep_norm(x[:, :1024], scale, bias, num_groups=32)
         y2, n, m, v = timestep_norm(x[:, 1024:], scale, bias, 32, n, m, v)
         # torch.cat((y1, y2), 1) equals timestep_norm(x, scale, bias, 32)[0]
+
+        # three documents of 5, 0 and 3 steps packed in one row x r(1 8 D)
+        cu = torch.tensor([0, 5, 5, 8])
+        y, n, m, v = timestep_norm(x, scale, bias, 32, cu_seqlens=cu)  # n, m, v: one per document
+        # y[:, 5:] equals timestep_norm(x[:, 5:], scale, bias, 32)[0]; n[1] = 0
     """
     check_tensor("x", x, (None, None, None), REAL_DTYPES, dims="(B, L, D)")
     B, L, D = x.shape
     dev = x.device
+    if cu_seqlens is None:
+        n, lead = B, "B"
+    else:  # states are per document
+        n, lead = check_cu_seqlens(cu_seqlens, batch=B, length=L, device=dev), "n"
     num_groups = check_int("num_groups", num_groups, minimum=1)
     if D % num_groups:
         raise ValueError(f"num_groups must divide D (the last dimension of x), got num_groups={num_groups}, D={D}")
@@ -167,22 +267,23 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
     check_tensor("bias", bias, (D,), REAL_DTYPES, device=dev, dims="(D,)")
     acc = acc_dtype(x.dtype)
     if prev_count is None:
-        prev_count = torch.zeros(B, dtype=torch.int64, device=dev)
+        prev_count = torch.zeros(n, dtype=torch.int64, device=dev)
     else:
-        check_tensor("prev_count", prev_count, (B,), INT_DTYPES, device=dev, dims="(B,)")
+        check_tensor("prev_count", prev_count, (n,), INT_DTYPES, device=dev, dims=f"({lead},)")
         # its values (>= 0) are checked inside the op, where reading them traces nothing
     if prev_mean is None:
-        prev_mean = torch.zeros(B, G, dtype=acc, device=dev)
+        prev_mean = torch.zeros(n, G, dtype=acc, device=dev)
     else:
-        check_tensor("prev_mean", prev_mean, (B, G), REAL_DTYPES, device=dev, dims="(B, G)")
+        check_tensor("prev_mean", prev_mean, (n, G), REAL_DTYPES, device=dev, dims=f"({lead}, G)")
     if prev_var is None:
-        prev_var = torch.ones(B, G, dtype=acc, device=dev)
+        prev_var = torch.ones(n, G, dtype=acc, device=dev)
     else:
-        check_tensor("prev_var", prev_var, (B, G), REAL_DTYPES, device=dev, dims="(B, G)")
+        check_tensor("prev_var", prev_var, (n, G), REAL_DTYPES, device=dev, dims=f"({lead}, G)")
     if padding_mask is None:
         padding_mask = torch.zeros(B, L, dtype=torch.bool, device=dev)
     else:
         check_tensor("padding_mask", padding_mask, (B, L), (torch.bool,), device=dev, dims="(B, L)")
     eps = check_float("eps", eps, low=0.0, low_open=True)
     check_backend(backend)
-    return timestep_norm_op(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, G, eps, backend)[:4]
+    return timestep_norm_op(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, G, eps, backend,
+                            cu_seqlens)[:4]

@@ -1,0 +1,168 @@
+"""TimestepNorm on packed rows (``cu_seqlens``): a packed call equals each document run on its own
+(batch 1) from its own initial state, on every backend (torch, Triton in the interpreter, CUDA in
+the emulator), fp32/bf16/fp64: y, the returned (count, mean, var) per document, and the gradients
+of x, scale, bias, prev_mean and prev_var, from y and from (mean, var) separately. Documents have
+their own level and spread, so a statistic leaking across a boundary fails the comparison (checked
+below). Also: one backend call per bucket, not per document; bad input."""
+import contextlib
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
+
+from megalodon_kernels.ops import _packing
+from megalodon_kernels.ops.timestep_norm import timestep_norm, torch_impl
+from support import assert_close, backend_module, err_ratio, knobs, to_np, tol
+
+pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN lanes the Triton kernels mask away
+
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
+LEAVES = ("x", "scale", "bias", "prev_mean", "prev_var")
+
+#: (backend, dtype) pairs; Triton takes no float64
+BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b, d in [
+    ("torch", F32), ("torch", BF16), ("torch", F64),
+    ("triton", F32), ("triton", BF16),
+    ("cuda", F32), ("cuda", BF16), ("cuda", F64),
+]]
+
+#: short time chunks, so that documents of a few dozen steps span one, several or a fraction of one
+#: (torch: chunk T; Triton: T = block_elems / 16 for group sizes <= 16; CUDA: one step per chunk
+#: below 128 steps)
+SHORT_CHUNKS = {"torch": {"chunk": 8}, "triton": {"block_elems": 128}, "cuda": {}}
+
+
+def acc_of(dtype):
+    return F64 if dtype == F64 else F32
+
+
+def budget(backend, dtype, kind):
+    """Packed vs separate: float64 to 1e-10 relative, else the backend's tolerance in that dtype."""
+    return 1e-10 if dtype == F64 else tol(backend, dtype, kind)
+
+
+def documents(lengths, D, G, seed, *, pad, prior):
+    """A packed row of documents with the given lengths: each with its own level (|mean| up to ~5)
+    and spread; with ``pad`` ~30% of the steps padded, their x holding NaN/inf; with ``prior`` an
+    initial state per document (some with prev_count 0). float64."""
+    gen = torch.Generator().manual_seed(seed)
+    n, L = len(lengths), sum(lengths)
+    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+    level = 3.0 * torch.randn(n, generator=gen, dtype=F64)
+    spread = 0.2 + 2.0 * torch.rand(n, generator=gen, dtype=F64)
+    doc = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths, dtype=torch.int64))
+    x = (level[doc, None] + spread[doc, None] * torch.randn(L, D, generator=gen, dtype=F64))[None]
+    p = dict(x=x, cu_seqlens=cu, num_groups=G,
+             scale=1.0 + 0.5 * torch.randn(D, generator=gen, dtype=F64),
+             bias=0.5 * torch.randn(D, generator=gen, dtype=F64))
+    if pad:
+        mask = torch.rand(1, L, generator=gen) < 0.3
+        x[mask] = torch.tensor([float("nan"), float("inf")], dtype=F64)[
+            torch.randint(0, 2, (int(mask.sum()), 1), generator=gen)].expand(-1, D)
+        p["padding_mask"] = mask
+    if prior:
+        p["prev_count"] = torch.randint(0, 4, (n,), generator=gen)
+        p["prev_mean"] = level[:, None] + torch.randn(n, G, generator=gen, dtype=F64)
+        p["prev_var"] = 0.5 + torch.rand(n, G, generator=gen, dtype=F64)
+    return p
+
+
+def leaves_of(p, dtype):
+    acc = acc_of(dtype)
+    return {k: p[k].to(dtype if k in ("x", "scale", "bias") else acc).requires_grad_()
+            for k in LEAVES if k in p}
+
+
+def run_packed(p, leaves, backend):
+    return timestep_norm(leaves["x"], leaves["scale"], leaves["bias"], p["num_groups"], p.get("prev_count"),
+                         leaves.get("prev_mean"), leaves.get("prev_var"), p.get("padding_mask"),
+                         cu_seqlens=p["cu_seqlens"], backend=backend)
+
+
+def run_separate(p, leaves, backend):
+    """Each document on its own (batch 1, its own initial state); outputs concatenated like the
+    packed ones. Empty documents are calls with L = 0."""
+    cu = p["cu_seqlens"].tolist()
+    outs = []
+    for d, (a, b) in enumerate(zip(cu[:-1], cu[1:])):
+        state = {k: v[d:d + 1] for k, v in (("prev_count", p.get("prev_count")), ("prev_mean", leaves.get("prev_mean")),
+                                             ("prev_var", leaves.get("prev_var"))) if v is not None}
+        mask = p.get("padding_mask")
+        outs.append(timestep_norm(leaves["x"][:, a:b], leaves["scale"], leaves["bias"], p["num_groups"],
+                                  padding_mask=None if mask is None else mask[:, a:b], backend=backend, **state))
+    return tuple(torch.cat(t, dim=1 if i == 0 else 0) for i, t in enumerate(zip(*outs)))
+
+
+def compare(p, dtype, backend, seed=0):
+    """Packed == separate: outputs, states, and the gradients of every leaf from y alone and from
+    (mean, var) alone."""
+    acc = acc_of(dtype)
+    leaves = leaves_of(p, dtype)
+    got = run_packed(p, leaves, backend)
+    want = run_separate(p, leaves, backend)
+    n = p["cu_seqlens"].shape[0] - 1
+    assert got[0].dtype == dtype and got[0].shape == p["x"].shape
+    assert got[1].dtype == torch.int64 and got[1].shape == (n,)
+    assert got[2].dtype == acc and got[2].shape == got[3].shape == (n, p["num_groups"])
+    assert torch.equal(got[1], want[1])
+    for name, a, b, dt in (("y", got[0], want[0], dtype), ("mean", got[2], want[2], acc),
+                           ("var", got[3], want[3], acc)):
+        assert_close(name, a, to_np(b), budget(backend, dt, "fwd"))
+    gen = torch.Generator().manual_seed(seed)
+    ups = [torch.randn(t.shape, generator=gen, dtype=F64).to(t.dtype) for t in (got[0], got[2], got[3])]
+    zero = [torch.zeros_like(u) for u in ups]
+    for source, up in (("y", [ups[0], *zero[1:]]), ("state", [zero[0], *ups[1:]])):
+        names = list(leaves)
+        g_got = torch.autograd.grad((got[0], got[2], got[3]), list(leaves.values()), up, retain_graph=True,
+                                    allow_unused=True)
+        g_want = torch.autograd.grad((want[0], want[2], want[3]), list(leaves.values()), up, retain_graph=True,
+                                     allow_unused=True)
+        for k, a, b in zip(names, g_got, g_want):
+            if b is None:  # a leaf no output depends on (scale/bias when nothing is observed)
+                assert a is None or not a.any(), f"d{k} from {source}"
+                continue
+            assert a.dtype == leaves[k].dtype and a.shape == leaves[k].shape
+            t = max(budget(backend, dtype, "bwd"), budget(backend, a.dtype, "bwd"))
+            assert_close(f"d{k} from {source}", a, to_np(b), t)
+    return got, want
+
+
+@contextlib.contextmanager
+def short_chunks(backend):
+    with knobs(backend_module("timestep_norm", backend), **SHORT_CHUNKS[backend]):
+        yield
+
+
+# ---------------------------------------------------------------------------------------------
+# packed == separate
+
+
+#: hand-picked rows: one document (== no packing), empty documents first / inside / last, lengths
+#: 1, below / at / above a chunk (8) and several chunks
+ROWS = {
+    "single": [23],
+    "mixed": [1, 0, 8, 23, 0, 3],
+    "empty-ends": [0, 9, 17, 0],
+}
+
+
+@pytest.mark.parametrize("backend, dtype", BACKEND_DTYPES)
+@pytest.mark.parametrize("row", list(ROWS))
+def test_packed_equals_separate(backend, dtype, row):
+    p = documents(ROWS[row], 8, 2, seed=len(ROWS[row]), pad=row != "single", prior=row != "empty-ends")
+    with short_chunks(backend):
+        compare(p, dtype, backend)
+
+
+LENGTH = st.one_of(st.just(0), st.integers(1, 4), st.integers(5, 40))
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(lengths=st.lists(LENGTH, min_size=1, max_size=6), Dg=st.sampled_from([1, 3, 8]), G=st.sampled_from([1, 2]),
+       pad=st.booleans(), prior=st.booleans(), fp64=st.booleans(), seed=st.integers(0, 2**31))
+def test_property(backend, lengths, Dg, G, pad, prior, fp64, seed):
+    dtype = F64 if fp64 and backend != "triton" else F32
+    p = documents(lengths, Dg * G, G, seed, pad=pad, prior=prior)
+    with short_chunks(backend):
+        compare(p, dtype, backend, seed)
