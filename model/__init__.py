@@ -14,6 +14,9 @@ Example::
     for piece in tokens.split(7, dim=1):           # any split gives the same logits
         step_logits = model(piece, cache=cache)
     out = model.generate(prompt, 32, top_k=20, temperature=0.8)
+
+    tokens, cu = pack([doc_a, doc_b, doc_c])       # one row (1, T), boundaries (4,)
+    logits = model(tokens, cu_seqlens=cu)          # == each document run on its own
 """
 from .cache import LayerState, MegalodonCache
 from .checkpoint import CheckpointMismatchError, check_state_dict, load_upstream, read_state_dict
@@ -21,6 +24,7 @@ from .config import PRESETS, MegalodonConfig, get_config
 from .layers import (ComplexEMA, LayerNorm, MegalodonAttention, MegalodonBlock, NormalizedFFN, RMSNorm,
                      TimestepNorm)
 from .megalodon import Megalodon, OutputLayer, RotaryEmbedding, sample_next
+from .packing import pack, segment_ids_to_cu_seqlens
 
 #: ``from_upstream(checkpoint_dir, **config_overrides)``: a Megalodon built and loaded from an upstream checkpoint
 from_upstream = Megalodon.from_upstream
@@ -30,5 +34,6 @@ __all__ = [
     "ComplexEMA", "TimestepNorm", "RMSNorm", "LayerNorm", "MegalodonAttention", "NormalizedFFN", "MegalodonBlock",
     "Megalodon", "RotaryEmbedding", "OutputLayer", "sample_next",
     "MegalodonCache", "LayerState",
+    "pack", "segment_ids_to_cu_seqlens",
     "CheckpointMismatchError", "load_upstream", "from_upstream", "read_state_dict", "check_state_dict",
 ]

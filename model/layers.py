@@ -90,22 +90,29 @@ class TimestepNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(num_features))
         self.bias = nn.Parameter(torch.zeros(num_features))
 
+    def initial_state(self, n: int, dtype: torch.dtype):
+        """The prior state of n sequences (or documents): count int64 (n,), mean and var r(n G)
+        in ``dtype`` (the statistics' dtype: float32, or float64 for float64 inputs)."""
+        return (self.prior_count.expand(n).contiguous(), self.prior_mean.to(dtype).expand(n, -1).contiguous(),
+                self.prior_logv.to(dtype).exp().expand(n, -1).contiguous())
+
     def forward(self, x: torch.Tensor, prev_count: Optional[torch.Tensor] = None,
                 prev_mean: Optional[torch.Tensor] = None, prev_var: Optional[torch.Tensor] = None,
-                padding_mask: Optional[torch.Tensor] = None):
-        """x r(B L D) -> (y r(B L D), count int64 (B,), mean r(B G), var r(B G))."""
-        B = x.shape[0]
+                padding_mask: Optional[torch.Tensor] = None, *, cu_seqlens: Optional[torch.Tensor] = None):
+        """x r(B L D) -> (y r(B L D), count int64 (B,), mean r(B G), var r(B G)).
+
+        With ``cu_seqlens`` (n + 1,), x is one packed row (B = 1) of n documents: the statistics
+        restart at every document start, and the previous and returned states are per document,
+        (n,) and r(n G)."""
+        n = x.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
         acc = torch.float64 if x.dtype == torch.float64 else torch.float32
-        if prev_count is None:
-            prev_count = self.prior_count.expand(B).contiguous()
-        if prev_mean is None:
-            prev_mean = self.prior_mean.to(acc).expand(B, -1).contiguous()
-        if prev_var is None:
-            prev_var = self.prior_logv.to(acc).exp().expand(B, -1).contiguous()
+        if prev_count is None or prev_mean is None or prev_var is None:
+            prev_count, prev_mean, prev_var = (given if given is not None else prior for given, prior in
+                                               zip((prev_count, prev_mean, prev_var), self.initial_state(n, acc)))
         # +1 in fp32 (upstream adds it in the parameter dtype, which rounds in bf16).
         scale = self.weight.to(acc) + 1.0
         return ops.timestep_norm(x, scale, self.bias, self.num_groups, prev_count, prev_mean, prev_var,
-                                 padding_mask, self.eps, backend=self.backend)
+                                 padding_mask, self.eps, cu_seqlens=cu_seqlens, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"num_features={self.num_features}, num_groups={self.num_groups}, eps={self.eps}"
@@ -222,11 +229,16 @@ class ComplexEMA(nn.Module):
         gamma = torch.view_as_complex(self.gamma.to(dt).contiguous()) * self.scale
         return a, log_q, gamma
 
-    def forward(self, x: torch.Tensor, hx: Optional[torch.Tensor] = None, return_state: bool = False):
-        """x r(B D L), hx c(B D N) or None -> (y r(B D L) in x's dtype, h c(B D N) or None)."""
+    def forward(self, x: torch.Tensor, hx: Optional[torch.Tensor] = None, return_state: bool = False, *,
+                cu_seqlens: Optional[torch.Tensor] = None):
+        """x r(B D L), hx c(B D N) or None -> (y r(B D L) in x's dtype, h c(B D N) or None).
+
+        With ``cu_seqlens`` (n + 1,), x is one packed row (B = 1) of n documents, each starting
+        from its own state: hx and h are c(n D N)."""
         p, log_q, gamma = self.coefficients()
+        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # TEMP until ops.cema lands
         return ops.cema(x, p, log_q, gamma, self.omega.view(self.embed_dim), hx, return_state,
-                        backend=self.backend)
+                        **packed, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"edim={self.embed_dim}, ndim={self.ndim}"
@@ -248,6 +260,10 @@ class MegalodonAttention(nn.Module):
     stream: TimestepNorm starts from the carried (count, mean, var), CEMA from the carried hidden
     state, and the new queries attend to the cached (already rotated) keys of the unfinished
     chunk; the state is updated in place. A stream split anywhere equals one call on the whole.
+
+    With ``cu_seqlens`` (n + 1,), x is one packed row (B = 1) of n documents, and each runs as if
+    it were a sequence of its own: TimestepNorm statistics, CEMA state, attention chunks and RoPE
+    positions all restart at every document start, and no query sees another document's keys.
     """
 
     def __init__(self, cfg: MegalodonConfig):
@@ -281,13 +297,16 @@ class MegalodonAttention(nn.Module):
         return F.dropout(x, p, self.training) if p > 0 else x
 
     def forward(self, x: torch.Tensor, state: Optional[LayerState] = None, *,
-                carry: Optional[tuple] = None, on_carry=None) -> torch.Tensor:
+                carry: Optional[tuple] = None, on_carry=None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``carry`` / ``on_carry`` serve chunk parallelism (:mod:`..parallel`), with gradients:
         ``carry = (prev_count, prev_mean, prev_var, hx)`` (any may be None) is the incoming state
-        of a slice starting on a chunk boundary, and ``on_carry(count, mean, var, h)`` is called
-        with the outgoing state (not detached) right after the CEMA, before the attention."""
+        of a slice starting on a chunk boundary (of a sequence, or with ``cu_seqlens`` of each
+        document: leading size n), and ``on_carry(count, mean, var, h)`` is called with the
+        outgoing state (not detached) right after the CEMA, before the attention."""
         B, L, D = x.shape
         H, dz, dv, C = self.num_heads, self.z_head_dim, self.v_head_dim, self.chunk_size
+        if cu_seqlens is not None and state is not None:
+            raise ValueError("a packed row (cu_seqlens) cannot continue a streaming state; pass one or the other")
         if carry is not None:
             if state is not None:
                 raise ValueError("pass either a streaming state or a carry, not both")
@@ -301,9 +320,10 @@ class MegalodonAttention(nn.Module):
             offset = state.chunk_offset
 
         # 1-2. TimestepNorm (carried statistics)
-        out_tsn, count, mean, var = self.timenorm(x, prev_count, prev_mean, prev_var)
+        out_tsn, count, mean, var = self.timenorm(x, prev_count, prev_mean, prev_var, cu_seqlens=cu_seqlens)
         # 3. CEMA over time on (B, D, L); no activation after it
-        y, h = self.cema(out_tsn.transpose(1, 2), hx, return_state=state is not None or on_carry is not None)
+        y, h = self.cema(out_tsn.transpose(1, 2), hx, return_state=state is not None or on_carry is not None,
+                         cu_seqlens=cu_seqlens)
         if on_carry is not None:
             on_carry(count, mean, var, h)
         out_cema = y.transpose(1, 2)
@@ -316,8 +336,12 @@ class MegalodonAttention(nn.Module):
         # 7-8. value from the TimestepNorm output, gate from mx
         v = F.silu(self.wv(out_tsn))
         r = F.silu(self.wr(mx))
-        # 9. chunked attention; RoPE positions are relative to each chunk's start
-        pos = torch.remainder(torch.arange(offset, offset + L, device=x.device), C)
+        # 9. chunked attention; RoPE positions are relative to each chunk's start (chunks of a
+        # packed row start at each document's start)
+        if cu_seqlens is None:
+            pos = torch.remainder(torch.arange(offset, offset + L, device=x.device), C)
+        else:
+            pos = torch.remainder(ops.document_positions(cu_seqlens, L), C)
         q = ops.rotary(q.reshape(B, L, H, dz), pos, self.rope_base, backend=self._rotary_backend)
         k = ops.rotary(k.reshape(B, L, H, dz), pos, self.rope_base, backend=self._rotary_backend)
         v = v.reshape(B, L, H, dv)
@@ -331,7 +355,7 @@ class MegalodonAttention(nn.Module):
         q, k_all = q.to(v_all.dtype), k_all.to(v_all.dtype)
         dropkey_p = self.dropkey_p if self.training else 0.0
         attn = ops.attention(q, k_all, v_all, scale=1.0, causal=True, chunk_size=C, dropkey_p=dropkey_p,
-                             attn_fn=self.attn_fn, backend=self._attn_backend)
+                             attn_fn=self.attn_fn, cu_seqlens=cu_seqlens, backend=self._attn_backend)
         # 10-12. gate, output projections, residual
         attn = self._dropout(attn.reshape(B, L, self.hdim) * r, self.hidden_dropout)
         out = self._dropout(self.wh1(mx) + self.wh2(attn), self.dropout) + x
@@ -404,6 +428,7 @@ class MegalodonBlock(nn.Module):
         self.nffn = NormalizedFFN(cfg, layer_id)
 
     def forward(self, x: torch.Tensor, state: Optional[LayerState] = None, *,
-                carry: Optional[tuple] = None, on_carry=None) -> torch.Tensor:
-        """``carry`` / ``on_carry``: see :meth:`MegalodonAttention.forward` (chunk parallelism)."""
-        return self.nffn(self.mega(x, state, carry=carry, on_carry=on_carry), x)
+                carry: Optional[tuple] = None, on_carry=None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """``carry`` / ``on_carry`` (chunk parallelism) and ``cu_seqlens`` (a packed row): see
+        :meth:`MegalodonAttention.forward`."""
+        return self.nffn(self.mega(x, state, carry=carry, on_carry=on_carry, cu_seqlens=cu_seqlens), x)

@@ -14,10 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from megalodon_kernels.ops._packing import check_cu_seqlens
+
 from .cache import MegalodonCache
 from .checkpoint import load_upstream, read_state_dict
 from .config import MegalodonConfig
 from .layers import MegalodonBlock, TimestepNorm
+from .packing import segment_ids_to_cu_seqlens
 
 __all__ = ["Megalodon", "RotaryEmbedding", "OutputLayer"]
 
@@ -69,6 +72,11 @@ class Megalodon(nn.Module):
     (float64 for a float64 model).
     ``model(tokens, cache=cache)`` continues a stream (any number of new tokens per call) and
     updates ``cache`` in place; the logits equal those of one call on the whole sequence.
+    ``model(tokens, cu_seqlens=cu)`` with tokens (1, T) runs a packed row of documents (see
+    :func:`~.packing.pack`), each as if on its own: logits (1, T, V_out) and every parameter
+    gradient equal those of one call per document. ``model(tokens, segment_ids=s)`` with integer
+    ids s (B, L) packs the batch into one row, a document starting wherever the id changes and at
+    every row start; logits (B, L, V_out).
     Construction needs neither CUDA nor torch.distributed.
     """
 
@@ -102,7 +110,8 @@ class Megalodon(nn.Module):
                                     cfg.chunk_size, dtype=p.dtype, device=p.device)
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor, cache: Optional[MegalodonCache] = None) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Optional[MegalodonCache] = None, *,
+                cu_seqlens: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point \
                 or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TypeError(f"tokens must be an integer tensor of shape (B, L), got {type(tokens).__name__} "
@@ -110,6 +119,16 @@ class Megalodon(nn.Module):
         B, L = tokens.shape
         if L < 1:
             raise ValueError("tokens must hold at least one position (L >= 1)")
+        if cache is not None and (cu_seqlens is not None or segment_ids is not None):
+            raise ValueError("a packed row (cu_seqlens / segment_ids) cannot be streamed through a cache: "
+                             "run packed rows without cache, or stream each document with a cache of its own")
+        if segment_ids is not None:
+            if cu_seqlens is not None:
+                raise ValueError("pass either cu_seqlens or segment_ids, not both")
+            cu_seqlens = segment_ids_to_cu_seqlens(segment_ids, tokens)
+            return self(tokens.reshape(1, B * L), cu_seqlens=cu_seqlens).view(B, L, -1)
+        if cu_seqlens is not None:
+            check_cu_seqlens(cu_seqlens, batch=B, length=L, device=tokens.device, batch_arg="tokens")
         if cache is not None:
             if not isinstance(cache, MegalodonCache):
                 raise TypeError(f"cache must be a MegalodonCache from model.init_cache(), got {type(cache).__name__}")
@@ -126,13 +145,13 @@ class Megalodon(nn.Module):
         use_ckpt = self.config.layerwise_ckpt and self.training and cache is None and torch.is_grad_enabled()
         for i, layer in enumerate(self.layers):
             if use_ckpt:
-                x = checkpoint(layer, x, use_reentrant=False)
+                x = checkpoint(layer, x, cu_seqlens=cu_seqlens, use_reentrant=False)
             else:
-                x = layer(x, None if cache is None else cache.layers[i])
+                x = layer(x, None if cache is None else cache.layers[i], cu_seqlens=cu_seqlens)
 
         norm = self.output.final_norm
         if cache is None:
-            x, _, _, _ = norm(x)
+            x, _, _, _ = norm(x, cu_seqlens=cu_seqlens)
         else:
             x, count, mean, var = norm(x, cache.norm_count, cache.norm_mean, cache.norm_var)
             cache.norm_count, cache.norm_mean, cache.norm_var = count.detach(), mean.detach(), var.detach()

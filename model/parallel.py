@@ -40,7 +40,17 @@ chunk group per replica (its P consecutive ranks, say) and one data group per ch
   overlap in the backward. (With norm_prior_count > 0 the learnable priors are used on the first
   chunk rank only, so DDP then needs find_unused_parameters=True; the helper needs nothing.)
 
-Not supported: slices that are not a whole number of chunks (ValueError), and
+Packed rows (``forward(tokens, cu_seqlens=cu)``, batch 1): ``cu`` holds the document boundaries
+of the whole row and every rank passes the same one; a rank's documents are ``cu`` clipped to
+its slice. The state still goes from rank to rank (the same messages as unpacked), holding the
+predecessor's last document's state. If the slice starts inside a document, that document
+continues from it; if the slice starts at a document start, every local document starts from
+the prior state and the received state gets no use (its gradient, sent back, is zero). Attention
+chunks count from each document's start, so a document may cross a rank boundary only at a
+multiple of chunk_size from its own start (ValueError otherwise); slices themselves need not be
+multiples of chunk_size.
+
+Not supported: unpacked slices that are not a whole number of chunks (ValueError), and
 layerwise checkpointing while training (recomputation would re-send; NotImplementedError).
 """
 from __future__ import annotations
@@ -53,6 +63,8 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+
+from megalodon_kernels.ops._packing import check_cu_seqlens
 
 from .megalodon import Megalodon
 
@@ -156,6 +168,21 @@ class _SendState(torch.autograd.Function):
         return ctx.link.wait_grad().clone(), None
 
 
+class _Ignore(torch.autograd.Function):
+    """Identity on x that keeps a received state nobody uses in the graph, with a zero gradient,
+    so its :class:`_RecvState` still answers the predecessor's wait for that gradient."""
+
+    @staticmethod
+    def forward(ctx, x, unused):
+        ctx.unused = (unused.shape, unused.dtype)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, g):
+        shape, dtype = ctx.unused
+        return g, g.new_zeros(shape, dtype=dtype)
+
+
 class _Attach(torch.autograd.Function):
     """Identity on x that makes autograd visit ``token``'s producer; its backward (run when the
     layer's backward starts) posts the receive of the sent state's gradient early."""
@@ -175,6 +202,35 @@ def _real_dtype(c: torch.dtype) -> torch.dtype:
     return torch.float64 if c == torch.complex128 else torch.float32
 
 
+def _local_documents(cu: List[int], start: int, length: int, chunk_size: int, device):
+    """The documents of the slice [start, start + length) of a packed row with boundaries ``cu``
+    (cu_seqlens read to the host): (local cu_seqlens int64 on ``device``, whether the first local
+    document continues one begun before the slice). Empty and outside documents are left out."""
+    if cu[0] != 0:
+        raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
+    bad = next((i for i in range(len(cu) - 1) if cu[i + 1] < cu[i]), None)
+    if bad is not None:
+        raise ValueError(f"cu_seqlens must be non-decreasing, got cu_seqlens[{bad}] = {cu[bad]} > "
+                         f"cu_seqlens[{bad + 1}] = {cu[bad + 1]}")
+    end = start + length
+    if start < 0 or end > cu[-1]:
+        raise ValueError(f"this rank's slice [{start}, {end}) lies outside the packed row of cu_seqlens[-1] = {cu[-1]} "
+                         f"tokens (check start and cu_seqlens)")
+    bounds = set(cu)
+    for edge in (start, end):
+        if edge in bounds or edge == cu[-1]:
+            continue
+        doc_start = max(c for c in cu if c < edge)
+        if (edge - doc_start) % chunk_size:
+            raise ValueError(f"the document at cu_seqlens position {doc_start} crosses a rank boundary at {edge}, "
+                             f"{edge - doc_start} tokens after its start: not a multiple of chunk_size={chunk_size} "
+                             f"(attention chunks count from each document's start); move the slice boundary or "
+                             f"the document")
+    inner = sorted({c - start for c in cu if start < c < end})
+    local = torch.tensor([0, *inner, length], dtype=torch.int64, device=device)
+    return local, start not in bounds
+
+
 class ChunkParallelMegalodon(nn.Module):
     """Runs a :class:`~.megalodon.Megalodon` chunk-parallel over ``group`` (default: the world).
 
@@ -185,6 +241,12 @@ class ChunkParallelMegalodon(nn.Module):
     group with :func:`allreduce_gradients`). Every rank of the group must call forward (and
     backward) the same number of times in the same order. ``comm`` accumulates the time spent
     in send / receive calls and waits.
+
+    ``forward(tokens, cu_seqlens=cu, start=s)`` takes this rank's slice (1, L_local) of a packed
+    row, ``cu`` the boundaries of the whole row (the same on every rank) and ``s`` the slice's
+    first position in the row (default ``rank * L_local``, allowed only when the slices are
+    equal, i.e. ``cu[-1] == world * L_local``); its logits equal the corresponding positions of
+    ``model(full_row, cu_seqlens=cu)`` (see the module docstring for the rank boundaries).
     """
 
     def __init__(self, model: Megalodon, group: Optional[dist.ProcessGroup] = None):
@@ -235,19 +297,43 @@ class ChunkParallelMegalodon(nn.Module):
         self._drain()
 
     # ---- forward ----------------------------------------------------------------------------
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
+                start: Optional[int] = None) -> torch.Tensor:
         m, cfg = self.module, self.module.config
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
             raise TypeError(f"tokens must be an integer tensor (B, L_local), got {tuple(getattr(tokens, 'shape', ()))}")
         B, L = tokens.shape
         C = cfg.chunk_size
-        if L < 1 or L % C:
-            raise ValueError(f"each rank's slice must be a non-empty multiple of chunk_size={C} (attention is "
-                             f"block-diagonal per chunk, so no attention state may cross ranks); got L_local={L}")
+        r, P = self.rank, self.world
+        if cu_seqlens is None:
+            if start is not None:
+                raise ValueError("start locates a slice of a packed row; pass it with cu_seqlens")
+            if L < 1 or L % C:
+                raise ValueError(f"each rank's slice must be a non-empty multiple of chunk_size={C} (attention is "
+                                 f"block-diagonal per chunk, so no attention state may cross ranks); got L_local={L}")
+            local_cu, continues = None, True
+        else:
+            if L < 1:
+                raise ValueError("each rank's slice must hold at least one token, got L_local=0")
+            check_cu_seqlens(cu_seqlens, batch=B, length=L, device=tokens.device, batch_arg="tokens")
+            cu = [int(c) for c in cu_seqlens.tolist()]  # the slice's documents are decided on the host
+            if start is None:
+                if cu[-1] != P * L:
+                    raise ValueError(f"start is needed when the slices are not equal: cu_seqlens[-1] = {cu[-1]} "
+                                     f"but world * L_local = {P} * {L}")
+                start = r * L
+            elif not isinstance(start, int) or isinstance(start, bool):
+                raise TypeError(f"start must be an int (the slice's first position in the packed row), "
+                                f"got {type(start).__name__}")
+            local_cu, continues = _local_documents(cu, start, L, C, tokens.device)
+            if r == 0 and start != 0:
+                raise ValueError(f"rank 0 holds the start of the packed row: start must be 0, got {start}")
+            if r == P - 1 and start + L != cu[-1]:
+                raise ValueError(f"the last rank holds the end of the packed row: start + L_local must be "
+                                 f"cu_seqlens[-1] = {cu[-1]}, got {start} + {L}")
         if cfg.layerwise_ckpt and m.training and torch.is_grad_enabled():
             raise NotImplementedError("layerwise_ckpt is not supported under chunk parallelism (recomputation "
                                       "would repeat the state exchange); set layerwise_ckpt=False")
-        r, P = self.rank, self.world
         self._drain()  # sends of a previous forward (normally complete already)
 
         x = m.embed(tokens)
@@ -272,10 +358,14 @@ class ChunkParallelMegalodon(nn.Module):
         grad_on = torch.is_grad_enabled()
 
         def incoming(link, with_hx, hx_dtype=None):
+            """The received state, or None for one the first document does not continue (buf: to
+            be passed to :class:`_Ignore`, so its zero gradient still goes back)."""
             if r == 0:
-                return None, None, None, None
+                return None, None
             anchor = torch.empty(0, device=dev, requires_grad=grad_on)
             buf = _RecvState.apply(anchor, link)
+            if not continues:
+                return None, buf
             hi, lo = buf[:B].detach().long(), buf[B:2 * B].detach().long()
             count = hi * _COUNT_SPLIT + lo
             stats = buf[2 * B:]
@@ -283,9 +373,25 @@ class ChunkParallelMegalodon(nn.Module):
             hx = None
             if with_hx:
                 hx = torch.view_as_complex(stats[2 * B * G:].view(B, D, N, 2).to(_real_dtype(hx_dtype)))
+            return (count, mean, var, hx), None
+
+        def per_document(state, norm):
+            """A received state as the initial state of the local documents: the first continues
+            it, the others start from the prior (a zero CEMA state)."""
+            if state is None or local_cu is None:
+                return state
+            n = local_cu.shape[0] - 1
+            count, mean, var, hx = state
+            prior = norm.initial_state(n, acc)
+            count, mean, var = (torch.cat([got, rest[1:]]) for got, rest in zip((count, mean, var), prior))
+            if hx is not None:
+                hx = torch.cat([hx, hx.new_zeros(n - 1, D, N)])
             return count, mean, var, hx
 
         def outgoing(link, count, mean, var, h=None):
+            if local_cu is not None:  # the successor may continue the last local document
+                count, mean, var = count[-1:], mean[-1:], var[-1:]
+                h = None if h is None else h[-1:]
             parts = [torch.div(count, _COUNT_SPLIT, rounding_mode="floor"), torch.remainder(count, _COUNT_SPLIT),
                      mean.reshape(-1), var.reshape(-1)]
             if h is not None:
@@ -296,17 +402,24 @@ class ChunkParallelMegalodon(nn.Module):
         for i, layer in enumerate(m.layers):
             link = links[i]
             cdt = torch.complex128 if layer.mega.cema.alpha.dtype == torch.float64 else torch.complex64
-            carry = incoming(link, True, cdt)
+            received, unused = incoming(link, True, cdt)
+            if unused is not None:
+                x = _Ignore.apply(x, unused)
+            carry = per_document(received, layer.mega.timenorm)
             token = []  # filled by on_carry with the send's token
             on_carry = (lambda *state, _l=link, _t=token: _t.append(outgoing(_l, *state))) if r < P - 1 else None
-            x = layer(x, carry=carry, on_carry=on_carry)
+            x = layer(x, carry=carry, on_carry=on_carry, cu_seqlens=local_cu)
             if token:
                 x = _Attach.apply(x, token[0], link)
 
         norm = m.output.final_norm
         link = links[-1]
-        count, mean, var, _ = incoming(link, False)
-        x, count_out, mean_out, var_out = norm(x, count, mean, var)
+        received, unused = incoming(link, False)
+        if unused is not None:
+            x = _Ignore.apply(x, unused)
+        carry = per_document(received, norm)
+        count, mean, var, _ = carry if carry is not None else (None, None, None, None)
+        x, count_out, mean_out, var_out = norm(x, count, mean, var, cu_seqlens=local_cu)
         if r < P - 1:
             x = _Attach.apply(x, outgoing(link, count_out, mean_out, var_out), link)
         logits = m.output.output(x)
