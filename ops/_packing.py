@@ -33,7 +33,7 @@ import torch
 
 from ._checks import INT_DTYPES
 
-__all__ = ["Bucket", "Plan", "check_cu_seqlens", "document_positions", "next_pow2", "plan"]
+__all__ = ["Bucket", "Plan", "check_cu_seqlens", "check_per_document", "document_positions", "next_pow2", "plan"]
 
 
 def next_pow2(n: int) -> int:
@@ -57,6 +57,14 @@ def check_cu_seqlens(cu_seqlens, *, batch: int, length: int, device: torch.devic
         raise ValueError(f"with cu_seqlens, {batch_arg} must hold one packed row (batch size 1), got batch size {batch} "
                          f"(flatten the batch into one row and offset cu_seqlens)")
     return cu_seqlens.shape[0] - 1
+
+
+def check_per_document(name: str, state, n: int, dims: str) -> None:
+    """With cu_seqlens, an initial state (already checked as a tensor of the right rank) holds
+    one row per document: leading size n, else a ValueError naming ``name``."""
+    if state is not None and state.shape[0] != n:
+        raise ValueError(f"with cu_seqlens, {name} must hold one state per document, shape {dims} with n = {n} "
+                         f"documents, got shape {tuple(state.shape)}")
 
 
 def document_positions(cu_seqlens: torch.Tensor, length: int | None = None) -> torch.Tensor:
