@@ -41,13 +41,15 @@ def budget(backend, dtype, kind):
     return 1e-10 if dtype == F64 else tol(backend, dtype, kind)
 
 
-def documents(lengths, D, G, seed, *, pad, prior):
+def documents(lengths, D, G, seed, *, pad, prior, padded_docs=(), int32=False):
     """A packed row of documents with the given lengths: each with its own level (|mean| up to ~5)
-    and spread; with ``pad`` ~30% of the steps padded, their x holding NaN/inf; with ``prior`` an
-    initial state per document (some with prev_count 0). float64."""
+    and spread; with ``pad`` ~30% of the steps padded, and every step of the documents
+    ``padded_docs``, their x holding NaN/inf; with ``prior`` an initial state per document (some
+    with prev_count 0). float64; cu_seqlens int64 (or int32)."""
     gen = torch.Generator().manual_seed(seed)
     n, L = len(lengths), sum(lengths)
-    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()], dtype=torch.int64)
+    cu = torch.tensor([0, *torch.tensor(lengths, dtype=torch.int64).cumsum(0).tolist()],
+                      dtype=torch.int32 if int32 else torch.int64)
     level = 3.0 * torch.randn(n, generator=gen, dtype=F64)
     spread = 0.2 + 2.0 * torch.rand(n, generator=gen, dtype=F64)
     doc = torch.repeat_interleave(torch.arange(n), torch.tensor(lengths, dtype=torch.int64))
@@ -55,8 +57,10 @@ def documents(lengths, D, G, seed, *, pad, prior):
     p = dict(x=x, cu_seqlens=cu, num_groups=G,
              scale=1.0 + 0.5 * torch.randn(D, generator=gen, dtype=F64),
              bias=0.5 * torch.randn(D, generator=gen, dtype=F64))
-    if pad:
-        mask = torch.rand(1, L, generator=gen) < 0.3
+    if pad or padded_docs:
+        mask = (torch.rand(1, L, generator=gen) < 0.3) if pad else torch.zeros(1, L, dtype=torch.bool)
+        for d in padded_docs:
+            mask[:, cu[d]:cu[d + 1]] = True
         x[mask] = torch.tensor([float("nan"), float("inf")], dtype=F64)[
             torch.randint(0, 2, (int(mask.sum()), 1), generator=gen)].expand(-1, D)
         p["padding_mask"] = mask
@@ -138,7 +142,8 @@ def short_chunks(backend):
 
 
 #: hand-picked rows: one document (== no packing), empty documents first / inside / last, lengths
-#: 1, below / at / above a chunk (8) and several chunks
+#: 1, below / at / above a chunk (8) and several chunks; in "mixed" the last document is wholly
+#: padded (its state passes through a bucket unchanged)
 ROWS = {
     "single": [23],
     "mixed": [1, 0, 8, 23, 0, 3],
@@ -149,7 +154,8 @@ ROWS = {
 @pytest.mark.parametrize("backend, dtype", BACKEND_DTYPES)
 @pytest.mark.parametrize("row", list(ROWS))
 def test_packed_equals_separate(backend, dtype, row):
-    p = documents(ROWS[row], 8, 2, seed=len(ROWS[row]), pad=row != "single", prior=row != "empty-ends")
+    p = documents(ROWS[row], 8, 2, seed=len(ROWS[row]), pad=row != "single", prior=row != "empty-ends",
+                  padded_docs=(5,) if row == "mixed" else (), int32=row == "mixed")
     with short_chunks(backend):
         compare(p, dtype, backend)
 
@@ -160,9 +166,90 @@ LENGTH = st.one_of(st.just(0), st.integers(1, 4), st.integers(5, 40))
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(LENGTH, min_size=1, max_size=6), Dg=st.sampled_from([1, 3, 8]), G=st.sampled_from([1, 2]),
-       pad=st.booleans(), prior=st.booleans(), fp64=st.booleans(), seed=st.integers(0, 2**31))
-def test_property(backend, lengths, Dg, G, pad, prior, fp64, seed):
+       pad=st.booleans(), prior=st.booleans(), fp64=st.booleans(), int32=st.booleans(), seed=st.integers(0, 2**31))
+def test_property(backend, lengths, Dg, G, pad, prior, fp64, int32, seed):
     dtype = F64 if fp64 and backend != "triton" else F32
-    p = documents(lengths, Dg * G, G, seed, pad=pad, prior=prior)
+    p = documents(lengths, Dg * G, G, seed, pad=pad, prior=prior, int32=int32)
     with short_chunks(backend):
         compare(p, dtype, backend, seed)
+
+
+@pytest.mark.parametrize("backend", ["torch", "cuda"])
+def test_whole_row_statistics_would_fail_the_comparison(backend):
+    """The comparison has teeth: the same row run unpacked (statistics running across document
+    boundaries) is far outside the tolerance of packed == separate."""
+    p = documents(ROWS["mixed"], 8, 2, seed=6, pad=True, prior=True)
+    leaves = leaves_of(p, F32)
+    want = run_separate(p, leaves, backend)
+    leaky = timestep_norm(leaves["x"], leaves["scale"], leaves["bias"], 2, padding_mask=p["padding_mask"],
+                          backend=backend)
+    assert err_ratio(leaky[0], to_np(want[0]))[1] > 1e3 * tol(backend, F32, "fwd")
+
+
+# ---------------------------------------------------------------------------------------------
+# launches scale with the buckets, not the documents
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_one_backend_call_per_bucket(backend, monkeypatch):
+    gen = torch.Generator().manual_seed(3)
+    lengths = torch.randint(0, 6, (64,), generator=gen).tolist()  # 64 documents, some empty
+    p = documents(lengths, 4, 2, seed=3, pad=True, prior=True)
+    leaves = leaves_of(p, F32)
+    L = p["x"].shape[1]
+    buckets = _packing.plan(p["cu_seqlens"], L).buckets
+    assert len(buckets) <= 4 and sum(b.docs.numel() for b in buckets) == sum(n > 0 for n in lengths)
+    from megalodon_kernels.ops.timestep_norm import BACKENDS
+
+    module = BACKENDS.select(backend, {"x": p["x"].float(), "num_groups": 2}, device=p["x"].device, dtype=F32).module
+    rows = {"fwd": [], "bwd": []}
+    for kind in rows:
+        fn = getattr(module, f"timestep_norm_{kind}")
+        monkeypatch.setattr(module, f"timestep_norm_{kind}",
+                            lambda *a, _fn=fn, _rows=rows[kind], **kw: (_rows.append(a[0].shape[:2]), _fn(*a, **kw))[1])
+    with short_chunks(backend):
+        y, count, mean, var = run_packed(p, leaves, backend)
+        torch.autograd.grad((y.sum() + mean.sum() + var.sum()), list(leaves.values()))
+    want = [(b.docs.numel(), b.size) for b in buckets]
+    assert rows["fwd"] == want and rows["bwd"] == want
+
+
+# ---------------------------------------------------------------------------------------------
+# bad input
+
+
+def _call(cu=None, B=1, L=6, n_state=None, **kw):
+    x = torch.randn(B, L, 4)
+    cu = torch.tensor([0, 2, L]) if cu is None else cu
+    state = {} if n_state is None else {"prev_count": torch.zeros(n_state, dtype=torch.int64),
+                                        "prev_mean": torch.zeros(n_state, 2), "prev_var": torch.ones(n_state, 2)}
+    state.update(kw)
+    return timestep_norm(x, torch.ones(4), torch.zeros(4), 2, cu_seqlens=cu, **state)
+
+
+@pytest.mark.parametrize("call, exc, match", [
+    (lambda: _call(torch.tensor([0.0, 2.0, 6.0])), TypeError, "cu_seqlens"),
+    (lambda: _call(torch.tensor([False, True, True])), TypeError, "cu_seqlens"),
+    (lambda: _call([0, 2, 6]), TypeError, "cu_seqlens"),
+    (lambda: _call(torch.tensor([[0, 2, 6]])), ValueError, "cu_seqlens"),
+    (lambda: _call(torch.tensor([0])), ValueError, "cu_seqlens"),
+    (lambda: _call(torch.tensor([1, 2, 6])), ValueError, "cu_seqlens must start at 0"),
+    (lambda: _call(torch.tensor([0, 4, 2, 6])), ValueError, "cu_seqlens must be non-decreasing"),
+    (lambda: _call(torch.tensor([0, 2, 5])), ValueError, "cu_seqlens must end at"),
+    (lambda: _call(B=2), ValueError, "batch size 1"),
+    (lambda: _call(torch.tensor([0, 2, 6], device="meta")), ValueError, "cu_seqlens is on meta"),
+    (lambda: _call(prev_count=torch.zeros(1, dtype=torch.int64)), ValueError, "prev_count"),
+    (lambda: _call(prev_mean=torch.zeros(1, 2)), ValueError, "prev_mean"),
+    (lambda: _call(prev_var=torch.ones(3, 2)), ValueError, "prev_var"),
+    (lambda: _call(prev_count=torch.tensor([0, -1])), ValueError, "prev_count"),
+    (lambda: _call(padding_mask=torch.zeros(1, 5, dtype=torch.bool)), ValueError, "padding_mask"),
+], ids=["float", "bool", "list", "2-D", "no-document", "start", "decreasing", "end", "batch", "device",
+        "prev_count-size", "prev_mean-size", "prev_var-size", "prev_count-negative", "padding_mask-size"])
+def test_bad_input(call, exc, match):
+    with pytest.raises(exc, match=match):
+        call()
+
+
+def test_states_per_document_are_accepted():
+    y, count, mean, var = _call(n_state=2)
+    assert count.shape == (2,) and mean.shape == var.shape == (2, 2) and y.shape == (1, 6, 4)
