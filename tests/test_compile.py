@@ -93,6 +93,10 @@ def _forward_cases():
                                                                 "auto")
         yield f"attention-{name}-laplace", OPS.attention, (q, kk, v, 1.0, False, None, False, 0.0, 0, "laplace",
                                                            "auto")
+        q1, k1, v1 = (t[:1, :5].detach().requires_grad_() for t in (q, kk, v))
+        for fn in ("softmax", "laplace"):
+            yield f"attention-{name}-packed-{fn}", OPS.attention, (q1, k1, v1, 0.5, True, 2, True, 0.3, 123, fn, "auto",
+                                                                   torch.tensor([0, 3, 3, 5]))
         s = torch.randn(2, 2, 5, 7, generator=g).to(dt).requires_grad_()
         yield f"dropkey_softmax-{name}", OPS.dropkey_softmax, (s, True, 0.3, 5, "auto")
         yield f"dropkey_softmax-{name}-2d", OPS.dropkey_softmax, (s[0, 0].detach().requires_grad_(), False, 0.0, 0,
@@ -147,6 +151,11 @@ def _backward_cases():
             o, lse, seed = OPS.attention(q, kq, v, 0.5, True, 3, False, 0.3, 7, fn, "auto")
             yield f"attention_bwd-{name}-{fn}", OPS.attention_bwd, (torch.randn_like(o), q, kq, v, o, lse, seed, 0.5,
                                                                     True, 3, False, 0.3, fn, "auto")
+            cu = torch.tensor([0, 3, 3, 5])
+            q1, k1, v1 = q[:1], kq[:1, :5], v[:1, :5]
+            o, lse, seed = OPS.attention(q1, k1, v1, 0.5, True, 2, True, 0.3, 7, fn, "auto", cu)
+            yield f"attention_bwd-{name}-packed-{fn}", OPS.attention_bwd, (
+                torch.randn_like(o), q1, k1, v1, o, lse, seed, 0.5, True, 2, True, 0.3, fn, "auto", cu)
         s = torch.randn(2, 2, 5, 7, dtype=dt)
         y, seed = OPS.dropkey_softmax(s, True, 0.3, 5, "auto")
         yield f"dropkey_softmax_bwd-{name}", OPS.dropkey_softmax_bwd, (torch.randn_like(y), y, seed, True, 0.3, "auto")
@@ -188,6 +197,9 @@ def _backend_cases(backend):
         args = (0.5, True, 3, False, 0.3, 7, fn, backend)
         yield f"attention-{fn}", OPS.attention, (q, kq, v, *args), OPS.attention_bwd, \
             lambda out, args=args: (out[0], q, kq, v, *out, *args[:4], args[4], args[6], backend)
+        q1, k1, v1, cu = q[:1], kq[:1, :5], v[:1, :5], torch.tensor([0, 2, 5])
+        yield f"attention-packed-{fn}", OPS.attention, (q1, k1, v1, *args, cu), OPS.attention_bwd, \
+            lambda out, args=args: (out[0], q1, k1, v1, *out, *args[:4], args[4], args[6], backend, cu)
     sc2 = torch.randn(2, 2, 5, 7, generator=g)
     yield "dropkey_softmax", OPS.dropkey_softmax, (sc2, True, 0.3, 5, backend), OPS.dropkey_softmax_bwd, \
         lambda out: (out[0], out[0], out[1], True, 0.3, backend)
@@ -246,6 +258,9 @@ def _op_calls():
     yield "attention", lambda q, k, v: ops.attention(q, k, v, chunk_size=4, dropkey_p=0.25, seed=11), (q, kk, v)
     yield "attention-lex-laplace", lambda q, k, v: ops.attention(q, k, v, chunk_size=4, block_causal=True,
                                                                  attn_fn="laplace"), (q, kk, v)
+    cu = torch.tensor([0, 2, 2, 9])
+    yield "attention-packed", lambda q, k, v: ops.attention(q, k, v, chunk_size=4, block_causal=True, dropkey_p=0.25,
+                                                            seed=11, cu_seqlens=cu), (q[:1], kk[:1], v[:1])
     s = torch.randn(2, 2, 5, 7, generator=g)
     yield "dropkey_softmax", lambda s: ops.dropkey_softmax(s, True, 0.25, 9), (s,)
     xr = torch.randn(2, 5, 2, 6, generator=g)
