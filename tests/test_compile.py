@@ -84,6 +84,10 @@ def _forward_cases():
         yield f"timestep_norm-{name}", OPS.timestep_norm, (
             xt, sc, bi, torch.zeros(Bt, dtype=torch.int64), torch.zeros(Bt, G, dtype=acc),
             torch.ones(Bt, G, dtype=acc), torch.zeros(Bt, Lt, dtype=torch.bool), G, 1e-5, "auto")
+        x1 = xt[:1].detach().requires_grad_()
+        pm3, pv3 = (t.detach()[[0, 1, 1]].requires_grad_() for t in (pm, pv))  # 3 documents
+        yield f"timestep_norm-{name}-packed", OPS.timestep_norm, (x1, sc, bi, torch.tensor([0, 2, 1]), pm3, pv3, pad[:1],
+                                                                  G, 1e-5, "auto", torch.tensor([0, 3, 3, 7]))
         q = torch.randn(2, 5, 2, 4, generator=g).to(dt).requires_grad_()
         kk = torch.randn(2, 7, 2, 4, generator=g).to(dt).requires_grad_()
         v = torch.randn(2, 7, 2, 3, generator=g).to(dt).requires_grad_()
@@ -146,6 +150,11 @@ def _backward_cases():
         yield f"timestep_norm_bwd-{name}", OPS.timestep_norm_bwd, (
             torch.randn_like(out[0]), torch.randn_like(out[2]), torch.randn_like(out[3]), xt, sc, bi, pc, pm, pv, pad,
             *out[4:], G, "auto")
+        cu, pc3, pm3, pv3 = torch.tensor([0, 3, 3, 7]), torch.tensor([0, 3, 1]), pm[[0, 1, 1]], pv[[0, 1, 1]]
+        out = OPS.timestep_norm(xt[:1], sc, bi, pc3, pm3, pv3, pad[:1], G, 1e-5, "auto", cu)
+        yield f"timestep_norm_bwd-{name}-packed", OPS.timestep_norm_bwd, (
+            torch.randn_like(out[0]), torch.randn_like(out[2]), torch.randn_like(out[3]), xt[:1], sc, bi, pc3, pm3, pv3,
+            pad[:1], *out[4:], G, "auto", cu)
         q, kq, v = (torch.randn(2, S, 2, d, dtype=dt) for S, d in ((5, 4), (7, 4), (7, 3)))
         for fn in ("softmax", "laplace"):
             o, lse, seed = OPS.attention(q, kq, v, 0.5, True, 3, False, 0.3, 7, fn, "auto")
@@ -192,6 +201,10 @@ def _backend_cases(backend):
     pad[1, 3] = True
     yield "timestep_norm", OPS.timestep_norm, (xt, sc, bi, pc, pm, pv, pad, 2, 1e-5, backend), \
         OPS.timestep_norm_bwd, lambda out: (out[0], out[2], out[3], xt, sc, bi, pc, pm, pv, pad, *out[4:], 2, backend)
+    packed = (xt[:1], sc, bi, torch.tensor([0, 3, 1]), pm[[0, 1, 1]], pv[[0, 1, 1]], pad[1:])  # 3 documents
+    cu_tsn = torch.tensor([0, 3, 3, 7])
+    yield "timestep_norm-packed", OPS.timestep_norm, (*packed, 2, 1e-5, backend, cu_tsn), \
+        OPS.timestep_norm_bwd, lambda out: (out[0], out[2], out[3], *packed, *out[4:], 2, backend, cu_tsn)
     q, kq, v = (torch.randn(2, S, 2, d, generator=g) for S, d in ((5, 16), (7, 16), (7, 16)))
     for fn in ("softmax",) if backend == "cuda" else ("softmax", "laplace"):
         args = (0.5, True, 3, False, 0.3, 7, fn, backend)
@@ -254,6 +267,10 @@ def _op_calls():
     pm, pv = torch.randn(2, 4, generator=g), torch.rand(2, 4, generator=g) + 0.5
     yield "timestep_norm-state", lambda x, s, b, pm, pv: ops.timestep_norm(x, s, b, 4, torch.tensor([2, 0]), pm, pv), \
         (xt, sc, bi, pm, pv)
+    cu_tsn, pad_tsn = torch.tensor([0, 3, 3, 7]), pad[1:]
+    yield "timestep_norm-packed", lambda x, s, b, pm, pv: ops.timestep_norm(
+        x, s, b, 4, torch.tensor([2, 0, 1]), pm[[0, 1, 1]], pv[[0, 1, 1]], pad_tsn, cu_seqlens=cu_tsn), \
+        (xt[:1], sc, bi, pm, pv)
     q, kk, v = (torch.randn(2, 9, 2, d, generator=g) for d in (4, 4, 6))
     yield "attention", lambda q, k, v: ops.attention(q, k, v, chunk_size=4, dropkey_p=0.25, seed=11), (q, kk, v)
     yield "attention-lex-laplace", lambda q, k, v: ops.attention(q, k, v, chunk_size=4, block_causal=True,

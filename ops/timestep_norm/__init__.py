@@ -34,7 +34,7 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import custom_op, empty_like
 from .._host_sync import check_on_device
-from .._packing import check_cu_seqlens, plan
+from .._packing import check_cu_seqlens, check_per_document, plan
 
 __all__ = ["timestep_norm"]
 
@@ -207,6 +207,16 @@ def _backward(ctx, dy, _dcount, dmean, dvar, *_stats):
 timestep_norm_op.register_autograd(_backward, setup_context=_setup)
 
 
+def _check_state(name, state, shape, dtypes, device, cu_seqlens):
+    """An initial state: (B, ...) unpacked; with cu_seqlens one row per document (n, ...)."""
+    if cu_seqlens is None:
+        check_tensor(name, state, shape, dtypes, device=device, dims="(B,)" if len(shape) == 1 else "(B, G)")
+    else:
+        dims = "(n,)" if len(shape) == 1 else "(n, G)"
+        check_tensor(name, state, (None, *shape[1:]), dtypes, device=device, dims=dims)
+        check_per_document(name, state, shape[0], dims)
+
+
 def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_groups: int,
                   prev_count: torch.Tensor | None = None, prev_mean: torch.Tensor | None = None,
                   prev_var: torch.Tensor | None = None, padding_mask: torch.Tensor | None = None,
@@ -255,10 +265,8 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
     check_tensor("x", x, (None, None, None), REAL_DTYPES, dims="(B, L, D)")
     B, L, D = x.shape
     dev = x.device
-    if cu_seqlens is None:
-        n, lead = B, "B"
-    else:  # states are per document
-        n, lead = check_cu_seqlens(cu_seqlens, batch=B, length=L, device=dev), "n"
+    # states: one per batch element, or with cu_seqlens one per document
+    n = B if cu_seqlens is None else check_cu_seqlens(cu_seqlens, batch=B, length=L, device=dev)
     num_groups = check_int("num_groups", num_groups, minimum=1)
     if D % num_groups:
         raise ValueError(f"num_groups must divide D (the last dimension of x), got num_groups={num_groups}, D={D}")
@@ -269,16 +277,16 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
     if prev_count is None:
         prev_count = torch.zeros(n, dtype=torch.int64, device=dev)
     else:
-        check_tensor("prev_count", prev_count, (n,), INT_DTYPES, device=dev, dims=f"({lead},)")
+        _check_state("prev_count", prev_count, (n,), INT_DTYPES, dev, cu_seqlens)
         # its values (>= 0) are checked inside the op, where reading them traces nothing
     if prev_mean is None:
         prev_mean = torch.zeros(n, G, dtype=acc, device=dev)
     else:
-        check_tensor("prev_mean", prev_mean, (n, G), REAL_DTYPES, device=dev, dims=f"({lead}, G)")
+        _check_state("prev_mean", prev_mean, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if prev_var is None:
         prev_var = torch.ones(n, G, dtype=acc, device=dev)
     else:
-        check_tensor("prev_var", prev_var, (n, G), REAL_DTYPES, device=dev, dims=f"({lead}, G)")
+        _check_state("prev_var", prev_var, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if padding_mask is None:
         padding_mask = torch.zeros(B, L, dtype=torch.bool, device=dev)
     else:
