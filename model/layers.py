@@ -236,9 +236,8 @@ class ComplexEMA(nn.Module):
         With ``cu_seqlens`` (n + 1,), x is one packed row (B = 1) of n documents, each starting
         from its own state: hx and h are c(n D N)."""
         p, log_q, gamma = self.coefficients()
-        packed = {} if cu_seqlens is None else {"cu_seqlens": cu_seqlens}  # TEMP until ops.cema lands
         return ops.cema(x, p, log_q, gamma, self.omega.view(self.embed_dim), hx, return_state,
-                        **packed, backend=self.backend)
+                        cu_seqlens=cu_seqlens, backend=self.backend)
 
     def extra_repr(self) -> str:
         return f"edim={self.embed_dim}, ndim={self.ndim}"
