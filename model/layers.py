@@ -299,9 +299,10 @@ class MegalodonAttention(nn.Module):
                 carry: Optional[tuple] = None, on_carry=None, cu_seqlens: Optional[torch.Tensor] = None) -> torch.Tensor:
         """``carry`` / ``on_carry`` serve chunk parallelism (:mod:`..parallel`), with gradients:
         ``carry = (prev_count, prev_mean, prev_var, hx)`` (any may be None) is the incoming state
-        of a slice starting on a chunk boundary (of a sequence, or with ``cu_seqlens`` of each
-        document: leading size n), and ``on_carry(count, mean, var, h)`` is called with the
-        outgoing state (not detached) right after the CEMA, before the attention."""
+        of a slice starting on a chunk boundary, one per sequence (with ``cu_seqlens``: one per
+        document, leading size n), and ``on_carry(count, mean, var, h)`` is called with the
+        outgoing state (not detached, in the same layout) right after the CEMA, before the
+        attention."""
         B, L, D = x.shape
         H, dz, dv, C = self.num_heads, self.z_head_dim, self.v_head_dim, self.chunk_size
         if cu_seqlens is not None and state is not None:
