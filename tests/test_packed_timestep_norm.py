@@ -11,7 +11,7 @@ import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megalodon_kernels.ops import _packing
-from megalodon_kernels.ops.timestep_norm import timestep_norm, torch_impl
+from megalodon_kernels.ops.timestep_norm import BACKENDS, timestep_norm
 from support import assert_close, backend_module, err_ratio, knobs, to_np, tol
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN lanes the Triton kernels mask away
@@ -116,19 +116,12 @@ def compare(p, dtype, backend, seed=0):
     ups = [torch.randn(t.shape, generator=gen, dtype=F64).to(t.dtype) for t in (got[0], got[2], got[3])]
     zero = [torch.zeros_like(u) for u in ups]
     for source, up in (("y", [ups[0], *zero[1:]]), ("state", [zero[0], *ups[1:]])):
-        names = list(leaves)
-        g_got = torch.autograd.grad((got[0], got[2], got[3]), list(leaves.values()), up, retain_graph=True,
-                                    allow_unused=True)
-        g_want = torch.autograd.grad((want[0], want[2], want[3]), list(leaves.values()), up, retain_graph=True,
-                                     allow_unused=True)
-        for k, a, b in zip(names, g_got, g_want):
-            if b is None:  # a leaf no output depends on (scale/bias when nothing is observed)
-                assert a is None or not a.any(), f"d{k} from {source}"
-                continue
+        g_got = torch.autograd.grad((got[0], got[2], got[3]), list(leaves.values()), up, retain_graph=True)
+        g_want = torch.autograd.grad((want[0], want[2], want[3]), list(leaves.values()), up, retain_graph=True)
+        for k, a, b in zip(leaves, g_got, g_want):
             assert a.dtype == leaves[k].dtype and a.shape == leaves[k].shape
             t = max(budget(backend, dtype, "bwd"), budget(backend, a.dtype, "bwd"))
             assert_close(f"d{k} from {source}", a, to_np(b), t)
-    return got, want
 
 
 @contextlib.contextmanager
@@ -193,15 +186,13 @@ def test_whole_row_statistics_would_fail_the_comparison(backend):
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
 def test_one_backend_call_per_bucket(backend, monkeypatch):
     gen = torch.Generator().manual_seed(3)
-    lengths = torch.randint(0, 6, (64,), generator=gen).tolist()  # 64 documents, some empty
-    p = documents(lengths, 4, 2, seed=3, pad=True, prior=True)
+    lengths = torch.randint(0, 6, (48,), generator=gen).tolist()  # 48 documents, some empty
+    p = documents(lengths, 4, 1, seed=3, pad=True, prior=True)
     leaves = leaves_of(p, F32)
     L = p["x"].shape[1]
     buckets = _packing.plan(p["cu_seqlens"], L).buckets
     assert len(buckets) <= 4 and sum(b.docs.numel() for b in buckets) == sum(n > 0 for n in lengths)
-    from megalodon_kernels.ops.timestep_norm import BACKENDS
-
-    module = BACKENDS.select(backend, {"x": p["x"].float(), "num_groups": 2}, device=p["x"].device, dtype=F32).module
+    module = BACKENDS.select(backend, {"x": p["x"].float(), "num_groups": 1}, device=p["x"].device, dtype=F32).module
     rows = {"fwd": [], "bwd": []}
     for kind in rows:
         fn = getattr(module, f"timestep_norm_{kind}")
