@@ -27,8 +27,8 @@ BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b, d in [
 ]]
 
 #: short time chunks, so that documents of a few dozen steps span one, several or a fraction of one
-#: (torch: chunk T; Triton: T = block_elems / 16 for group sizes <= 16; CUDA: one step per chunk
-#: below 128 steps)
+#: (torch: chunk T; Triton: T = block_elems / 16 for group sizes <= 16; CUDA: always 32 or more
+#: chunks, one or two steps each at these lengths)
 SHORT_CHUNKS = {"torch": {"chunk": 8}, "triton": {"block_elems": 128}, "cuda": {}}
 
 
@@ -42,8 +42,8 @@ def budget(backend, dtype, kind):
 
 
 def documents(lengths, D, G, seed, *, pad, prior, padded_docs=(), int32=False):
-    """A packed row of documents with the given lengths: each with its own level (|mean| up to ~5)
-    and spread; with ``pad`` ~30% of the steps padded, and every step of the documents
+    """A packed row of documents with the given lengths: each with its own level (~ N(0, 9)) and
+    spread; with ``pad`` ~30% of the steps padded, and every step of the documents
     ``padded_docs``, their x holding NaN/inf; with ``prior`` an initial state per document (some
     with prev_count 0). float64; cu_seqlens int64 (or int32)."""
     gen = torch.Generator().manual_seed(seed)
