@@ -210,13 +210,19 @@ __device__ __forceinline__ int2 query_range(const Params& p, int j0, int j1) {
   return make_int2(lo, hi);
 }
 
-// Scaled score of (i, j) or -inf when not visible / dropped / out of range.
-__device__ __forceinline__ float masked_score(const Params& p, int b, int h, int i, int j, float acc) {
+// The DropKey stream key of plane (b, h), computed once per CTA: mix32(mix32(key ^ b') ^ h) with
+// b' = batch_index[b] for packed document rows, else b (dropkey::row_key without the row step).
+__device__ __forceinline__ std::uint32_t head_key(const Params& p, int b, int h) {
+  if (p.thr == 0u) return 0u;
+  const std::int64_t rb = p.batch_index ? p.batch_index[b] : b;
+  return dropkey::mix32(dropkey::mix32(p.key ^ static_cast<std::uint32_t>(rb)) ^ static_cast<std::uint32_t>(h));
+}
+
+// Scaled score of (i, j) or -inf when not visible / dropped / out of range; hk = head_key(p, b, h).
+__device__ __forceinline__ float masked_score(const Params& p, std::uint32_t hk, int i, int j, float acc) {
   if (i >= p.L || j >= p.S || !visible(p, i, j)) return -INFINITY;
   if (p.thr != 0u) {
-    const std::int64_t rb = p.batch_index ? p.batch_index[b] : b;
-    const std::uint32_t rk = dropkey::row_key(p.key, static_cast<std::uint32_t>(rb), static_cast<std::uint32_t>(h),
-                                              static_cast<std::uint32_t>(i));
+    const std::uint32_t rk = dropkey::mix32(hk ^ static_cast<std::uint32_t>(i));
     if (!dropkey::keep(rk, static_cast<std::uint32_t>(j), p.thr)) return -INFINITY;
   }
   return acc * p.scale;
@@ -261,6 +267,7 @@ __global__ void __launch_bounds__(C::NT) flash_fwd_kernel(Params p) {
 
   const int m0 = blockIdx.x * BM;
   const int bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const std::uint32_t hk = head_key(p, b, h);
   const int c0 = blockIdx.z * DV;
   const int tid = threadIdx.x;
   const int i_end = imin(p.L, m0 + BM);
@@ -298,7 +305,7 @@ __global__ void __launch_bounds__(C::NT) flash_fwd_kernel(Params p) {
     for (int e = 0; e < size(accS); ++e) {
       const int rr = get<0>(cS(e)), cc = get<1>(cS(e));
       const int j = n0 + cc;
-      sS[rr * SLD + cc] = j < kr.y ? masked_score(p, b, h, m0 + rr, j, accS(e)) : -INFINITY;
+      sS[rr * SLD + cc] = j < kr.y ? masked_score(p, hk, m0 + rr, j, accS(e)) : -INFINITY;
     }
     __syncthreads();
 
@@ -383,8 +390,8 @@ enum class Grad { kDV, kDK, kDQ };
 // One (query block m0, key block n0) step of the backward: scores, P, and (kDK / kDQ) dP and dS;
 // leaves P (kDV) or dS (kDK / kDQ) in shared memory as the input type (BM x BN, row-major).
 template <class C, Grad G>
-__device__ __forceinline__ void bwd_tile(const Params& p, int b, int h, int m0, int n0, int n_end, int c0,
-                                         unsigned char* smem) {
+__device__ __forceinline__ void bwd_tile(const Params& p, int b, int h, std::uint32_t hk, int m0, int n0, int n_end,
+                                         int c0, unsigned char* smem) {
   using E = typename C::E;
   using Lay = BwdSmem<C>;
   constexpr int BM = C::BM, BN = C::BN, D = C::D, DV = C::DV;
@@ -406,7 +413,7 @@ __device__ __forceinline__ void bwd_tile(const Params& p, int b, int h, int m0, 
   for (int e = 0; e < size(accS); ++e) {
     const int rr = get<0>(cS(e)), cc = get<1>(cS(e));
     const int j = n0 + cc;
-    const float s = j < n_end ? masked_score(p, b, h, m0 + rr, j, accS(e)) : -INFINITY;
+    const float s = j < n_end ? masked_score(p, hk, m0 + rr, j, accS(e)) : -INFINITY;
     float pv = 0.0f;
     if (s != -INFINITY) {
       if (p.laplace) pv = G == Grad::kDV ? laplace_fn(s) : laplace_grad(s);
@@ -463,6 +470,7 @@ __global__ void __launch_bounds__(C::NT) flash_bwd_kv_kernel(Params p) {
   E* sOp = reinterpret_cast<E*>(smem + Lay::dout);
   E* sGp = reinterpret_cast<E*>(smem + Lay::ds);
   const int n0 = blockIdx.x * BN, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const std::uint32_t hk = head_key(p, b, h);
   const int c0 = blockIdx.z * DV;
   const int n_end = imin(p.S, n0 + BN);
   const int2 qr = query_range(p, n0, n_end);
@@ -480,7 +488,7 @@ __global__ void __launch_bounds__(C::NT) flash_bwd_kv_kernel(Params p) {
     load_rows<C>(p, bh, m0, smem);
     C::G2S::commit_and_wait();
     __syncthreads();
-    bwd_tile<C, G>(p, b, h, m0, n0, n_end, c0, smem);
+    bwd_tile<C, G>(p, b, h, hk, m0, n0, n_end, c0, smem);
     __syncthreads();
     // rows >= qr.y are zero in sQ / sdO (zero-filled) and in P / dS (masked): they add nothing.
     if constexpr (G == Grad::kDV) {
@@ -511,6 +519,7 @@ __global__ void __launch_bounds__(C::NT) flash_bwd_q_kernel(Params p) {
   E* sKp = reinterpret_cast<E*>(smem + Lay::k);
   E* sGp = reinterpret_cast<E*>(smem + Lay::ds);
   const int m0 = blockIdx.x * BM, bh = blockIdx.y, b = bh / p.H, h = bh % p.H;
+  const std::uint32_t hk = head_key(p, b, h);
   const int2 kr = key_range(p, m0, imin(p.L, m0 + BM));
   typename C::Mma mma;
   auto thr = mma.get_slice(threadIdx.x);
@@ -524,7 +533,7 @@ __global__ void __launch_bounds__(C::NT) flash_bwd_q_kernel(Params p) {
     load_tile<C, BN, D>(static_cast<const E*>(p.k), sKp, b, h, n0, kr.y, p.S, p.H, D, 0);
     C::G2S::commit_and_wait();
     __syncthreads();
-    bwd_tile<C, Grad::kDQ>(p, b, h, m0, n0, kr.y, 0, smem);
+    bwd_tile<C, Grad::kDQ>(p, b, h, hk, m0, n0, kr.y, 0, smem);
     __syncthreads();
     block_gemm(mma, smem_tile<BM, BN>(sGp), smem_tile_t<BN, D>(sKp), acc);  // dS K
   }

@@ -8,7 +8,8 @@ one program owns one (batch, head) plane and one block of rows.
   previous chunk with block_causal; blocks outside it are never loaded). Per key block: the
   BLOCK_M x BLOCK_N scores by ``tl.dot`` (fp32 accumulation), the visibility mask and the
   DropKey rule (``ops.dropkey_rule``, regenerated from (seed, b, h, i, j) in uint32, the same
-  bits as the torch backend), then an online softmax (running max and sum, fp32) or Laplace
+  bits as the torch backend; b is read from the launcher's per-row batch index ``bidx``, arange(B)
+  or a packed call's document indices), then an online softmax (running max and sum, fp32) or Laplace
   (no normalisation), and ``acc += P v``. Softmax saves lse = m + log(l) per row ([B, H, L]
   fp32, -inf for a row with no visible kept key, whose output is 0).
 * Backward: ``_attn_bwd_delta_kernel`` computes delta = rowsum(dO * O) (softmax only);
