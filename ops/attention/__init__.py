@@ -120,13 +120,14 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, ch
     laplace) and the seed used, an int64 CPU tensor (1,)). ``seed`` = DRAW_SEED draws one from
     torch's default generator here, at run time (so compiled and eager draw the same seeds).
     With ``cu_seqlens`` (B = 1, S = L) every document attends within itself (_packed_fwd)."""
-    seed = resolve_seed(None) if seed == DRAW_SEED else seed
     if cu_seqlens is not None:
+        seed = resolve_seed(None) if seed == DRAW_SEED else seed
         o, lse = _packed_fwd(q, k, v, cu_seqlens, scale=scale, causal=causal, chunk_size=chunk_size,
                              block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                              backend=backend)
         return o, (lse if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))), seed_tensor(seed)
     impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    seed = resolve_seed(None) if seed == DRAW_SEED else seed
     o, lse = impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
                                        block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                                        **impl.config)
