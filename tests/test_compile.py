@@ -71,6 +71,12 @@ def _forward_cases():
         yield f"cema-{name}-state", OPS.cema, (x, p, lq, gm, om, hx, True, True, "auto")
         yield f"cema-{name}-state-unweighted", OPS.cema, (x, p, lq, gm, om, hx, True, False, "auto")
         yield f"cema-{name}", OPS.cema, (x, p, lq, gm, om, None, False, False, "auto")
+        cu, x1, hx3 = torch.tensor([0, 4, 4, 9]), x[:1].detach().requires_grad_(), hx.detach()[[0, 1, 1]].requires_grad_()
+        yield f"fftconv-{name}-packed", OPS.fftconv, (x1, k, "auto", cu)
+        yield f"ema_hidden-{name}-packed-hx-weighted", OPS.ema_hidden, (x1, p, lq, hx3, True, "auto", cu)
+        yield f"ema_hidden-{name}-packed", OPS.ema_hidden, (x1, p, lq, None, False, "auto", cu)
+        yield f"cema-{name}-packed-state", OPS.cema, (x1, p, lq, gm, om, hx3, True, True, "auto", cu)
+        yield f"cema-{name}-packed", OPS.cema, (x1, p, lq, gm, om, None, False, False, "auto", cu)
         Bt, Lt, Dt, G = 2, 7, 8, 2
         acc = torch.float64 if dt == torch.float64 else torch.float32
         xt = torch.randn(Bt, Lt, Dt, generator=g).to(dt).requires_grad_()
@@ -142,6 +148,14 @@ def _backward_cases():
         y, h, kk, V, W = OPS.cema(x, p, lq, gm, om, None, False, False, "auto")
         yield f"cema_bwd-{name}-no-state", OPS.cema_bwd, (torch.randn_like(y), None, x, p, lq, gm, om, None, kk, V, W,
                                                           [True, True, True, True, True, False], "auto")
+        cu, x1, hx3 = torch.tensor([0, 4, 4, 9]), x[:1], hx[[0, 1, 1]]  # 3 documents, one empty
+        yield f"fftconv_bwd-{name}-packed", OPS.fftconv_bwd, (torch.randn_like(x1), x1, k, True, True, "auto", cu)
+        h, V, W = OPS.ema_hidden(x1, p, lq, hx3, True, "auto", cu)
+        yield f"ema_hidden_bwd-{name}-packed", OPS.ema_hidden_bwd, (torch.randn_like(h), x1, p, lq, hx3, V, W,
+                                                                    [True] * 4, "auto", cu)
+        y, h, kk, V, W = OPS.cema(x1, p, lq, gm, om, hx3, True, True, "auto", cu)
+        yield f"cema_bwd-{name}-packed", OPS.cema_bwd, (torch.randn_like(y), torch.randn_like(h), x1, p, lq, gm, om, hx3,
+                                                        kk, V, W, [True] * 6, "auto", cu)
         Bt, Lt, Dt, G = 2, 7, 8, 2
         xt, sc, bi = torch.randn(Bt, Lt, Dt, dtype=dt), torch.randn(Dt, dtype=dt), torch.randn(Dt, dtype=dt)
         pc, pm, pv = torch.tensor([0, 3]), torch.randn(Bt, G, dtype=dt), torch.rand(Bt, G, dtype=dt) + 0.5
@@ -195,6 +209,14 @@ def _backend_cases(backend):
     if backend != "cuda":  # cema has no CUDA implementation
         yield "cema", OPS.cema, (x, p, lq, gm, om, hx, True, True, backend), OPS.cema_bwd, \
             lambda out: (out[0], out[1], x, p, lq, gm, om, hx, *out[2:], [True] * 6, backend)
+    cu_ema, x1, hx3 = torch.tensor([0, 4, 4, 9]), x[:1], hx[[0, 1, 1]]  # 3 documents, one empty
+    yield "fftconv-packed", OPS.fftconv, (x1, k, backend, cu_ema), OPS.fftconv_bwd, \
+        lambda y: (y, x1, k, True, True, backend, cu_ema)
+    yield "ema_hidden-packed", OPS.ema_hidden, (x1, p, lq, hx3, True, backend, cu_ema), OPS.ema_hidden_bwd, \
+        lambda out: (out[0], x1, p, lq, hx3, out[1], out[2], [True] * 4, backend, cu_ema)
+    if backend != "cuda":
+        yield "cema-packed", OPS.cema, (x1, p, lq, gm, om, hx3, True, True, backend, cu_ema), OPS.cema_bwd, \
+            lambda out: (out[0], out[1], x1, p, lq, gm, om, hx3, *out[2:], [True] * 6, backend, cu_ema)
     xt, sc, bi = torch.randn(2, 7, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
     pc, pm, pv = torch.tensor([0, 3]), torch.randn(2, 2, generator=g), torch.rand(2, 2, generator=g) + 0.5
     pad = torch.zeros(2, 7, dtype=torch.bool)
@@ -260,6 +282,11 @@ def _op_calls():
     yield "cema-state", lambda x, p, lq, gm, om, hx: ops.cema(x, p, lq, gm, om, hx, return_state=True), \
         (x, p, lq, gm, om, hx)
     yield "cema", lambda x, p, lq, gm, om: ops.cema(x, p, lq, gm, om)[0], (x, p, lq, gm, om)
+    cu3, hx3 = torch.tensor([0, 4, 4, 11]), hx[[0, 1, 1]]  # 3 documents, one empty
+    yield "fftconv-packed", lambda x, k: ops.fftconv(x, k, cu_seqlens=cu3), (x[:1], k)
+    yield "ema_hidden-packed", lambda x, p, lq, hx: ops.ema_hidden(x, p, lq, hx, cu_seqlens=cu3), (x[:1], p, lq, hx3)
+    yield "cema-packed-state", lambda x, p, lq, gm, om, hx: ops.cema(x, p, lq, gm, om, hx, return_state=True,
+                                                                     cu_seqlens=cu3), (x[:1], p, lq, gm, om, hx3)
     xt, sc, bi = torch.randn(2, 7, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
     pad = torch.zeros(2, 7, dtype=torch.bool)
     pad[1, 4] = True
