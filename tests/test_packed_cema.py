@@ -215,6 +215,16 @@ def test_empty_documents_keep_their_state():
     assert torch.count_nonzero(h[0]) == 0 and torch.count_nonzero(h[1]) > 0
 
 
+def test_log_q_gradient_without_the_weighted_sums():
+    """The op called without the state's weighted sums (W a placeholder) still gives dlog_q: the
+    packed backward recomputes them."""
+    args, dy, dh, cu = packed_inputs([3, 0, 9], F64, F64)
+    args = leaves(args, ("log_q",))
+    y, h = OPS.cema(*(args[k] for k in NAMES), True, False, "torch", cu)[:2]
+    (dlq,) = torch.autograd.grad([y, h], (args["log_q"],), [dy, dh])
+    assert_close("dlog_q", dlq, to_np(separate(args, dy, dh, cu, True, backend="torch")[2]["log_q"]), 1e-10)
+
+
 @pytest.mark.parametrize("backend", ["torch", "triton"])
 def test_one_backend_call_per_bucket(backend, monkeypatch):
     """18 documents of lengths 0..5 fall into the row lengths 1, 2, 4 and 8: four cema forward and

@@ -29,7 +29,7 @@ from .._library import absent, custom_op, empty_like, grad_or_none
 from .._packing import check_cu_seqlens, check_per_document, plan
 from .._vandermonde import exact_powers
 
-__all__ = ["ema_hidden", "packed_state", "packed_state_grads"]
+__all__ = ["ema_hidden"]
 
 BACKENDS = OpBackends("ema_hidden", {
     "cuda": "megalodon_kernels.ops.ema_hidden.cuda_impl",
