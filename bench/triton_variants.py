@@ -524,7 +524,8 @@ def _attention_variants(space):
                 if key in seen:
                     continue
                 seen.add(key)
-                types = tuple((n, f"*{dt}") for n in ptrs) + (("lse_ptr", "*fp32"), ("delta_ptr", "*fp32"))
+                types = tuple((n, f"*{dt}") for n in ptrs) + (
+                    ("lse_ptr", "*fp32"), ("delta_ptr", "*fp32"), ("bidx_ptr", "*i64"))
                 tag = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts[1:])
                 variants.append(Variant(
                     op="attention", kernel=name, fn=fn, arg_types=types + _ATTENTION_SCALARS, constexprs=consts,

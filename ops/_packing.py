@@ -32,6 +32,7 @@ from typing import Callable
 import torch
 
 from ._checks import INT_DTYPES
+from ._host_sync import check_on_device
 
 __all__ = ["Bucket", "Plan", "check_cu_seqlens", "check_per_document", "document_positions", "next_pow2", "plan"]
 
@@ -80,6 +81,8 @@ def document_positions(cu_seqlens: torch.Tensor, length: int | None = None) -> t
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must have shape (n + 1,) with n >= 1 documents, got shape {tuple(cu_seqlens.shape)}")
     cu = cu_seqlens.to(torch.int64)
+    check_on_device((cu[0] == 0) & (cu[1:] >= cu[:-1]).all(),
+                    "cu_seqlens must start at 0 and be non-decreasing")
     if length is None:
         length = int(cu[-1])
     t = torch.arange(length, dtype=torch.int64, device=cu.device)

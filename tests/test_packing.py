@@ -108,3 +108,7 @@ def test_document_positions():
         document_positions(torch.tensor([0.0, 3.0]))
     with pytest.raises(ValueError, match="cu_seqlens"):
         document_positions(torch.tensor([3]))
+    with pytest.raises(ValueError, match="cu_seqlens must start at 0"):
+        document_positions(torch.tensor([1, 3]))
+    with pytest.raises(ValueError, match="non-decreasing"):
+        document_positions(torch.tensor([0, 3, 2]))
