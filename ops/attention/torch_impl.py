@@ -244,7 +244,8 @@ def _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_s
 def _chunked(x, C, nc, front):
     """[B, H, L, d] -> [B, H, front + nc, C, d], zero-padding ``front`` chunks before and the ragged tail."""
     L = x.shape[2]
-    x = torch.nn.functional.pad(x, (0, 0, front * C, nc * C - L))
+    if front or nc * C != L:  # otherwise a view: no copy of x
+        x = torch.nn.functional.pad(x, (0, 0, front * C, nc * C - L))
     return x.view(x.shape[0], x.shape[1], front + nc, C, x.shape[-1])
 
 
@@ -306,9 +307,16 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
     if delta is not None:
         delta_c = torch.nn.functional.pad(delta, (0, nc * C - L)).view(B, H, nc, C)
         lse_c = torch.nn.functional.pad(lse, (0, nc * C - L), value=-math.inf).view(B, H, nc, C)
-    # Padded accumulators in the chunk layout; the padding rows are cut off at the end.
-    dqc = qc.new_zeros(qc.shape)
-    dkc, dvc = kc.new_zeros(kc.shape), vc.new_zeros(vc.shape)
+    # Accumulators in the chunk layout: views of dq, dk, dv when no chunk is padded, else padded
+    # buffers whose padding rows are cut off at the end. Every chunk's dq is written once; so are
+    # dk and dv without block_causal, where no zero fill is needed.
+    padded = front or nc * C != L
+    if padded:
+        dqc = qc.new_empty(qc.shape)
+        dkc = kc.new_zeros(kc.shape) if block_causal else kc.new_empty(kc.shape)
+        dvc = vc.new_zeros(vc.shape) if block_causal else vc.new_empty(vc.shape)
+    else:
+        dqc, dkc, dvc = (t.view(B, H, nc, C, t.shape[-1]) for t in (dq, dk, dv))
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
         i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
         mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
@@ -319,7 +327,8 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
         dvb = torch.matmul(p.transpose(-1, -2), dob)  # [B, H, G, keys, dv]
         dp = torch.matmul(dob, vb.transpose(-1, -2))
         ds = _ds(p, dp, extra, None if delta is None else delta_c[:, :, c0:c1], attn_fn)
-        dqc[:, :, c0:c1] = torch.matmul(ds, kb).mul_(scale)
+        dq_b = torch.matmul(ds, kb)
+        dqc[:, :, c0:c1] = dq_b.mul_(scale) if scale != 1.0 else dq_b  # x 1.0 is exact: skip the pass
         dkb = torch.matmul(ds.transpose(-1, -2), qb)  # [B, H, G, keys, dh]
         if block_causal:
             # First C key slots belong to the previous chunk (stored one chunk earlier in the padded layout).
@@ -328,12 +337,13 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
             dkc[:, :, c0 + 1:c1 + 1] += dkb[..., C:, :]
             dvc[:, :, c0 + 1:c1 + 1] += dvb[..., C:, :]
         else:
-            dkc[:, :, c0:c1] += dkb
-            dvc[:, :, c0:c1] += dvb
-    first = front * C
-    dq.copy_(dqc.flatten(2, 3)[:, :, :L])
-    dk.copy_(dkc.flatten(2, 3)[:, :, first:first + L])
-    dv.copy_(dvc.flatten(2, 3)[:, :, first:first + L])
+            dkc[:, :, c0:c1] = dkb
+            dvc[:, :, c0:c1] = dvb
+    if padded:
+        first = front * C
+        dq.copy_(dqc.flatten(2, 3)[:, :, :L])
+        dk.copy_(dkc.flatten(2, 3)[:, :, first:first + L])
+        dv.copy_(dvc.flatten(2, 3)[:, :, first:first + L])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,14 +382,16 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     # Softmax: rowsum(P * dP) = rowsum(dO * O), one [B, H, L] vector instead of a per-tile sum.
     delta = (dot * _to_bhld(o, acc)).sum(-1) if attn_fn == "softmax" else None  # [B, H, L]
     # dk = dS^T (scale q) comes out scaled because qt is; dq = scale dS k is scaled per tile.
-    dq = torch.empty_like(qt)
-    dk, dv = torch.zeros_like(kt), torch.zeros_like(vt)
+    dq = torch.empty_like(qt, memory_format=torch.contiguous_format)
     common = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
                   dropkey_p=dropkey_p, seed=seed, batch_index=batch_index, attn_fn=attn_fn,
                   max_block_elems=max_block_elems)
     if use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems):
+        dk = torch.empty_like(kt, memory_format=torch.contiguous_format)  # the chunk path writes every row
+        dv = torch.empty_like(vt, memory_format=torch.contiguous_format)
         _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, chunks_per_step=chunks_per_step, **common)
     else:
+        dk, dv = torch.zeros_like(kt), torch.zeros_like(vt)  # accumulated over query blocks
         _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, block_q=block_q, **common)
     back = lambda x, like: x.transpose(1, 2).to(like.dtype).contiguous()  # noqa: E731
     return back(dq, q), back(dk, k), back(dv, v)

@@ -1,0 +1,164 @@
+"""Eager CPU training step of the bench model: wall time and the profiler's non-GEMM share.
+
+The bench model: vocab 1000, model_dim 256, 2 layers, 1 head, z_dim 64, value_dim 512, FFN 640,
+cema_ndim 16, chunk 256, 32 TimestepNorm groups, fp32, no dropout; one step = forward,
+cross-entropy, backward over B=2 sequences of L=4096 tokens (the optimizer is left out).
+
+    python bench/cpu_step.py [--B 2 --L 4096] [--steps 3] [--threads N] [--top 25] [--out bench/results/cpu_step.md]
+
+Measures, after two warm-up steps:
+
+* wall time: median (min-max) of ``--timed`` unprofiled steps;
+* the torch profiler's SELF CPU time of every op in each of ``--steps`` profiled steps. The
+  GEMM share is the self time of the dense-matmul ops in ``GEMM_OPS`` (the BLAS kernels
+  ``aten::mm``/``bmm``/``addmm``/``baddbmm``/``addbmm`` and the ``matmul``/``linear`` wrappers
+  around them, whose own self time is their dispatch); everything else (elementwise ops,
+  reductions, copies, fills, FFTs, custom-op bodies, autograd bookkeeping) is non-GEMM.
+  non-GEMM share = (total self time - GEMM self time) / total self time, per step; the
+  reported value is the median over the profiled steps. Python time between ops is in no op's
+  self time, so the profile's total is below the wall time (both are printed).
+
+The table lists the non-GEMM ops with the largest self time (median step), with call counts.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import statistics
+import subprocess
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch.profiler import ProfilerActivity, profile
+
+from megalodon_kernels.model import Megalodon, MegalodonConfig
+
+#: Ops whose self time counts as dense matrix multiplication.
+GEMM_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm",
+                      "aten::matmul", "aten::linear"})
+
+VOCAB = 1000
+
+
+def bench_config() -> MegalodonConfig:
+    return MegalodonConfig(num_layers=2, model_dim=256, num_heads=1, z_dim=64, value_dim=512,
+                           ffn_hidden_dim=640, cema_ndim=16, chunk_size=256, norm_num_groups=32,
+                           vocab_size=VOCAB, dropout=0.0, hidden_dropout=0.0, attention_dropout=0.0)
+
+
+def train_step(model, tokens):
+    model.zero_grad(set_to_none=True)
+    logits = model(tokens[:, :-1])
+    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    loss.backward()
+    return loss.detach()
+
+
+def profiled_step(model, tokens) -> dict[str, tuple[float, int]]:
+    """op name -> (self CPU seconds, calls) of one step."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        train_step(model, tokens)
+    return {e.key: (e.self_cpu_time_total * 1e-6, e.count) for e in prof.key_averages()}
+
+
+def split(ops: dict[str, tuple[float, int]]) -> tuple[float, float]:
+    """(total self seconds, GEMM self seconds)."""
+    total = sum(t for t, _ in ops.values())
+    gemm = sum(t for name, (t, _) in ops.items() if name in GEMM_OPS)
+    return total, gemm
+
+
+def machine_load() -> str:
+    try:
+        return subprocess.run(["uptime"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        return "load average %.2f, %.2f, %.2f" % os.getloadavg()
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--B", type=int, default=2)
+    ap.add_argument("--L", type=int, default=4096)
+    ap.add_argument("--steps", type=int, default=3, help="profiled steps")
+    ap.add_argument("--timed", type=int, default=3, help="unprofiled timed steps")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", type=Path, default=None)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    load_before = machine_load()
+    torch.manual_seed(0)
+    model = Megalodon(bench_config()).train()
+    tokens = torch.randint(0, VOCAB, (args.B, args.L + 1))
+    for _ in range(2):
+        train_step(model, tokens)
+
+    walls = []
+    for _ in range(args.timed):
+        t0 = time.perf_counter()
+        train_step(model, tokens)
+        walls.append(time.perf_counter() - t0)
+    profiles = [profiled_step(model, tokens) for _ in range(args.steps)]
+    load_after = machine_load()
+
+    shares = []
+    for ops in profiles:
+        total, gemm = split(ops)
+        shares.append(((total - gemm) / total, total, gemm))
+    median_share = statistics.median(s for s, _, _ in shares)
+    mid = sorted(range(len(shares)), key=lambda i: shares[i][0])[len(shares) // 2]
+    ops, (share, total, gemm) = profiles[mid], shares[mid]
+
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=Path(__file__).parent).stdout.strip()
+    except OSError:
+        commit = "?"
+    cmd = (f"python bench/cpu_step.py --B {args.B} --L {args.L} --steps {args.steps} --timed {args.timed} "
+           f"--threads {args.threads}")
+    lines = [
+        "# Eager CPU training step: time and non-GEMM share",
+        "",
+        f"`{cmd}`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, "
+        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads.",
+        "",
+        f"- `uptime` before: `{load_before}`",
+        f"- `uptime` after: `{load_after}`",
+        "",
+        "Model: vocab 1000, model_dim 256, 2 layers, 1 head, z_dim 64, value_dim 512, FFN 640, cema_ndim 16, "
+        f"chunk 256, 32 norm groups, fp32, no dropout; B={args.B}, L={args.L}; step = forward + "
+        "cross-entropy + backward. non-GEMM share = 1 - (self CPU time of "
+        + ", ".join(f"`{n}`" for n in sorted(GEMM_OPS)) + ") / (self CPU time of all ops), torch profiler.",
+        "",
+        f"- wall time per step (unprofiled): median {statistics.median(walls) * 1e3:.0f} ms "
+        f"(min {min(walls) * 1e3:.0f}, max {max(walls) * 1e3:.0f}) over {len(walls)} steps",
+        f"- **non-GEMM share: {median_share:.3f}** (median of {len(shares)} profiled steps: "
+        + ", ".join(f"{s:.3f}" for s, _, _ in shares) + ")",
+        f"- median step: profiled self time {total * 1e3:.0f} ms, of which GEMM {gemm * 1e3:.0f} ms, "
+        f"non-GEMM {(total - gemm) * 1e3:.0f} ms",
+        "",
+        f"Top non-GEMM ops of the median step (self CPU time):",
+        "",
+        "| op | self ms | share of step | calls |",
+        "|---|---|---|---|",
+    ]
+    rest = sorted(((t, c, name) for name, (t, c) in ops.items() if name not in GEMM_OPS), reverse=True)
+    for t, c, name in rest[:args.top]:
+        lines.append(f"| `{name}` | {t * 1e3:.1f} | {t / total:.3f} | {c} |")
+    lines += ["", "GEMM ops of the median step:", "", "| op | self ms | share of step | calls |", "|---|---|---|---|"]
+    for name in sorted(GEMM_OPS & ops.keys(), key=lambda n: -ops[n][0]):
+        t, c = ops[name]
+        lines.append(f"| `{name}` | {t * 1e3:.1f} | {t / total:.3f} | {c} |")
+    text = "\n".join(lines) + "\n"
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+if __name__ == "__main__":
+    main()
