@@ -326,7 +326,8 @@ class MegalodonAttention(nn.Module):
                          cu_seqlens=cu_seqlens)
         if on_carry is not None:
             on_carry(count, mean, var, h)
-        out_cema = y.transpose(1, 2)
+        # One copy to (B, L, D) rows here saves one in each of the three linears reading mx below.
+        out_cema = y.transpose(1, 2).contiguous()
         # 4. RMSNorm
         mx = self._dropout(self.rmsnorm(out_cema), self.hidden_dropout)
         # 5-6. shared z -> normalised per head -> q, k by scale/offset
