@@ -113,12 +113,15 @@ def _welford_scan(n_obs, gmu, gvar, prior, chunk: int):
         obs = tuple(F.pad(t, (0, 0, 0, pad)) for t in obs)  # zero summaries = identity
     obs = tuple(t.reshape(B, nc, T, t.shape[-1]) for t in obs)  # [B, nc, T, G]
     local = _hillis_steele(obs, dim=2)  # prefixes inside each chunk
-    totals = tuple(t[:, :, -1] for t in local)  # [B, nc, G]
-    incl = _hillis_steele(totals, dim=1)
-    # Exclusive prefix of chunk c = prior (+) totals[0..c-1].
-    excl = tuple(F.pad(t[:, :-1], (0, 0, 1, 0)) for t in incl)
     n0, mu0, m20 = prior
-    carry = _merge((n0[:, None], mu0[:, None], m20[:, None]), excl)  # [B, nc, G]
+    if nc == 1:  # one chunk (short segments, decoding): its prefix is the prior itself
+        carry = (n0[:, None], mu0[:, None], m20[:, None])  # [B, 1, G]
+    else:
+        totals = tuple(t[:, :, -1] for t in local)  # [B, nc, G]
+        incl = _hillis_steele(totals, dim=1)
+        # Exclusive prefix of chunk c = prior (+) totals[0..c-1].
+        excl = tuple(F.pad(t[:, :-1], (0, 0, 1, 0)) for t in incl)
+        carry = _merge((n0[:, None], mu0[:, None], m20[:, None]), excl)  # [B, nc, G]
     out = _merge(tuple(t[:, :, None] for t in carry), local)  # [B, nc, T, G]
     return tuple(t.reshape(B, nc * T, t.shape[-1])[:, :L] for t in out)
 
