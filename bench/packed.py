@@ -16,11 +16,12 @@ shared CPU. The same documents run three ways:
   what packing would cost if the document boundaries were free).
 
 Widths are the bench ``cpu`` shape set's (D, N, G, H, dz, dv, chunk), float32, backend ``torch``
-(``--backend`` to change it). Each op is timed forward (under no_grad) and forward+backward
+(``--backend`` to change it), one torch thread unless ``--threads`` says otherwise. Each op is timed forward (under no_grad) and forward+backward
 (gradients of every floating input); the model (a small config, ``model_config``) forward gives
 the logits and forward+backward adds a cross-entropy loss and its backward (padding targets
 ignored). Reported: the median of ``--repeats`` timed runs after ``--warmup`` runs, and the useful
-tokens per second (T / time, for all three layouts).
+tokens per second (T / time, for all three layouts). The three layouts of one op are timed
+round-robin (packed, padded, unpacked, packed, ...), so the ratios hold up on a shared machine.
 
 The packed op calls reuse one ``cu_seqlens`` tensor, so its plan (one host read of cu_seqlens)
 is cached after the warm-up, as it is for every layer after the first in a model step; the model
@@ -189,23 +190,31 @@ def model_cases(lengths, s, backend: str, device, seed: int = 0):
 
 
 def median_time(fn, repeats: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
+    return median_times({"": fn}, repeats, warmup)[""]
+
+
+def median_times(fns: dict, repeats: int, warmup: int) -> dict:
+    """{name: median seconds} of ``fns`` timed round-robin (one run of each per repeat), so a change
+    in the machine's load during the measurement falls on every layout alike."""
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
     for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+        for name, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: statistics.median(ts) for name, ts in times.items()}
 
 
 def _as_list(out):
     return [o for o in (out if isinstance(out, (tuple, list)) else (out,)) if isinstance(o, torch.Tensor)]
 
 
-def time_op(op, lengths, s, backend, device, repeats, warmup):
-    """{layout: (fwd seconds, fwd+bwd seconds)}."""
-    result = {}
+def _runners(op, lengths, s, backend, device):
+    """{layout: (forward-only callable, forward+backward callable)}."""
+    runners = {}
     if op == "model":
         model, cases = model_cases(lengths, s, backend, device)
         for layout, (fwd, loss_of) in cases.items():
@@ -217,8 +226,8 @@ def time_op(op, lengths, s, backend, device, repeats, warmup):
                 model.zero_grad(set_to_none=True)
                 loss_of(fwd()).backward()
 
-            result[layout] = (median_time(run_fwd, repeats, warmup), median_time(run_both, repeats, warmup))
-        return result
+            runners[layout] = (run_fwd, run_both)
+        return runners
     for layout, (fwd, leaves) in op_cases(op, lengths, s, backend, device).items():
         def run_fwd(fwd=fwd):
             with torch.no_grad():
@@ -230,8 +239,16 @@ def time_op(op, lengths, s, backend, device, repeats, warmup):
             outs = _as_list(fwd())
             torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
 
-        result[layout] = (median_time(run_fwd, repeats, warmup), median_time(run_both, repeats, warmup))
-    return result
+        runners[layout] = (run_fwd, run_both)
+    return runners
+
+
+def time_op(op, lengths, s, backend, device, repeats, warmup):
+    """{layout: (fwd seconds, fwd+bwd seconds)}, the layouts timed round-robin."""
+    runners = _runners(op, lengths, s, backend, device)
+    fwd = median_times({layout: r[0] for layout, r in runners.items()}, repeats, warmup)
+    both = median_times({layout: r[1] for layout, r in runners.items()}, repeats, warmup)
+    return {layout: (fwd[layout], both[layout]) for layout in runners}
 
 
 def plan_seconds(lengths, device, repeats: int) -> float:
@@ -249,8 +266,9 @@ def row_padding_factor(lengths, T: int) -> float:
 
 # ------------------------------------------------------------------------------------- bytes
 def bytes_rows(seed: int = 0):
-    """[(op, direction, packed kernel bytes / ideal, unpacked kernel bytes / ideal)] at a small
-    shape in the Triton interpreter (TRITON_INTERPRET=1)."""
+    """[(op, direction, packed (total, unique) kernel bytes / ideal, unpacked (total, unique) /
+    ideal)] at a small shape in the Triton interpreter (TRITON_INTERPRET=1): "total" counts every
+    access, "unique" distinct addresses (bench/triton_bytes.py)."""
     from megalodon_kernels.bench.roofline import ideal
     from megalodon_kernels.bench.triton_bytes import count_bytes
     import dataclasses
@@ -270,7 +288,8 @@ def bytes_rows(seed: int = 0):
             with count_bytes() as c_bwd:
                 torch.autograd.backward(outs, [torch.ones_like(o) for o in outs])
             want = ideal(op, shape)
-            ratios[layout] = (c_fwd.total / want["fwd"][0], c_bwd.total / want["bwd"][0])
+            ratios[layout] = [(c.total / want[d][0], (c.loaded_unique + c.stored_unique) / want[d][0])
+                              for c, d in ((c_fwd, "fwd"), (c_bwd, "bwd"))]
         for i, direction in enumerate(("fwd", "bwd")):
             rows.append((op, direction, ratios["packed"][i], ratios["unpacked"][i]))
     return lengths, s, rows
@@ -297,7 +316,9 @@ def main(argv=None) -> int:
     ap.add_argument("--repeats", type=int, default=7)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--threads", type=int, default=1,
+                    help="torch threads (0: torch's default); 1 by default, since on a shared CPU more threads "
+                         "than free cores make every call several times slower and the ratios meaningless")
     ap.add_argument("--bytes", action="store_true", help="Triton kernel bytes / ideal of packed calls instead of times")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     a = ap.parse_args(argv)
@@ -318,10 +339,12 @@ def main(argv=None) -> int:
              f"tokens, T = {T}, D={s.D} N={s.N} G={s.G} H={s.H} dz={s.dz} dv={s.dv} chunk={s.chunk}, float32; "
              f"row padding factor {row_padding_factor(lengths, T):.3f}")
         emit()
-        emit("| op | pass | packed kernels / ideal | unpacked row kernels / ideal | packed / unpacked |")
-        emit("|---|---|---|---|---|")
+        emit("| op | pass | packed total / ideal | unpacked total / ideal | packed unique / ideal "
+             "| unpacked unique / ideal | packed / unpacked (total) |")
+        emit("|---|---|---|---|---|---|---|")
         for op, direction, packed, unpacked in rows:
-            emit(f"| {op} | {direction} | {packed:.3f} | {unpacked:.3f} | {packed / unpacked:.3f} |")
+            emit(f"| {op} | {direction} | {packed[0]:.3f} | {unpacked[0]:.3f} | {packed[1]:.3f} | {unpacked[1]:.3f} "
+                 f"| {packed[0] / unpacked[0]:.3f} |")
     else:
         docs = DOC_SETS[a.set]
         if a.docs:
@@ -331,7 +354,7 @@ def main(argv=None) -> int:
         device = torch.device(a.device)
         T, longest = sum(lengths), max(lengths)
         load0 = os.getloadavg()
-        emit(f"{machine_line()}; backend {a.backend}, float32, median of {a.repeats} after {a.warmup} warm-up runs")
+        emit(f"{machine_line()}; backend {a.backend}, float32, median of {a.repeats} round-robin runs after {a.warmup} warm-up runs")
         emit(f"documents: {len(lengths)} of {min(lengths)}..{longest} tokens (log-uniform {docs.min_len}..{docs.max_len}, "
              f"seed {a.seed}), T = {T}; padded: {len(lengths)} x {longest} = {len(lengths) * longest} positions "
              f"({len(lengths) * longest / T:.2f}x T); document rows: {row_padding_factor(lengths, T):.2f}x T")

@@ -21,7 +21,7 @@ Uniform guessing is 8 bits per byte.
 
     python examples/train_packed.py                      # about 4 minutes on one CPU core
     python examples/train_packed.py --minutes 10 --seed 1
-    python examples/train_packed.py --steps 200          # a fixed number of steps, no time limit
+    python examples/train_packed.py --steps 200          # a fixed number of steps (the same curve on every run)
     python examples/train_packed.py --smoke              # a few seconds: a tiny model, a few steps
 """
 from __future__ import annotations
@@ -132,8 +132,10 @@ def model_config(smoke: bool):
 
 def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--minutes", type=float, default=4.0, help="training time budget (0: none, use --steps)")
-    ap.add_argument("--steps", type=int, default=0, help="number of steps (0: until the time budget)")
+    ap.add_argument("--minutes", type=float, default=None,
+                    help="training time budget, evaluations included (default: 4 without --steps, else none)")
+    ap.add_argument("--steps", type=int, default=0,
+                    help="number of steps (0: until the time budget); with both, whichever ends first")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--row-tokens", type=int, default=8192, help="bytes per packed training row")
     ap.add_argument("--max-doc", type=int, default=4096, help="longer files are cut into documents of this many bytes")
@@ -149,6 +151,8 @@ def parse_args(argv=None):
     if args.smoke:
         args.minutes, args.steps, args.row_tokens, args.max_doc = 0.0, 40, 1024, 512
         args.eval_every, args.eval_bytes, args.lr = 20, 8192, 1e-2
+    if args.minutes is None:
+        args.minutes = 0.0 if args.steps > 0 else 4.0
     if args.steps <= 0 and args.minutes <= 0:
         ap.error("give a number of --steps or a time budget in --minutes")
     for name in ("row_tokens", "max_doc", "eval_every", "eval_bytes"):
