@@ -192,7 +192,10 @@ def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_m
     xg = xg - K[:, None, :, None]  # [B, L, G, Dg]; every statistic below is relative to K
     # Two-pass moments inside each row: mean first, then squared deviations from it.
     gmu = xg.mean(-1)  # [B, L, G]
-    gvar = (xg - gmu[..., None]).square_().mean(-1)
+    # Every x-sized temporary is a fresh allocation whose pages the kernel faults in again (glibc
+    # hands large freed blocks back), so one scratch buffer serves the deviations and then y.
+    dev = xg - gmu[..., None]
+    gvar = dev.square_().mean(-1)
     if has_pad:  # a padded row's NaN/inf must not enter the scan
         gmu = torch.where(dead, 0.0, gmu)
         gvar = torch.where(dead, 0.0, gvar)
@@ -208,8 +211,8 @@ def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_m
 
     scale_g = scale.to(acc).reshape(G, D // G)
     bias_g = bias.to(acc).reshape(G, D // G)
-    y = (xg - mu[..., None]).mul_(rstd[..., None])  # [B, L, G, Dg]
-    y = torch.addcmul(bias_g, y, scale_g)
+    y = torch.sub(xg, mu[..., None], out=dev).mul_(rstd[..., None])  # [B, L, G, Dg]
+    y = torch.addcmul(bias_g, y, scale_g, out=y)
     if has_pad:
         y = torch.where(dead[..., None], 0.0, y)
     y = y.reshape(B, L, D).to(x.dtype)
@@ -255,11 +258,13 @@ def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, chunk=DEFAULT_CONFIG["
         xc = torch.where(dead4, 0.0, xc)
     scale_g = scale.to(acc).reshape(G, Dg)
     dys = dyg * scale_g  # [B, L, G, Dg]
-    dyxc = dyg * xc
-    ds = (dyxc * scale_g).sum(-1)  # [B, L, G]
+    # x-sized temporaries reuse buffers (fresh ones cost a page fault per 4 KiB, see the forward).
+    dyxc = xc.mul_(dyg)
+    scratch = dyxc * scale_g
+    ds = scratch.sum(-1)  # [B, L, G]
     db = dys.sum(-1)
     r = rstd
-    dscale = _sum_rows((dyxc * r[..., None]).reshape(B, L, D), chunk)
+    dscale = _sum_rows(torch.mul(dyxc, r[..., None], out=scratch).reshape(B, L, D), chunk)
     dbias = _sum_rows(dyg.reshape(B, L, D), chunk)
 
     # V_t = dgvar_t: the variance carry divided by n_t (reverse inclusive sum).
@@ -279,8 +284,9 @@ def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, chunk=DEFAULT_CONFIG["
     # Subtracting inside the bracket before scaling by r avoids cancelling two O(r |dy|) terms
     # when r is large and n small (var ~ 0, e.g. Dg = 1 at the first step: r = 1/sqrt(eps)).
     rest = (U_next + 2.0 * V * (gmu - mu)) / Dg  # [B, L, G]
-    dx = torch.addcmul(rest[..., None], xg - gmu[..., None], (2.0 / Dg * V)[..., None])
-    dx = dx.addcmul_(dys - (db * inv_n / Dg)[..., None], r[..., None])
+    dx = torch.addcmul(rest[..., None], torch.sub(xg, gmu[..., None], out=scratch), (2.0 / Dg * V)[..., None],
+                       out=xg)
+    dx = dx.addcmul_(dys.sub_((db * inv_n / Dg)[..., None]), r[..., None])
     if has_pad:
         dx = torch.where(dead4, 0.0, dx)
     dx = dx.reshape(B, L, D)
