@@ -8,7 +8,8 @@ cross-entropy, backward over B=2 sequences of L=4096 tokens (the optimizer is le
 
 Measures, after two warm-up steps:
 
-* wall time: median (min-max) of ``--timed`` unprofiled steps;
+* wall time: median (min-max) of ``--timed`` unprofiled steps, and their CPU time (user, system)
+  and minor page faults (getrusage), which a busy shared machine disturbs less than wall time;
 * the torch profiler's SELF CPU time of every op in each of ``--steps`` profiled steps. The
   GEMM share is the self time of the dense-matmul ops in ``GEMM_OPS`` (the BLAS kernels
   ``aten::mm``/``bmm``/``addmm``/``baddbmm``/``addbmm`` and the ``matmul``/``linear`` wrappers
@@ -26,6 +27,8 @@ import argparse
 import datetime
 import os
 import platform
+import re
+import resource
 import statistics
 import subprocess
 import time
@@ -59,11 +62,32 @@ def train_step(model, tokens):
     return loss.detach()
 
 
-def profiled_step(model, tokens) -> dict[str, tuple[float, int]]:
-    """op name -> (self CPU seconds, calls) of one step."""
+def owner(event) -> str:
+    """The library op an event runs under (its nearest ``megalodon_kernels`` ancestor: the op's
+    custom op or its autograd node), as "<op> fwd" / "<op> bwd", or "model glue" (linears, norms,
+    gates, loss, autograd bookkeeping)."""
+    e = event
+    while e is not None:
+        m = re.search(r"megalodon_kernels(?:::|_)(\w+?)(?:_default)?(Backward)?$", e.name)
+        if m:
+            op = m.group(1)
+            bwd = m.group(2) is not None or op.endswith("_bwd")
+            return f"{op.removesuffix('_bwd')} {'bwd' if bwd else 'fwd'}"
+        e = e.cpu_parent
+    return "model glue"
+
+
+def profiled_step(model, tokens):
+    """(op name -> (self CPU seconds, calls), owner -> (self seconds, GEMM self seconds)) of one step."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         train_step(model, tokens)
-    return {e.key: (e.self_cpu_time_total * 1e-6, e.count) for e in prof.key_averages()}
+    by_owner = defaultdict(lambda: [0.0, 0.0])
+    for e in prof.events():
+        row = by_owner[owner(e)]
+        row[0] += e.self_cpu_time_total * 1e-6
+        if e.name in GEMM_OPS:
+            row[1] += e.self_cpu_time_total * 1e-6
+    return {e.key: (e.self_cpu_time_total * 1e-6, e.count) for e in prof.key_averages()}, dict(by_owner)
 
 
 def split(ops: dict[str, tuple[float, int]]) -> tuple[float, float]:
@@ -97,22 +121,26 @@ def main():
     tokens = torch.randint(0, VOCAB, (args.B, args.L + 1))
     for _ in range(2):
         train_step(model, tokens)
+    profiled_step(model, tokens)  # the profiler's own first-use cost stays out of the measured steps
 
-    walls = []
+    walls, cpus, faults = [], [], []
     for _ in range(args.timed):
-        t0 = time.perf_counter()
+        r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
         train_step(model, tokens)
-        walls.append(time.perf_counter() - t0)
+        t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
+        walls.append(t1 - t0)
+        cpus.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
+        faults.append(r1.ru_minflt - r0.ru_minflt)
     profiles = [profiled_step(model, tokens) for _ in range(args.steps)]
     load_after = machine_load()
 
     shares = []
-    for ops in profiles:
+    for ops, _ in profiles:
         total, gemm = split(ops)
         shares.append(((total - gemm) / total, total, gemm))
     median_share = statistics.median(s for s, _, _ in shares)
     mid = sorted(range(len(shares)), key=lambda i: shares[i][0])[len(shares) // 2]
-    ops, (share, total, gemm) = profiles[mid], shares[mid]
+    (ops, by_owner), (share, total, gemm) = profiles[mid], shares[mid]
 
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
@@ -137,12 +165,27 @@ def main():
         "",
         f"- wall time per step (unprofiled): median {statistics.median(walls) * 1e3:.0f} ms "
         f"(min {min(walls) * 1e3:.0f}, max {max(walls) * 1e3:.0f}) over {len(walls)} steps",
+        f"- CPU time per step of this process (median): user {statistics.median(u for u, _ in cpus) * 1e3:.0f} ms, "
+        f"system {statistics.median(t for _, t in cpus) * 1e3:.0f} ms; minor page faults per step "
+        f"{statistics.median(faults):.0f} (fresh pages of large temporaries: glibc returns freed large "
+        "blocks to the kernel, so the next allocation faults them in again)",
         f"- **non-GEMM share: {median_share:.3f}** (median of {len(shares)} profiled steps: "
         + ", ".join(f"{s:.3f}" for s, _, _ in shares) + ")",
         f"- median step: profiled self time {total * 1e3:.0f} ms, of which GEMM {gemm * 1e3:.0f} ms, "
         f"non-GEMM {(total - gemm) * 1e3:.0f} ms",
         "",
-        f"Top non-GEMM ops of the median step (self CPU time):",
+        "Self CPU time of the median step by where it runs (a library op's forward or backward, "
+        "or the model glue around the ops):",
+        "",
+        "| where | self ms | share of step | of which GEMM ms | non-GEMM ms |",
+        "|---|---|---|---|---|",
+    ]
+    for name, (t, g) in sorted(by_owner.items(), key=lambda kv: -kv[1][0]):
+        if t >= 0.001 * total:
+            lines.append(f"| {name} | {t * 1e3:.1f} | {t / total:.3f} | {g * 1e3:.1f} | {(t - g) * 1e3:.1f} |")
+    lines += [
+        "",
+        "Top non-GEMM ops of the median step (self CPU time):",
         "",
         "| op | self ms | share of step | calls |",
         "|---|---|---|---|",
