@@ -62,19 +62,6 @@ class _Backend:
         return reasons
 
 
-class RotaryBackend(_Backend):
-    FP64 = True  # double x with double tables
-
-    def not_supported_reasons(self, x, **_other_inputs) -> list[str]:
-        return self._reasons({"x": x}, "x")
-
-    def rotary_fwd(self, x, cos, sin):
-        return K.rotary_fwd(self.ext, x, cos, sin)
-
-    def rotary_bwd(self, dy, cos, sin):
-        return K.rotary_bwd(self.ext, dy, cos, sin)
-
-
 class DropKeySoftmaxBackend(_Backend):
     FP64 = True  # double scores: exp and sums in double, the same DropKey decisions
 
@@ -86,23 +73,6 @@ class DropKeySoftmaxBackend(_Backend):
 
     def dropkey_softmax_bwd(self, dy, y, *, causal, dropkey_p=0.0, seed=0):
         return K.dropkey_softmax_bwd(self.ext, dy, y, causal=causal)
-
-
-class TimestepNormBackend(_Backend):
-    FP64 = True  # double x: Welford/Kahan state, statistics and side inputs in double
-
-    def not_supported_reasons(self, x, num_groups=None, **_other_inputs) -> list[str]:
-        reasons = self._reasons({"x": x}, "x")
-        if x.dim() == 3 and x.shape[1] >= 2**31:
-            reasons.append("L must be < 2^31")
-        return reasons
-
-    def timestep_norm_fwd(self, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps):
-        return K.timestep_norm_fwd(self.ext, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask,
-                                   num_groups, eps)
-
-    def timestep_norm_bwd(self, dy, dmean, dvar, saved, num_groups):
-        return K.timestep_norm_bwd(self.ext, dy, dmean, dvar, saved, num_groups)
 
 
 class FftconvBackend(_Backend):
@@ -240,9 +210,7 @@ class AttentionBackend(_Backend):
 # --- end attention ---
 
 # The product backends (CUDA tensors, megalodon_kernels.cuda._C): ops/<op>/cuda_impl.py re-exports these.
-rotary = RotaryBackend()
 dropkey_softmax = DropKeySoftmaxBackend()
-timestep_norm = TimestepNormBackend()
 fftconv = FftconvBackend()
 attention = AttentionBackend()
 

@@ -9,6 +9,7 @@
 
 #include "launchers.h"
 #ifdef MK_EMULATOR_BUILD
+#include "emu/by_name.h"
 #include "emu/emu_api.h"
 #endif
 
@@ -43,31 +44,6 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
         [](int dtype, uptr y, uptr dy, uptr dx, std::int64_t Bf, std::int64_t Hf, std::int64_t L, std::int64_t S,
            bool causal, uptr stream) {
           mk::dropkey_softmax_bwd(dtype, P(y), P(dy), P(dx), Bf, Hf, L, S, causal, P(stream));
-        },
-        nogil);
-  m.def("rotary",
-        [](int dtype, bool conjugate, uptr x, uptr cos, uptr sin, uptr y, std::int64_t B, std::int64_t L,
-           std::int64_t H, std::int64_t half, std::int64_t Pn, uptr stream) {
-          mk::rotary(dtype, conjugate, P(x), P(cos), P(sin), P(y), B, L, H, half, Pn, P(stream));
-        },
-        nogil);
-  m.def("timestep_norm_workspace_floats", &mk::timestep_norm_workspace_floats);
-  m.def("timestep_norm_fwd",
-        [](int dtype, uptr x, uptr scale, uptr bias, uptr prev_count, uptr prev_mean, uptr prev_var, uptr mask, uptr y,
-           uptr count, uptr mean, uptr var, uptr cummean, uptr cumrstd, uptr ws, std::int64_t B, std::int64_t L,
-           std::int64_t D, std::int64_t G, double eps, uptr stream) {
-          mk::timestep_norm_fwd(dtype, P(x), P(scale), P(bias), P<const std::int64_t>(prev_count), P(prev_mean),
-                                P(prev_var), P<const bool>(mask), P(y), P<std::int64_t>(count), P(mean), P(var),
-                                P(cummean), P(cumrstd), P(ws), B, L, D, G, eps, P(stream));
-        },
-        nogil);
-  m.def("timestep_norm_bwd",
-        [](int dtype, uptr dy, uptr dmean, uptr dvar, uptr x, uptr scale, uptr prev_count, uptr prev_mean, uptr mask,
-           uptr cummean, uptr cumrstd, uptr dx, uptr dscale, uptr dbias, uptr dprev_mean, uptr dprev_var, uptr ws,
-           std::int64_t B, std::int64_t L, std::int64_t D, std::int64_t G, uptr stream) {
-          mk::timestep_norm_bwd(dtype, P(dy), P(dmean), P(dvar), P(x), P(scale), P<const std::int64_t>(prev_count),
-                                P(prev_mean), P<const bool>(mask), P(cummean), P(cumrstd), P(dx), P(dscale),
-                                P(dbias), P(dprev_mean), P(dprev_var), P(ws), B, L, D, G, P(stream));
         },
         nogil);
   // --- fftconv (dtype codes: see launchers.h) ---
@@ -165,6 +141,16 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
   m.def("emulator_set_smem_limit", &mk::emu_api::set_smem_limit, "per-block shared memory limit in bytes");
   m.def("emulator_switches", &mk::emu_api::switches, "fiber switches so far");
   m.def("emulator_launched_kernels", &mk::emu_api::launched_kernels, "kernel names launched so far");
+  // cuda/launch.py EmulatorLauncher: arguments as the bytes of their C types; returns their type tags
+  m.def("launch_kernel",
+        [](const std::string& name, std::tuple<unsigned, unsigned, unsigned> grid,
+           std::tuple<unsigned, unsigned, unsigned> block, std::size_t smem, const std::vector<py::bytes>& args) {
+          std::vector<std::string> raw(args.begin(), args.end());
+          py::gil_scoped_release release;
+          return ::mk_emu::launch_by_name(name, dim3(std::get<0>(grid), std::get<1>(grid), std::get<2>(grid)),
+                                          dim3(std::get<0>(block), std::get<1>(block), std::get<2>(block)), smem,
+                                          raw);
+        });
   m.def("emulator_selftest",
         [](const std::string& name, uptr in, uptr out, std::int64_t n, int grid, int block, std::int64_t smem) {
           mk::emu_api::selftest(name, P(in), P(out), n, grid, block, smem);

@@ -17,26 +17,6 @@ void dropkey_softmax_fwd(int dtype, const void* x, void* y, std::int64_t Bf, std
 void dropkey_softmax_bwd(int dtype, const void* y, const void* dy, void* dx, std::int64_t Bf, std::int64_t Hf,
                          std::int64_t L, std::int64_t S, bool causal, void* stream);
 
-// --- rotary: x (B, L, H, 2*half) contiguous, cos/sin (P, L, half) with P in {1, B} ---------------
-// cos/sin are in x's accumulation type: fp32 for float/bf16 x, fp64 for double x.
-void rotary(int dtype, bool conjugate, const void* x, const void* cos, const void* sin, void* y, std::int64_t B,
-            std::int64_t L, std::int64_t H, std::int64_t half, std::int64_t P, void* stream);
-
-// --- timestep_norm (x (B, L, D) contiguous; G groups of D/G features) ----------------------------
-// scale, bias, prev_mean/var, the statistics, the gradients of the side inputs and the workspace
-// are in x's accumulation type (fp32 for float/bf16 x, fp64 for double x); counts are int64.
-// Workspace: timestep_norm_workspace_floats(B, L, D, G) elements of that type.
-std::int64_t timestep_norm_workspace_floats(std::int64_t B, std::int64_t L, std::int64_t D, std::int64_t G);
-void timestep_norm_fwd(int dtype, const void* x, const void* scale, const void* bias, const std::int64_t* prev_count,
-                       const void* prev_mean, const void* prev_var, const bool* padding_mask, void* y,
-                       std::int64_t* count, void* mean, void* var, void* cummean, void* cumrstd, void* workspace,
-                       std::int64_t B, std::int64_t L, std::int64_t D, std::int64_t G, double eps, void* stream);
-void timestep_norm_bwd(int dtype, const void* dy, const void* dmean, const void* dvar, const void* x,
-                       const void* scale, const std::int64_t* prev_count, const void* prev_mean,
-                       const bool* padding_mask, const void* cummean, const void* cumrstd, void* dx, void* dscale,
-                       void* dbias, void* dprev_mean, void* dprev_var, void* workspace, std::int64_t B,
-                       std::int64_t L, std::int64_t D, std::int64_t G, void* stream);
-
 // --- fftconv: x (B, D, L) contiguous, k (D, L) in x's arithmetic type (fp32; fp64 for double x) ---
 // dtype: x's code (kFloat32, kBFloat16, kFloat64) for fwd / dx; the arithmetic type's code
 // (kFloat32 or kFloat64) for the k spectrum and dk. Spectra (kf, prod, acc) are complex64 for
