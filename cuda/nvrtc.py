@@ -114,7 +114,7 @@ def _package_dir(name: str) -> Path | None:
 
 @functools.lru_cache(maxsize=None)
 def include_dirs() -> tuple[str, ...]:
-    """This folder, the CUDA headers (cuda_bf16.h, ...), CCCL and CuTe, all from pip packages."""
+    """The CUDA headers (cuda_bf16.h, ...), CCCL and CuTe, all from pip packages."""
     nvidia = _package_dir("nvidia")
     runtime = None
     if nvidia is not None:
@@ -129,7 +129,7 @@ def include_dirs() -> tuple[str, ...]:
     if cccl is None:
         raise NvrtcUnavailable("the CCCL headers (libcu++) are missing: pip install 'nvidia-cuda-cccl==13.0.*' "
                                "(part of the megalodon-kernels[cuda] extra)")
-    dirs = [str(CUDA_DIR), str(runtime), str(cccl)]
+    dirs = [str(runtime), str(cccl)]
     cutlass = _package_dir("cutlass_library")
     if cutlass is not None and (cutlass / "source" / "include" / "cute" / "tensor.hpp").exists():
         dirs.append(str(cutlass / "source" / "include"))
@@ -275,12 +275,12 @@ def parse_ptxas_log(log: str, lowered_name: str) -> Resources:
 # Compile
 # ------------------------------------------------------------------------------------------------
 
-def _nvrtc_compile(header: str, name_expression: str, arch: int, options) -> Compiled:
+def _nvrtc_compile(header: str, name_expression: str, arch: int, options, root: Path) -> Compiled:
     nvrtc = nvrtc_binding()
     if arch not in supported_archs():
         raise NvrtcUnavailable(f"NVRTC {'%d.%d' % nvrtc_version()} cannot compile for sm_{arch} "
                                f"(it supports {supported_archs()})")
-    opts = [f"-arch=sm_{arch}", *options, *(f"-I{d}" for d in include_dirs())]
+    opts = [f"-arch=sm_{arch}", *options, f"-I{root}", *(f"-I{d}" for d in include_dirs())]
     start = time.perf_counter()
     prog = nvrtc.createProgram(program_source(header), f"{Path(header).stem}.cu", [], [])
     try:
@@ -312,10 +312,10 @@ def _warn_corrupt(path: Path, why: str) -> None:
 
 
 def compile_kernel(header: str, name_expression: str, arch: int, *, use_cache: bool = True,
-                   options=OPTIONS) -> Compiled:
-    """``name_expression`` from ``header`` (a file of this folder) compiled for ``sm_<arch>``:
-    from the prebuilt folder, the disk cache, or NVRTC (then cached)."""
-    key = cache_key(header, name_expression, arch, options)
+                   options=OPTIONS, root: Path = CUDA_DIR) -> Compiled:
+    """``name_expression`` from ``header`` (a file of ``root``, this folder by default) compiled for
+    ``sm_<arch>``: from the prebuilt folder, the disk cache, or NVRTC (then cached)."""
+    key = cache_key(header, name_expression, arch, options, root)
     prebuilt = prebuilt_dir()
     if use_cache and prebuilt is not None and (prebuilt / f"{key}.cubin").exists():
         try:
@@ -323,7 +323,7 @@ def compile_kernel(header: str, name_expression: str, arch: int, *, use_cache: b
         except (ValueError, KeyError, OSError) as exc:
             _warn_corrupt(prebuilt / f"{key}.cubin", str(exc))
     if not use_cache:
-        return _nvrtc_compile(header, name_expression, arch, options)
+        return _nvrtc_compile(header, name_expression, arch, options, root)
     import filelock  # a dependency of torch
 
     directory = cache_dir()
@@ -335,6 +335,6 @@ def compile_kernel(header: str, name_expression: str, arch: int, *, use_cache: b
                 return _read_entry(path, "cache")
             except (ValueError, KeyError, OSError, json.JSONDecodeError) as exc:
                 _warn_corrupt(path, str(exc) or type(exc).__name__)
-        compiled = _nvrtc_compile(header, name_expression, arch, options)
+        compiled = _nvrtc_compile(header, name_expression, arch, options, root)
         write_entry(directory, key, compiled)
         return compiled

@@ -13,6 +13,7 @@ go through :class:`CupyDriver`; tests substitute a recording fake.
 """
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import threading
 
@@ -52,10 +53,12 @@ class CupyDriver:
 
 
 class GpuLauncher:
-    device_type = "cuda"
     EMULATOR = False
 
-    def __init__(self, driver=None, compile_kernel=nvrtc.compile_kernel, arch_of=None, stream_of=None):
+    def __init__(self, driver=None, compile_kernel=nvrtc.compile_kernel, arch_of=None, stream_of=None,
+                 device_type: str = "cuda"):
+        #: "cpu" only for tests that run this launcher's code over a fake driver on CPU tensors
+        self.device_type = device_type
         self.driver = driver if driver is not None else CupyDriver()
         self.compile_kernel = compile_kernel
         self._arch_of = arch_of or _device_arch
@@ -76,8 +79,8 @@ class GpuLauncher:
             return self._functions[key]
 
     def __call__(self, launch: Launch) -> None:
-        if launch.device.type != "cuda":
-            raise ValueError(f"the CUDA runtime needs cuda tensors, got a launch on {launch.device}")
+        if launch.device.type != self.device_type:
+            raise ValueError(f"the CUDA runtime needs {self.device_type} tensors, got a launch on {launch.device}")
         entry = self.function(launch.kernel, launch.device)
         values = [ARG_TYPES[tag](value) for tag, value in launch.args]
         with _on_device(launch.device):
@@ -98,7 +101,7 @@ def _current_stream(device: torch.device) -> int:
 
 
 def _on_device(device: torch.device):
-    return torch.cuda.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
 
 
 def unavailable_reason() -> str | None:

@@ -1,0 +1,141 @@
+"""The launch descriptions (ops/<op>/cuda_impl.py) drive the GPU runtime and the emulator alike.
+
+Each op call runs through a tee: the GPU runtime's code (cuda/runtime.py GpuLauncher: kernel
+lookup, smem opt-in, argument packing, driver launch) over a fake driver that records what
+cuLaunchKernel would receive, and the emulator (which executes the launch by name and reports the
+C++ parameter types it unpacked). The two records must be equal, launch for launch: the GPU path
+launches exactly what the emulator executed and checked against the references."""
+import pytest
+import torch
+
+from megalodon_kernels.cuda import nvrtc
+from megalodon_kernels.cuda.launch import EmulatorLauncher
+from megalodon_kernels.cuda.runtime import GpuLauncher
+from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
+from megalodon_kernels.ops.timestep_norm import cuda_impl as tsn_cuda
+
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
+
+
+class FakeDriver:
+    """Records the driver calls the GPU runtime makes (no GPU)."""
+
+    def __init__(self):
+        self.launches, self.loaded, self.smem_optins = [], [], []
+
+    def load(self, cubin):
+        self.loaded.append(cubin)
+        return ("module", len(self.loaded))
+
+    def function(self, module, lowered_name):
+        return lowered_name
+
+    def set_max_dynamic_smem(self, function, nbytes):
+        self.smem_optins.append((function, nbytes))
+
+    def launch(self, function, grid, block, smem, stream, values):
+        self.launches.append((function, tuple(grid), tuple(block), smem, stream, [bytes(v) for v in values]))
+
+
+def fake_compile(header, name, arch):
+    return nvrtc.Compiled(header, name, arch, f"lowered {name}", f"cubin of {name}".encode(), "",
+                          nvrtc.Resources(0, 0, 0, 0, 0), 0.0, "fake")
+
+
+class Tee:
+    def __init__(self, gpu, emulator):
+        self.gpu, self.emulator, self.gpu_tags = gpu, emulator, []
+
+    def __call__(self, launch):
+        self.gpu_tags.append(tuple(tag for tag, _ in launch.args))
+        self.gpu(launch)
+        self.emulator(launch)
+
+
+@pytest.fixture
+def tee(ext):
+    driver = FakeDriver()
+    gpu = GpuLauncher(driver=driver, compile_kernel=fake_compile, arch_of=lambda device: 80,
+                      stream_of=lambda device: 0, device_type="cpu")
+    t = Tee(gpu, EmulatorLauncher(ext, records=[]))
+    t.driver = driver
+    return t
+
+
+def assert_same_launches(tee):
+    gpu = [(fn.removeprefix("lowered "), grid, block, smem, tuple(zip(tags, data)))
+           for (fn, grid, block, smem, _stream, data), tags in zip(tee.driver.launches, tee.gpu_tags)]
+    emu = tee.emulator.records
+    assert gpu and len(gpu) == len(emu)
+    assert gpu == emu  # name, grid, block, smem, and per argument (type tag, bytes)
+    # each instantiation was compiled and loaded once, whatever the number of launches
+    assert len(tee.driver.loaded) == len({name for name, *_ in gpu})
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("path", ["fwd", "bwd"])
+def test_rotary_gpu_launches_equal_the_emulator_launches(tee, dtype, path):
+    B, L, H, d = 2, 5, 3, 8
+    x = torch.randn(B, L, H, d).to(dtype)
+    cos, sin = rotation_tables(torch.arange(L), d, 10000.0, None, False, F64 if dtype == F64 else F32)
+    backend = rotary_cuda.RotaryBackend(lambda: tee, "cpu")
+    y = getattr(backend, f"rotary_{path}")(x, cos, sin)
+    assert torch.isfinite(y.float()).all()
+    assert_same_launches(tee)
+    conj = "true" if path == "bwd" else "false"
+    assert tee.emulator.records[0][0] == f"mk::rotary_kernel<{rotary_cuda.L.CPP_TYPES[dtype]}, {conj}>"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("path", ["fwd", "bwd"])
+def test_timestep_norm_gpu_launches_equal_the_emulator_launches(tee, dtype, path):
+    B, L, D, G = 2, 40, 8, 2
+    acc = F64 if dtype == F64 else F32
+    x = torch.randn(B, L, D).to(dtype)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, :7] = True
+    args = (x, torch.rand(D, dtype=acc) + 0.5, torch.randn(D, dtype=acc), torch.tensor([0, 3]),
+            torch.zeros(B, G, dtype=acc), torch.ones(B, G, dtype=acc), mask, G, 1e-5)
+    backend = tsn_cuda.TimestepNormBackend(lambda: tee, "cpu")
+    y, count, mean, var, saved = backend.timestep_norm_fwd(*args)
+    if path == "bwd":
+        tee.driver.launches.clear()
+        tee.driver.loaded.clear()
+        tee.gpu_tags.clear()
+        tee.emulator.records.clear()
+        dx, *_ = backend.timestep_norm_bwd(torch.randn(B, L, D).to(dtype), torch.randn(B, G, dtype=acc),
+                                           torch.randn(B, G, dtype=acc), saved, G)
+        assert torch.isfinite(dx.float()).all()
+    else:
+        assert torch.isfinite(y.float()).all()
+    assert_same_launches(tee)
+    # the scan's eps argument travels in the accumulation type (float32 or float64)
+    if path == "fwd":
+        scan = next(r for r in tee.emulator.records if "tsn_scan_fwd" in r[0])
+        assert scan[4][-1][0] == ("f64" if dtype == F64 else "f32")
+
+
+def test_emulator_refuses_arguments_that_do_not_match_the_signature(ext):
+    from megalodon_kernels.cuda.launch import Kernel, Launch
+
+    k = rotary_cuda.KERNELS[0]
+    good = [("ptr", 0)] * 4 + [("i64", 0)] * 4 + [("bool", False)]
+    bad_size = good[:-1] + [("i32", 0)]  # a 4-byte value for the 1-byte bool parameter
+    with pytest.raises(ValueError, match="argument 8 has 4 bytes"):
+        EmulatorLauncher(ext)(Launch(k, (1, 1, 1), (32, 1, 1), 0, tuple(bad_size), torch.device("cpu")))
+    with pytest.raises(ValueError, match="8 arguments for 9 parameters"):
+        EmulatorLauncher(ext)(Launch(k, (1, 1, 1), (32, 1, 1), 0, tuple(good[:-1]), torch.device("cpu")))
+    with pytest.raises(ValueError, match="no kernel mk::nope"):
+        EmulatorLauncher(ext)(Launch(Kernel("rotary.cuh", "mk::nope<float>"), (1, 1, 1), (32, 1, 1), 0, (),
+                                     torch.device("cpu")))
+
+
+def test_gpu_launcher_opts_in_to_large_dynamic_smem_once(tee):
+    from megalodon_kernels.cuda.launch import Launch
+
+    k = rotary_cuda.KERNELS[0]
+    args = tuple([("ptr", 0)] * 4 + [("i64", 0)] * 4 + [("bool", False)])
+    for smem in (1024, 64 * 1024, 64 * 1024, 100 * 1024):
+        tee.gpu(Launch(k, (1, 1, 1), (32, 1, 1), smem, args, torch.device("cpu")))
+    assert tee.driver.smem_optins == [(f"lowered {k.name}", 64 * 1024), (f"lowered {k.name}", 100 * 1024)]
+    assert len(tee.driver.launches) == 4 and len(tee.driver.loaded) == 1
