@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import functools
 import hashlib
+import importlib
 import importlib.metadata
 import importlib.util
 import json
 import os
 import re
+import sys
 import tempfile
 import time
 import warnings
@@ -84,10 +86,26 @@ class Compiled:
 # NVRTC and the header packages
 # ------------------------------------------------------------------------------------------------
 
+def import_cupy(module: str):
+    """Import a CuPy module while a source checkout of this package is on sys.path: its top level
+    holds this ``cuda/`` folder, which would shadow NVIDIA's ``cuda`` namespace package that CuPy
+    imports (cuda.pathfinder). Installed wheels are not affected."""
+    checkout = CUDA_DIR.parent
+    shadow = sys.modules.get("cuda")
+    if shadow is not None and Path(getattr(shadow, "__file__", None) or "/").resolve().parent == CUDA_DIR:
+        del sys.modules["cuda"]
+    saved = sys.path[:]
+    sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != checkout]
+    try:
+        return importlib.import_module(module)
+    finally:
+        sys.path[:] = saved
+
+
 def nvrtc_binding():
     """CuPy's low-level NVRTC module (no driver needed), or NvrtcUnavailable saying what to install."""
     try:
-        from cupy_backends.cuda.libs import nvrtc
+        nvrtc = import_cupy("cupy_backends.cuda.libs.nvrtc")
         nvrtc.getVersion()
     except Exception as exc:  # ImportError, or libnvrtc missing (RuntimeError / OSError from CuPy)
         raise NvrtcUnavailable(

@@ -30,10 +30,8 @@ class CupyDriver:
     """The few CUDA driver calls the runtime makes, through CuPy's driver binding."""
 
     def __init__(self):
-        from cupy_backends.cuda.api import driver, runtime as cuda_runtime
-
-        self._driver = driver
-        self._runtime = cuda_runtime
+        self._driver = nvrtc.import_cupy("cupy_backends.cuda.api.driver")
+        self._runtime = nvrtc.import_cupy("cupy_backends.cuda.api.runtime")
 
     def driver_version(self) -> int:
         return int(self._runtime.driverGetVersion())
