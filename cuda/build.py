@@ -189,10 +189,10 @@ def _binding_includes() -> list[str]:
 def registry_sources(gendir: Path) -> list[Path]:
     """One generated C++ file per header that registers the ops' kernel instantiations (their
     KERNELS lists, cuda/instances.py) for launch by name expression (emu/by_name.h)."""
-    from .instances import all_kernels
+    from .instances import described_kernels
 
     by_header: dict[str, list[str]] = {}
-    for k in all_kernels():
+    for k in described_kernels():
         by_header.setdefault(k.header, []).append(k.name)
     gendir.mkdir(parents=True, exist_ok=True)
     out = []

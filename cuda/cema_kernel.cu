@@ -8,56 +8,6 @@ using namespace cema;
 
 namespace cema {
 
-// cema_kernel backward, one thread per coefficient (d, n): with S, S1 of dk and T, T1 of each db_b
-//   dp = Re(S gamma), dgamma = conj(S p) + sum_b conj(T hx_b), dlog_q = conj(S1 p gamma) + sum_b conj(T1 gamma hx_b),
-//   dhx_b = conj(T gamma)  (0 without db). Sums over b in order: deterministic.
-template <class R>
-__global__ void __launch_bounds__(kFinishThreads)
-    cema_bwd_finish_kernel(const c4_t<R>* __restrict__ partial, const R* __restrict__ p, const R* __restrict__ gamma,
-                           const R* __restrict__ hx, R* __restrict__ dp, R* __restrict__ dlog_q,
-                           R* __restrict__ dgamma, R* __restrict__ dhx, int D, int N, int B, int Y, bool has_k,
-                           bool has_b, bool weighted) {
-  using C = c2_t<R>;
-  using C4 = c4_t<R>;
-  const std::int64_t DN = static_cast<std::int64_t>(D) * N;
-  for (std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < DN;
-       c += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
-    const std::int64_t cd = c / N, cn = c % N;
-    const R pc = p[c];
-    const C g = load_c(gamma, c);
-    R vdp = R(0);
-    C vdg = mkc<R>(R(0), R(0)), vdl = mkc<R>(R(0), R(0));
-    if (has_k) {
-      const C4 a = sum_partials(partial, 0, cd, cn, D, N, Y);
-      const C S = mkc<R>(a.x, a.y);
-      vdp = S.x * g.x - S.y * g.y;
-      vdg = mkc<R>(S.x * pc, -S.y * pc);
-      if (weighted) vdl = cconj(cmul(mkc<R>(a.z, a.w), mkc<R>(pc * g.x, pc * g.y)));
-    }
-    for (int b = 0; b < B && !has_b; ++b) {
-      const std::int64_t hc = static_cast<std::int64_t>(b) * DN + c;
-      dhx[2 * hc] = R(0);
-      dhx[2 * hc + 1] = R(0);
-    }
-    for (int b = 0; b < B && has_b; ++b) {
-      const std::int64_t hc = static_cast<std::int64_t>(b) * DN + c;
-      const C4 a = sum_partials(partial, b + (has_k ? 1 : 0), cd, cn, D, N, Y);
-      const C Tb = mkc<R>(a.x, a.y);
-      const C h = load_c(hx, hc);
-      const C dh = cconj(cmul(Tb, g));
-      dhx[2 * hc] = dh.x;
-      dhx[2 * hc + 1] = dh.y;
-      vdg = cadd(vdg, cconj(cmul(Tb, h)));
-      if (weighted) vdl = cadd(vdl, cconj(cmul(mkc<R>(a.z, a.w), cmul(g, h))));
-    }
-    dp[c] = vdp;
-    dgamma[2 * c] = vdg.x;
-    dgamma[2 * c + 1] = vdg.y;
-    dlog_q[2 * c] = vdl.x;
-    dlog_q[2 * c + 1] = vdl.y;
-  }
-}
-
 template <class R>
 void cema_fwd_impl(const R* p, const R* log_q, const R* gamma, const R* hx, R* k, R* b, std::int64_t B,
                    std::int64_t D, std::int64_t N, std::int64_t L, void* stream) {

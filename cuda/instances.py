@@ -1,17 +1,57 @@
-"""Every kernel instantiation of the package: the ``KERNELS`` lists of the ops' ``cuda_impl.py``.
+"""Every kernel instantiation of the package, as NVRTC name expressions.
 
-The emulator build (cuda/build.py) registers them for launch by name, and
-``python -m megalodon_kernels.cuda compile`` compiles them with NVRTC.
+* :func:`described_kernels`: the ``KERNELS`` lists of the ops whose CUDA path is a launch
+  description (``ops/<op>/cuda_impl.py``); the emulator build (cuda/build.py) registers them for
+  launch by name and the GPU runtime compiles them with NVRTC on first use.
+* :data:`LAUNCHER_KERNELS`: the instantiations the compiled launchers of the other ops
+  (``*.cu``, through ``megalodon_kernels.cuda._C``) select, as the ``MK_DISPATCH`` /
+  ``flash::dispatch`` switches there give them; listed here so that
+  ``python -m megalodon_kernels.cuda compile`` checks every kernel with NVRTC too.
 """
 from __future__ import annotations
 
 import importlib
 
+from .launch import Kernel
+
 #: the ops whose CUDA path is a launch description (ops/<op>/cuda_impl.py with KERNELS)
 DESCRIBED_OPS = ("rotary", "timestep_norm")
 
+_T = ("float", "mk::bf16", "double")  # element types (MK_DISPATCH_FLOAT_BF16_DOUBLE)
+_R = ("float", "double")              # arithmetic / coefficient types
+_BOOL = ("false", "true")
 
-def all_kernels():
+
+def _launcher_kernels() -> list[Kernel]:
+    out = []
+    add = lambda header, names: out.extend(Kernel(header, n) for n in names)  # noqa: E731
+    add("dropkey_softmax.cuh", [f"mk::dropkey_softmax_{d}_kernel<{t}, 8>" for d in ("fwd", "bwd") for t in _T])
+    add("fftconv.cuh", [f"mk::fftconv_spectrum_kernel<{r}>" for r in _R] + [f"mk::fftconv_fwd_kernel<{t}>" for t in _T]
+        + [f"mk::fftconv_bwd_dx_kernel<{t}>" for t in _T] + [f"mk::fftconv_bwd_dk_kernel<{r}>" for r in _R])
+    add("fftconv_long.cuh", [f"mk::fft4_col_{p}_kernel<{t}, {f}>" for p in ("fwd", "inv") for t in _T for f in _BOOL]
+        + [f"mk::fft4_row_{p}_kernel<{r}>" for p in ("spectrum", "conv", "dk") for r in _R]
+        + [f"mk::fft4_twiddle_probe_kernel<{r}>" for r in _R])
+    xr = [(x, r) for x in _T for r in _R if (x, r) != ("double", "float")]
+    add("cema.cuh", [f"mk::cema::cema_synth_kernel<mk::cema::{m}, {r}>" for m in ("kSynthCema", "kSynthHiddenDx")
+                     for r in _R]
+        + [f"mk::cema::cema_analysis_kernel<mk::cema::kAnalysisCema, {r}, {r}, {w}>" for r in _R for w in _BOOL]
+        + [f"mk::cema::cema_analysis_kernel<mk::cema::kAnalysisHidden, {x}, {r}, {w}>" for x, r in xr for w in _BOOL]
+        + [f"mk::cema::{k}<{r}>" for k in ("cema_bwd_finish_kernel", "ema_hidden_finish_kernel",
+                                           "ema_hidden_coef_kernel") for r in _R])
+    for e in ("cutlass::bfloat16_t", "cutlass::half_t"):
+        for d in (64, 128, 256):
+            fwd, bwd = f"mk::flash::FwdCfg<{e}, {d}>", f"mk::flash::BwdCfg<{e}, {d}>"
+            add("flash_attention.cuh", [f"mk::flash::flash_fwd_kernel<{fwd}>",
+                                        f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDV>",
+                                        f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDK>",
+                                        f"mk::flash::flash_bwd_q_kernel<{bwd}>"])
+    return out
+
+
+LAUNCHER_KERNELS = _launcher_kernels()
+
+
+def described_kernels() -> list[Kernel]:
     """[Kernel] over DESCRIBED_OPS, in order, without duplicates."""
     out = []
     for op in DESCRIBED_OPS:
@@ -19,3 +59,8 @@ def all_kernels():
             if k not in out:
                 out.append(k)
     return out
+
+
+def all_kernels() -> list[Kernel]:
+    """Every instantiation: the launch descriptions' and the compiled launchers'."""
+    return described_kernels() + LAUNCHER_KERNELS

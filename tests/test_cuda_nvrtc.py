@@ -26,6 +26,20 @@ PKG_PARENT = Path(__file__).resolve().parents[1].parent
 FLASH = ("flash_attention.cuh", "mk::flash::flash_fwd_kernel<mk::flash::FwdCfg<cutlass::bfloat16_t, 128>>")
 
 
+# Registers per thread each kernel of the launch descriptions may use (as tests/test_cuda_nvcc.py
+# does for the compiled launchers' kernels): raising one is a decision to make here.
+REGISTER_BUDGET = {
+    "rotary_kernel": 40,
+    "tsn_dx_kernel": 40, "tsn_moments_kernel": 40, "tsn_normalize_kernel": 32, "tsn_param_partial_kernel": 48,
+    "tsn_param_reduce_kernel": 32, "tsn_row_grads_kernel": 40, "tsn_scan_bwd_kernel": 80, "tsn_scan_fwd_kernel": 56,
+    "flash_fwd_kernel": 208,
+}
+
+
+def _family(name: str) -> str:
+    return name.split("<")[0].split("::")[-1]
+
+
 def _bounded(kernels):
     """One instantiation per kernel template: the last listed (double, or bf16 where there is none)."""
     pick = {}
@@ -35,10 +49,11 @@ def _bounded(kernels):
 
 
 def _instantiations(stress: bool):
-    from megalodon_kernels.cuda.instances import all_kernels
+    from megalodon_kernels.cuda.instances import all_kernels, described_kernels
 
-    kernels = all_kernels() if stress else _bounded(all_kernels())
-    return [(k.header, k.name) for k in kernels] + [FLASH]
+    if stress:
+        return [(k.header, k.name) for k in all_kernels()]
+    return [(k.header, k.name) for k in _bounded(described_kernels())] + [FLASH]
 
 
 @pytest.mark.stress
@@ -67,9 +82,12 @@ def test_nvrtc_compiles_the_kernels_for_sm80_and_sm90_without_a_cuda_toolkit(str
     out = json.loads(proc.stdout.strip().splitlines()[-1])
     assert not any("/usr/local/cuda" in d or "toolkit" in d.lower() for d in out["include_dirs"])
     assert len(out["results"]) == 2 * len(jobs)
+    from megalodon_kernels.cuda.instances import described_kernels
+
+    assert {_family(k.name) for k in described_kernels()} | {"flash_fwd_kernel"} == set(REGISTER_BUDGET)
     for arch, name, regs, spills, smem, size, origin in out["results"]:
         assert origin == "nvrtc" and size > 1000, name
-        assert 0 < regs <= 255, (arch, name, regs)
+        assert 0 < regs <= REGISTER_BUDGET.get(_family(name), 255), (arch, name, regs)
         assert spills == 0, f"{name} spills {spills} B on sm_{arch}"
         assert smem <= nvrtc.SMEM_LIMIT[arch], (arch, name, smem)
 
