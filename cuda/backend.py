@@ -17,7 +17,6 @@ from . import extension, extension_error
 from . import kernels as K
 
 
-
 def _product_ext():
     mod = extension()
     if mod is None:
@@ -106,7 +105,6 @@ class FftconvBackend(_Backend):
 
     def fftconv_bwd(self, dy, x, k, need_x, need_k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
         return K.fftconv_bwd(self.ext, dy, x, k, need_x, need_k, max_workspace_bytes=max_workspace_bytes)
-
 
 
 # --- attention ---
@@ -215,65 +213,3 @@ fftconv = FftconvBackend()
 attention = AttentionBackend()
 
 
-# --- cema_kernel / ema_hidden ---
-class _CemaBackend(_Backend):
-    #: float64 p with complex128 parameters runs in double (cuda/cema.cuh's R = double)
-    FP64 = True
-
-    def _cema_reasons(self, named: dict, p, N: int, L: int | None) -> list[str]:
-        reasons = self._available()
-        for name, t in named.items():
-            if t is not None and t.device.type != self.device_type:
-                reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} (use backend='torch')")
-                break
-        if p.dtype not in K.CEMA_REAL_CODES:
-            reasons.append(f"the CUDA CEMA kernels take float32 or float64 p, got p {p.dtype} (use backend='torch')")
-        else:
-            # The parameters share p's precision (ops._checks.check_coefficients enforces it for
-            # the public ops); a mix is refused rather than cast, as the kernels' tensor API does.
-            want = K._CEMA_COMPLEX[p.dtype]
-            for name in ("log_q", "gamma", "hx"):
-                t = named.get(name)
-                if t is not None and t.dtype != want:
-                    reasons.append(f"the CUDA CEMA kernels take {name} {want} with {p.dtype} p, got {t.dtype} "
-                                   f"(use backend='torch')")
-        if N > K.CEMA_MAX_N:
-            reasons.append(f"N = {N} > {K.CEMA_MAX_N} (the CUDA n tile is 16, 32 or 64; use backend='torch')")
-        if L is not None and L + 1 >= K.CEMA_MAX_LENGTH:
-            reasons.append(f"L = {L}: L + 1 >= 2**24, exponents would not be exact in fp32 (use backend='torch')")
-        return reasons
-
-
-class CemaKernelBackend(_CemaBackend):
-    """cema_kernel on cuda/cema.cuh: k and b by tiled synthesis, the gradients by tiled analysis."""
-
-    def not_supported_reasons(self, p, log_q=None, gamma=None, length=None, hx=None, **_other_inputs) -> list[str]:
-        named = {"p": p, "log_q": log_q, "gamma": gamma, "hx": hx}
-        return self._cema_reasons(named, p, p.shape[-1], length)
-
-    def cema_kernel_fwd(self, p, log_q, gamma, length, hx):
-        return K.cema_kernel_fwd(self.ext, p, log_q, gamma, length, hx)
-
-    def cema_kernel_bwd(self, dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
-        return K.cema_kernel_bwd(self.ext, dk, db, p, log_q, gamma, length, hx, needs)
-
-
-class EmaHiddenBackend(_CemaBackend):
-    """ema_hidden on cuda/cema.cuh: V, W by tiled analysis of x (fp32 or bf16; also fp64, summed in double
-    with float64 p, cast to fp32 with float32 p as the torch backend does), dx by tiled synthesis."""
-
-    def not_supported_reasons(self, x, p, log_q=None, hx=None, **_other_inputs) -> list[str]:
-        reasons = self._cema_reasons({"x": x, "p": p, "log_q": log_q, "hx": hx}, p, p.shape[-1], x.shape[-1])
-        reasons += self._dtype_reason("x", x, "the CUDA ema_hidden takes")
-        return reasons
-
-    def ema_hidden_fwd(self, x, p, log_q, hx, weighted=False):
-        return K.ema_hidden_fwd(self.ext, x, p, log_q, hx, weighted)
-
-    def ema_hidden_bwd(self, dh, p, log_q, hx, V, W, length, needs=(True, True, True, True)):
-        return K.ema_hidden_bwd(self.ext, dh, p, log_q, hx, V, W, length, needs)
-
-
-cema_kernel = CemaKernelBackend()
-ema_hidden = EmaHiddenBackend()
-# --- end cema_kernel / ema_hidden ---

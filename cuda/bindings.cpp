@@ -81,37 +81,6 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
         py::arg("a"), py::arg("out"), py::arg("n"), py::arg("s"), py::arg("sign"), py::arg("stream"),
         py::arg("dtype") = 0, nogil);
   // --- end fftconv ---
-  // --- cema_kernel / ema_hidden ---
-  m.def("cema_workspace_elems", &mk::cema_workspace_elems);
-  m.def("cema_kernel_fwd",
-        [](int real, uptr p, uptr log_q, uptr gamma, uptr hx, uptr k, uptr b, std::int64_t B, std::int64_t D,
-           std::int64_t N, std::int64_t L, uptr stream) {
-          mk::cema_kernel_fwd(real, P(p), P(log_q), P(gamma), P(hx), P(k), P(b), B, D, N, L, P(stream));
-        },
-        nogil);
-  m.def("cema_kernel_bwd",
-        [](int real, uptr dk, uptr db, uptr p, uptr log_q, uptr gamma, uptr hx, uptr dp, uptr dlog_q, uptr dgamma,
-           uptr dhx, uptr ws, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool weighted,
-           uptr stream) {
-          mk::cema_kernel_bwd(real, P(dk), P(db), P(p), P(log_q), P(gamma), P(hx), P(dp), P(dlog_q), P(dgamma),
-                              P(dhx), P(ws), B, D, N, L, weighted, P(stream));
-        },
-        nogil);
-  m.def("ema_hidden_fwd",
-        [](int dtype, int real, uptr x, uptr p, uptr log_q, uptr hx, uptr h, uptr v, uptr w, uptr ws,
-           std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, uptr stream) {
-          mk::ema_hidden_fwd(dtype, real, P(x), P(p), P(log_q), P(hx), P(h), P(v), P(w), P(ws), B, D, N, L,
-                             P(stream));
-        },
-        nogil);
-  m.def("ema_hidden_bwd",
-        [](int real, uptr dh, uptr p, uptr log_q, uptr hx, uptr v, uptr w, uptr dx, uptr dp, uptr dlog_q, uptr dhx,
-           std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool need_p, bool need_lq, uptr stream) {
-          mk::ema_hidden_bwd(real, P(dh), P(p), P(log_q), P(hx), P(v), P(w), P(dx), P(dp), P(dlog_q), P(dhx), B, D,
-                             N, L, need_p, need_lq, P(stream));
-        },
-        nogil);
-  // --- end cema_kernel / ema_hidden ---
   // --- attention ---
   m.def("flash_attention_dv_tile", &mk::flash_attention_dv_tile);
   m.def("flash_attention_fwd",

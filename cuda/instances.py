@@ -15,7 +15,7 @@ import importlib
 from .launch import Kernel
 
 #: the ops whose CUDA path is a launch description (ops/<op>/cuda_impl.py with KERNELS)
-DESCRIBED_OPS = ("rotary", "timestep_norm")
+DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden")
 
 _T = ("float", "mk::bf16", "double")  # element types (MK_DISPATCH_FLOAT_BF16_DOUBLE)
 _R = ("float", "double")              # arithmetic / coefficient types
@@ -31,13 +31,6 @@ def _launcher_kernels() -> list[Kernel]:
     add("fftconv_long.cuh", [f"mk::fft4_col_{p}_kernel<{t}, {f}>" for p in ("fwd", "inv") for t in _T for f in _BOOL]
         + [f"mk::fft4_row_{p}_kernel<{r}>" for p in ("spectrum", "conv", "dk") for r in _R]
         + [f"mk::fft4_twiddle_probe_kernel<{r}>" for r in _R])
-    xr = [(x, r) for x in _T for r in _R if (x, r) != ("double", "float")]
-    add("cema.cuh", [f"mk::cema::cema_synth_kernel<mk::cema::{m}, {r}>" for m in ("kSynthCema", "kSynthHiddenDx")
-                     for r in _R]
-        + [f"mk::cema::cema_analysis_kernel<mk::cema::kAnalysisCema, {r}, {r}, {w}>" for r in _R for w in _BOOL]
-        + [f"mk::cema::cema_analysis_kernel<mk::cema::kAnalysisHidden, {x}, {r}, {w}>" for x, r in xr for w in _BOOL]
-        + [f"mk::cema::{k}<{r}>" for k in ("cema_bwd_finish_kernel", "ema_hidden_finish_kernel",
-                                           "ema_hidden_coef_kernel") for r in _R])
     for e in ("cutlass::bfloat16_t", "cutlass::half_t"):
         for d in (64, 128, 256):
             fwd, bwd = f"mk::flash::FwdCfg<{e}, {d}>", f"mk::flash::BwdCfg<{e}, {d}>"

@@ -49,32 +49,6 @@ void fftconv_long_twiddle_probe(const std::uint32_t* a, void* out, std::int64_t 
 std::int64_t fftconv_one_block_max_smem_bytes();
 // --- end fftconv ---
 
-// --- cema_kernel / ema_hidden (cema.cuh): complex as interleaved (re, im) --------------------------
-// `real` is the coefficients' dtype code (mk::DType): kFloat32 (p float32, log_q/gamma/hx/dh
-// complex64) or kFloat64 (float64 / complex128); every output, gradient and the workspace have that
-// real type, and all sums accumulate in it.
-// Workspace of the analysis partial sums: cema_workspace_elems(real, rows, D, N, L) reals, with
-// rows = (dk given) + (db given) * B for cema_kernel_bwd and rows = B for ema_hidden_fwd.
-std::int64_t cema_workspace_elems(int real, std::int64_t rows, std::int64_t D, std::int64_t N, std::int64_t L);
-// k (D, L) and, when hx (B, D, N) is given, b (B, D, L); p (D, N), log_q, gamma (D, N) complex.
-void cema_kernel_fwd(int real, const void* p, const void* log_q, const void* gamma, const void* hx, void* k, void* b,
-                     std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, void* stream);
-// dk (D, L), db (B, D, L) (real type) or nullptr -> dp (D, N), dlog_q, dgamma (D, N) and dhx (B, D, N) when hx
-// is given (B = 0 without hx). weighted = false skips dlog_q (written as 0).
-void cema_kernel_bwd(int real, const void* dk, const void* db, const void* p, const void* log_q, const void* gamma,
-                     const void* hx, void* dp, void* dlog_q, void* dgamma, void* dhx, void* workspace,
-                     std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool weighted, void* stream);
-// x (B, D, L) of dtype code `dtype` (float32/bf16; also float64 when real = kFloat64) -> h, V and, when
-// w != nullptr, W, all (B, D, N); hx may be nullptr.
-void ema_hidden_fwd(int dtype, int real, const void* x, const void* p, const void* log_q, const void* hx, void* h,
-                    void* v, void* w, void* workspace, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L,
-                    void* stream);
-// dh (B, D, N) -> dx (B, D, L) real type (nullptr: skipped), dp (D, N), dlog_q (D, N), dhx (B, D, N) when hx
-// is given; V (need_p) and W (need_lq) are the forward's saved sums.
-void ema_hidden_bwd(int real, const void* dh, const void* p, const void* log_q, const void* hx, const void* v,
-                    const void* w, void* dx, void* dp, void* dlog_q, void* dhx, std::int64_t B, std::int64_t D,
-                    std::int64_t N, std::int64_t L, bool need_p, bool need_lq, void* stream);
-// --- end cema_kernel / ema_hidden ----------------------------------------------------------------
 
 // --- attention (flash, cuda/flash_attention.cuh) -----------------------------------------------
 // q (B, L, H, D), k (B, S, H, D), v (B, S, H, ldv), o / dout (B, L, H, ldv) contiguous with D the

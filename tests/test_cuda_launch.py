@@ -11,6 +11,8 @@ import torch
 from megalodon_kernels.cuda import nvrtc
 from megalodon_kernels.cuda.launch import EmulatorLauncher
 from megalodon_kernels.cuda.runtime import GpuLauncher
+from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
 from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
 from megalodon_kernels.ops.timestep_norm import cuda_impl as tsn_cuda
 
@@ -113,6 +115,53 @@ def test_timestep_norm_gpu_launches_equal_the_emulator_launches(tee, dtype, path
     if path == "fwd":
         scan = next(r for r in tee.emulator.records if "tsn_scan_fwd" in r[0])
         assert scan[4][-1][0] == ("f64" if dtype == F64 else "f32")
+
+
+def _reset(tee):
+    for log in (tee.driver.launches, tee.driver.loaded, tee.gpu_tags, tee.emulator.records):
+        log.clear()
+
+
+def _coefficients(real, D=3, N=20, B=2):
+    g = torch.Generator().manual_seed(1)
+    cdt = torch.complex64 if real == F32 else torch.complex128
+    p = torch.rand(D, N, generator=g, dtype=real)
+    log_q = torch.complex(-torch.rand(D, N, generator=g, dtype=real) * 0.1,
+                          torch.rand(D, N, generator=g, dtype=real) * 3).to(cdt)
+    gamma = torch.randn(D, N, generator=g, dtype=cdt)
+    hx = torch.randn(B, D, N, generator=g, dtype=cdt)
+    return p, log_q, gamma, hx
+
+
+@pytest.mark.parametrize("real", [F32, F64], ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_cema_kernel_gpu_launches_equal_the_emulator_launches(tee, real, weighted):
+    p, log_q, gamma, hx = _coefficients(real)
+    backend = cema_cuda.CemaKernelBackend(lambda: tee, "cpu")
+    k, b = backend.cema_kernel_fwd(p, log_q, gamma, 70, hx)
+    assert torch.isfinite(k).all() and torch.isfinite(b).all()
+    assert_same_launches(tee)
+    _reset(tee)
+    grads = backend.cema_kernel_bwd(torch.randn_like(k), torch.randn_like(b), p, log_q, gamma, 70, hx,
+                                    (True, weighted, True, True))
+    assert all(torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all() for g in grads)
+    assert_same_launches(tee)
+    assert [r[0].split("<")[0] for r in tee.emulator.records] == ["mk::cema::cema_analysis_kernel",
+                                                                  "mk::cema::cema_bwd_finish_kernel"]
+
+
+@pytest.mark.parametrize("dtype,real", [(F32, F32), (BF16, F32), (F64, F64), (BF16, F64)], ids=str)
+def test_ema_hidden_gpu_launches_equal_the_emulator_launches(tee, dtype, real):
+    p, log_q, _, hx = _coefficients(real)
+    x = torch.randn(2, 3, 50).to(dtype)
+    backend = hidden_cuda.EmaHiddenBackend(lambda: tee, "cpu")
+    h, V, W = backend.ema_hidden_fwd(x, p, log_q, hx, True)
+    assert torch.isfinite(torch.view_as_real(h)).all()
+    assert_same_launches(tee)
+    _reset(tee)
+    dx, dp, dlq, dhx = backend.ema_hidden_bwd(torch.randn_like(h), p, log_q, hx, V, W, 50)
+    assert torch.isfinite(dx).all() and torch.isfinite(dp).all()
+    assert_same_launches(tee)
 
 
 def test_emulator_refuses_arguments_that_do_not_match_the_signature(ext):
