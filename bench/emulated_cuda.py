@@ -16,7 +16,7 @@ import importlib
 CLASSES = {
     "cema_kernel": ("megalodon_kernels.ops.cema_kernel.cuda_impl", "CemaKernelBackend"),
     "ema_hidden": ("megalodon_kernels.ops.ema_hidden.cuda_impl", "EmaHiddenBackend"),
-    "fftconv": ("megalodon_kernels.cuda.backend", "FftconvBackend"),
+    "fftconv": ("megalodon_kernels.ops.fftconv.cuda_impl", "FftconvBackend"),
     "timestep_norm": ("megalodon_kernels.ops.timestep_norm.cuda_impl", "TimestepNormBackend"),
     "attention": ("megalodon_kernels.cuda.backend", "AttentionBackend"),
     "dropkey_softmax": ("megalodon_kernels.cuda.backend", "DropKeySoftmaxBackend"),

@@ -74,39 +74,6 @@ class DropKeySoftmaxBackend(_Backend):
         return K.dropkey_softmax_bwd(self.ext, dy, y, causal=causal)
 
 
-class FftconvBackend(_Backend):
-    #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex product spectra of dk,
-    #: and of the multi-pass FFT's row workspace above the one-block limit (at least one row either way).
-    DEFAULT_CONFIG: dict = {"max_workspace_bytes": 256 << 20}
-    #: float64 x runs the kernels in double (complex128 spectra, double twiddles)
-    FP64 = True
-
-    def not_supported_reasons(self, x, k, **_other_inputs) -> list[str]:
-        reasons = self._reasons({"x": x, "k": k}, "x")
-        # k is converted to x's arithmetic type (float32, or float64 for float64 x): a float64 k
-        # with a narrower x would silently lose its precision, so it goes to backend='torch'
-        if k.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            reasons.append(f"k must be float32, bfloat16, float16 or float64 for the CUDA kernels, got {k.dtype}")
-        elif k.dtype == torch.float64 and x.dtype != torch.float64:
-            reasons.append(f"a float64 k needs float64 x for the CUDA kernels (they compute in x's precision), "
-                           f"got x {x.dtype} (use backend='torch')")
-        L = x.shape[-1]
-        limit = K.fftconv_max_len(x.dtype)
-        if L > limit:
-            # one block per row up to 16384 (8192 in float64), the multi-pass four-step FFT above,
-            # up to 2^27 (2^25 in float64: 16-byte complex values, every pass within 128 KiB of smem)
-            reasons.append(f"the CUDA fftconv handles L <= {K.FFTCONV_MAX_LEN} (2^27; "
-                           f"L <= {K.FFTCONV_FP64_MAX_LEN} = 2^25 in float64), got L = {L} "
-                           f"with x {x.dtype} (use backend='torch')")
-        return reasons
-
-    def fftconv_fwd(self, x, k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-        return K.fftconv_fwd(self.ext, x, k, max_workspace_bytes=max_workspace_bytes)
-
-    def fftconv_bwd(self, dy, x, k, need_x, need_k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-        return K.fftconv_bwd(self.ext, dy, x, k, need_x, need_k, max_workspace_bytes=max_workspace_bytes)
-
-
 # --- attention ---
 class AttentionBackend(_Backend):
     """attention on the CUDA kernels, two paths.
@@ -209,7 +176,6 @@ class AttentionBackend(_Backend):
 
 # The product backends (CUDA tensors, megalodon_kernels.cuda._C): ops/<op>/cuda_impl.py re-exports these.
 dropkey_softmax = DropKeySoftmaxBackend()
-fftconv = FftconvBackend()
 attention = AttentionBackend()
 
 

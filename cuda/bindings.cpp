@@ -46,41 +46,6 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
           mk::dropkey_softmax_bwd(dtype, P(y), P(dy), P(dx), Bf, Hf, L, S, causal, P(stream));
         },
         nogil);
-  // --- fftconv (dtype codes: see launchers.h) ---
-  m.def("fftconv_fft_size", &mk::fftconv_fft_size);
-  m.def("fftconv_max_length", &mk::fftconv_max_length, py::arg("dtype") = 0);
-  m.def("fftconv_one_block_max_length", &mk::fftconv_one_block_max_length, py::arg("dtype") = 0);
-  m.def("fftconv_workspace_row_floats", &mk::fftconv_workspace_row_floats, py::arg("L"), py::arg("dtype") = 0);
-  m.def("fftconv_kernel_spectrum",
-        [](int dtype, uptr k, uptr kf, std::int64_t D, std::int64_t L, uptr ws, std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_kernel_spectrum(dtype, P(k), P(kf), D, L, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_fwd",
-        [](int dtype, uptr x, uptr kf, uptr y, std::int64_t B, std::int64_t D, std::int64_t L, uptr ws,
-           std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_fwd(dtype, P(x), P(kf), P(y), B, D, L, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_bwd_dx",
-        [](int dtype, uptr dy, uptr x, uptr kf, uptr dx, uptr prod, std::int64_t B, std::int64_t D, std::int64_t L,
-           uptr ws, std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_bwd_dx(dtype, P(dy), P(x), P(kf), P(dx), P(prod), B, D, L, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_bwd_dk",
-        [](int dtype, uptr prod, uptr acc, uptr dk, std::int64_t nb, std::int64_t D, std::int64_t L, bool accumulate,
-           bool finalize, uptr ws, std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_bwd_dk(dtype, P(prod), P(acc), P(dk), nb, D, L, accumulate, finalize, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_long_twiddle_probe",
-        [](uptr a, uptr out, std::int64_t n, int s, double sign, uptr stream, int dtype) {
-          mk::fftconv_long_twiddle_probe(P<const std::uint32_t>(a), P(out), n, s, sign, dtype, P(stream));
-        },
-        py::arg("a"), py::arg("out"), py::arg("n"), py::arg("s"), py::arg("sign"), py::arg("stream"),
-        py::arg("dtype") = 0, nogil);
-  // --- end fftconv ---
   // --- attention ---
   m.def("flash_attention_dv_tile", &mk::flash_attention_dv_tile);
   m.def("flash_attention_fwd",

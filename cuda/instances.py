@@ -15,22 +15,15 @@ import importlib
 from .launch import Kernel
 
 #: the ops whose CUDA path is a launch description (ops/<op>/cuda_impl.py with KERNELS)
-DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden")
+DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden", "fftconv")
 
 _T = ("float", "mk::bf16", "double")  # element types (MK_DISPATCH_FLOAT_BF16_DOUBLE)
-_R = ("float", "double")              # arithmetic / coefficient types
-_BOOL = ("false", "true")
 
 
 def _launcher_kernels() -> list[Kernel]:
     out = []
     add = lambda header, names: out.extend(Kernel(header, n) for n in names)  # noqa: E731
     add("dropkey_softmax.cuh", [f"mk::dropkey_softmax_{d}_kernel<{t}, 8>" for d in ("fwd", "bwd") for t in _T])
-    add("fftconv.cuh", [f"mk::fftconv_spectrum_kernel<{r}>" for r in _R] + [f"mk::fftconv_fwd_kernel<{t}>" for t in _T]
-        + [f"mk::fftconv_bwd_dx_kernel<{t}>" for t in _T] + [f"mk::fftconv_bwd_dk_kernel<{r}>" for r in _R])
-    add("fftconv_long.cuh", [f"mk::fft4_col_{p}_kernel<{t}, {f}>" for p in ("fwd", "inv") for t in _T for f in _BOOL]
-        + [f"mk::fft4_row_{p}_kernel<{r}>" for p in ("spectrum", "conv", "dk") for r in _R]
-        + [f"mk::fft4_twiddle_probe_kernel<{r}>" for r in _R])
     for e in ("cutlass::bfloat16_t", "cutlass::half_t"):
         for d in (64, 128, 256):
             fwd, bwd = f"mk::flash::FwdCfg<{e}, {d}>", f"mk::flash::BwdCfg<{e}, {d}>"

@@ -23,14 +23,6 @@ DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
 #: The same plus float64, for the ops whose kernels also run in double (double accumulation);
 #: an op's launcher passes ``fp64=True`` to :func:`dtype_code` once its kernels have it.
 FP64_DTYPE_CODES = {**DTYPE_CODES, torch.float64: 4}
-#: fftconv: longest L handled in one block per row (N = 16384 complex points, 128 KiB smem);
-#: longer L runs the multi-pass four-step FFT (cuda/fftconv_long.cuh) up to FFTCONV_MAX_LEN.
-FFTCONV_ONE_BLOCK_MAX_LEN = 16384
-FFTCONV_MAX_LEN = 1 << 27
-#: The same in float64 (double arithmetic, complex128 values: 16 B per point, so one block holds
-#: N = 8192 in the same 128 KiB and the multi-pass plan, 128 KiB per pass at most, ends at 2^25).
-FFTCONV_FP64_ONE_BLOCK_MAX_LEN = 8192
-FFTCONV_FP64_MAX_LEN = 1 << 25
 
 
 def dtype_code(t: torch.Tensor, name: str, fp64: bool = False) -> int:
@@ -120,107 +112,6 @@ def dropkey_softmax_bwd(ext, dy: torch.Tensor, y: torch.Tensor, *, causal: bool,
     Bf, Hf, L, S = _bhls(yc.shape)
     ext.dropkey_softmax_bwd(code, _ptr(yc), _ptr(dyc), _ptr(dx), Bf, Hf, L, S, bool(causal), _stream(yc))
     return dx
-
-
-# ------------------------------------------------------------------------------------------------
-# fftconv
-# ------------------------------------------------------------------------------------------------
-
-def fftconv_max_len(dtype: torch.dtype) -> int:
-    """Longest L the CUDA fftconv takes for x of this dtype (2^27; 2^25 in float64)."""
-    return FFTCONV_FP64_MAX_LEN if dtype == torch.float64 else FFTCONV_MAX_LEN
-
-
-def _fftconv_real(x: torch.Tensor) -> tuple[int, torch.dtype, torch.dtype]:
-    """(code, real dtype, complex dtype) of x's arithmetic: float64 x computes in double
-    (k, dk and every spectrum in float64 / complex128), float32 and bfloat16 x in float32."""
-    if x.dtype == torch.float64:
-        return FP64_DTYPE_CODES[torch.float64], torch.float64, torch.complex128
-    return DTYPE_CODES[torch.float32], torch.float32, torch.complex64
-
-
-def _fftconv_workspace(ext, L: int, rows: int, max_workspace_bytes: int, device, code: int = 0):
-    """(ws, ws_rows): the multi-pass FFT's workspace, ws_rows rows of N complex values of the
-    arithmetic type ``code`` (complex64, or complex128 for float64: half the rows for the same
-    bytes; the launchers walk the rows in chunks of ws_rows), capped at max_workspace_bytes but at
-    least one row; (None, 0) up to the one-block limit (no workspace)."""
-    row_floats = ext.fftconv_workspace_row_floats(L, code)
-    if row_floats == 0 or rows == 0:
-        return None, 0
-    ws_rows = max(1, min(rows, max_workspace_bytes // (4 * row_floats)))
-    return torch.empty(ws_rows, row_floats, dtype=torch.float32, device=device), ws_rows
-
-
-@_on_device_of_first_tensor
-def fftconv_spectrum(ext, k: torch.Tensor, max_workspace_bytes: int = 256 << 20, like: torch.Tensor | None = None
-                     ) -> torch.Tensor:
-    """rfft of each kernel row, zero-padded to 2N: (D, N + 1) complex64, or complex128 when
-    ``like`` (x) is float64 (above the one-block limit the bins are in the multi-pass layout of
-    cuda/fftconv_long.cuh, which only these kernels read)."""
-    D, L = k.shape
-    N = ext.fftconv_fft_size(L)
-    code, real, cplx = _fftconv_real(k if like is None else like)
-    kc = k.to(real).contiguous()
-    kf = torch.empty(D, N + 1, dtype=cplx, device=k.device)
-    ws, ws_rows = _fftconv_workspace(ext, L, D, max_workspace_bytes, k.device, code)
-    ext.fftconv_kernel_spectrum(code, _ptr(kc), _ptr(kf), D, L, _ptr(ws), ws_rows, _stream(kc))
-    return kf
-
-
-@_on_device_of_first_tensor
-def fftconv_fwd(ext, x: torch.Tensor, k: torch.Tensor, max_workspace_bytes: int = 256 << 20) -> torch.Tensor:
-    """y (x's dtype), computed in float32 (float64 for float64 x; k is converted to that type).
-    Above the one-block limit a workspace of at most ``max_workspace_bytes`` (at least one row of
-    N complex values) is walked in row chunks."""
-    code = dtype_code(x, "x", fp64=True)
-    _check_device(ext, x, k)
-    B, D, L = x.shape
-    if x.numel() == 0:
-        return torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    xc = x.contiguous()
-    kf = fftconv_spectrum(ext, k, max_workspace_bytes, like=x)
-    y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
-    ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, x.device, code)
-    ext.fftconv_fwd(code, _ptr(xc), _ptr(kf), _ptr(y), B, D, L, _ptr(ws), ws_rows, _stream(xc))
-    return y
-
-
-@_on_device_of_first_tensor
-def fftconv_bwd(ext, dy, x, k, need_x: bool = True, need_k: bool = True,
-                max_workspace_bytes: int = 256 << 20):
-    """(dx in x's dtype or None, dk or None): dk float32, or float64 for float64 x. The dk product
-    spectra are summed over batch slices so the workspace stays under ``max_workspace_bytes`` (at
-    least one slice; above the one-block limit the multi-pass FFT's row workspace is capped by the
-    same figure)."""
-    code = dtype_code(x, "x", fp64=True)
-    _check_device(ext, dy, x, k)
-    rcode, real, cplx = _fftconv_real(x)
-    B, D, L = x.shape
-    dev = x.device
-    if x.numel() == 0:  # nothing to convolve: dk is an empty sum
-        return (torch.empty(x.shape, dtype=x.dtype, device=dev) if need_x else None,
-                torch.zeros(D, L, dtype=real, device=dev) if need_k else None)
-    N = ext.fftconv_fft_size(L)
-    xc, dyc = x.contiguous(), dy.to(x.dtype).contiguous()
-    kf = fftconv_spectrum(ext, k, max_workspace_bytes, like=x)
-    dx = torch.empty(xc.shape, dtype=x.dtype, device=dev) if need_x else None
-    dk = torch.empty(D, L, dtype=real, device=dev) if need_k else None
-    if not need_k:
-        ws, ws_rows = _fftconv_workspace(ext, L, B * D, max_workspace_bytes, dev, code)
-        ext.fftconv_bwd_dx(code, _ptr(dyc), _ptr(xc), _ptr(kf), _ptr(dx), 0, B, D, L, _ptr(ws), ws_rows, _stream(xc))
-        return dx, None
-    row_bytes = D * (N + 1) * kf.element_size()
-    nb = max(1, min(B, max_workspace_bytes // max(1, row_bytes)))
-    prod = torch.empty(nb, D, N + 1, dtype=cplx, device=dev)
-    acc = torch.empty(D, N + 1, dtype=cplx, device=dev) if nb < B else None
-    ws, ws_rows = _fftconv_workspace(ext, L, max(nb * D, D), max_workspace_bytes, dev, code)
-    for b0 in range(0, B, nb):
-        b1 = min(B, b0 + nb)
-        ext.fftconv_bwd_dx(code, _ptr(dyc[b0:b1]), _ptr(xc[b0:b1]), _ptr(kf), _ptr(dx[b0:b1]) if dx is not None else 0,
-                           _ptr(prod), b1 - b0, D, L, _ptr(ws), ws_rows, _stream(xc))
-        ext.fftconv_bwd_dk(rcode, _ptr(prod), _ptr(acc), _ptr(dk), b1 - b0, D, L, b0 > 0, b1 == B, _ptr(ws), ws_rows,
-                           _stream(xc))
-    return dx, dk
 
 
 # ------------------------------------------------------------------------------------------------

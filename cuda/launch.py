@@ -55,14 +55,26 @@ class Launch:
         return packed(self.args)
 
 
+def c_value(tag: str, value):
+    """The argument as its C type: a scalar or pointer by tag, or a struct (``struct_arg``) as is."""
+    if tag.startswith("struct"):
+        if not isinstance(value, ctypes.Structure) or tag != f"struct{ctypes.sizeof(value)}":
+            raise TypeError(f"a {tag} argument must be a ctypes.Structure of that size, got {value!r}")
+        return value
+    if tag not in ARG_TYPES:
+        raise TypeError(f"unknown kernel argument type {tag!r}")
+    return ARG_TYPES[tag](value)
+
+
+def struct_arg(value: ctypes.Structure) -> tuple[str, ctypes.Structure]:
+    """A struct passed by value (tag ``struct<size>``, as the emulator reports it); the
+    ctypes.Structure must mirror the C++ struct's fields in order (same layout)."""
+    return f"struct{ctypes.sizeof(value)}", value
+
+
 def packed(args) -> list[bytes]:
     """The bytes of each argument as its C type (what cuLaunchKernel copies for the kernel)."""
-    out = []
-    for tag, value in args:
-        if tag not in ARG_TYPES:
-            raise TypeError(f"unknown kernel argument type {tag!r}")
-        out.append(bytes(ARG_TYPES[tag](value)))
-    return out
+    return [bytes(c_value(tag, value)) for tag, value in args]
 
 
 def dim3(v) -> tuple[int, int, int]:

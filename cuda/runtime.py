@@ -20,7 +20,7 @@ import threading
 import torch
 
 from . import nvrtc
-from .launch import DEFAULT_MAX_DYNAMIC_SMEM, ARG_TYPES, Launch
+from .launch import DEFAULT_MAX_DYNAMIC_SMEM, Launch, c_value
 
 #: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _MAX_DYNAMIC_SHARED = 8
@@ -80,7 +80,7 @@ class GpuLauncher:
         if launch.device.type != self.device_type:
             raise ValueError(f"the CUDA runtime needs {self.device_type} tensors, got a launch on {launch.device}")
         entry = self.function(launch.kernel, launch.device)
-        values = [ARG_TYPES[tag](value) for tag, value in launch.args]
+        values = [c_value(tag, value) for tag, value in launch.args]
         with _on_device(launch.device):
             if launch.smem > entry[2]:
                 self.driver.set_max_dynamic_smem(entry[1], launch.smem)

@@ -116,6 +116,7 @@ def emulated():
     from megalodon_kernels.cuda.launch import EmulatorLauncher
     from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
     from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
+    from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
     from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda
     from megalodon_kernels.ops.timestep_norm import cuda_impl as timestep_norm_cuda
 
@@ -130,7 +131,7 @@ def emulated():
         "cema_kernel": cema_cuda.CemaKernelBackend(by_name, "cpu"),
         "dropkey_softmax": backend.DropKeySoftmaxBackend(get, "cpu"),
         "ema_hidden": hidden_cuda.EmaHiddenBackend(by_name, "cpu"),
-        "fftconv": backend.FftconvBackend(get, "cpu"),
+        "fftconv": fftconv_cuda.FftconvBackend(by_name, "cpu"),
         "rotary": rotary_cuda.RotaryBackend(by_name, "cpu"),
         "timestep_norm": timestep_norm_cuda.TimestepNormBackend(by_name, "cpu"),
     }

@@ -48,7 +48,6 @@ CODES = {
     "cema_kernel_fwd": dict(real=0), "cema_kernel_bwd": dict(real=0),
     "ema_hidden_fwd": dict(dtype=0, real=1), "ema_hidden_bwd": dict(real=0),
     "flash_attention_fwd": dict(attn=0, D=10), "flash_attention_bwd": dict(attn=0, D=14),
-    "fftconv_long_twiddle_probe": dict(dtype=(6, "dtype", 0)),
 }
 
 

@@ -34,8 +34,22 @@ REGISTER_BUDGET = {
     "tsn_param_reduce_kernel": 32, "tsn_row_grads_kernel": 40, "tsn_scan_bwd_kernel": 80, "tsn_scan_fwd_kernel": 56,
     "cema_analysis_kernel": 128, "cema_bwd_finish_kernel": 48, "cema_synth_kernel": 80,
     "ema_hidden_coef_kernel": 48, "ema_hidden_finish_kernel": 32,
+    "fft4_col_fwd_kernel": 56, "fft4_col_inv_kernel": 48, "fft4_row_conv_kernel": 64, "fft4_row_dk_kernel": 64,
+    "fft4_row_spectrum_kernel": 56, "fft4_twiddle_probe_kernel": 24,
+    "fftconv_bwd_dk_kernel": 56, "fftconv_bwd_dx_kernel": 64, "fftconv_fwd_kernel": 64, "fftconv_spectrum_kernel": 48,
     "flash_fwd_kernel": 208,
 }
+
+
+def _dynamic_smem(name: str) -> int:
+    from megalodon_kernels.ops.fftconv import cuda_impl as fftconv
+
+    family = _family(name)
+    if family.startswith("fftconv_"):
+        return fftconv.one_block_max_smem_bytes()
+    if family.startswith(("fft4_col", "fft4_row")):
+        return fftconv.multi_pass_max_smem_bytes(rows=family.startswith("fft4_row"))
+    return 0
 
 
 def _family(name: str) -> str:
@@ -91,7 +105,8 @@ def test_nvrtc_compiles_the_kernels_for_sm80_and_sm90_without_a_cuda_toolkit(str
         assert origin == "nvrtc" and size > 1000, name
         assert 0 < regs <= REGISTER_BUDGET.get(_family(name), 255), (arch, name, regs)
         assert spills == 0, f"{name} spills {spills} B on sm_{arch}"
-        assert smem <= nvrtc.SMEM_LIMIT[arch], (arch, name, smem)
+        # plus the worst-case dynamic shared memory the launch descriptions ask for (fftconv's FFTs)
+        assert smem + _dynamic_smem(name) <= nvrtc.SMEM_LIMIT[arch], (arch, name, smem)
 
 
 # --- the disk cache, on a toy kernel (fast) ------------------------------------------------------
