@@ -1,4 +1,6 @@
-"""The CUDA backend of each op, as ``ops/<op>/cuda_impl.py`` exposes it.
+"""The backend-object base shared by every op's CUDA backend (``_Backend``: availability, device
+and dtype reasons over a getter of the launcher or extension), and the backends of the ops still
+on compiled launchers (dropkey_softmax, attention), as their ``ops/<op>/cuda_impl.py`` exposes them.
 
 Each ``<Op>Backend`` has the backend-module interface of ops/_dispatch.py (``DEFAULT_CONFIG``,
 ``not_supported_reasons(**inputs)`` (inputs it does not use are ignored, so an op may pass more),

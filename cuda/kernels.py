@@ -1,4 +1,6 @@
-"""Tensor-level API over the compiled CUDA launchers (real extension or CPU emulator).
+"""Tensor-level API over the compiled CUDA launchers (real extension or CPU emulator) of the ops
+without a launch description yet: dropkey_softmax and attention (the others launch from their
+``ops/<op>/cuda_impl.py``, see cuda/launch.py).
 
 Every function takes the extension module ``ext`` first: the product extension built by setup.py
 (``megalodon_kernels.cuda._C``, CUDA tensors) or the emulator extension from

@@ -89,17 +89,23 @@ class Compiled:
 def import_cupy(module: str):
     """Import a CuPy module while a source checkout of this package is on sys.path: its top level
     holds this ``cuda/`` folder, which would shadow NVIDIA's ``cuda`` namespace package that CuPy
-    imports (cuda.pathfinder). Installed wheels are not affected."""
+    imports (cuda.pathfinder). If the checkout's folder was already imported as ``cuda``, it is put
+    back afterwards (CuPy keeps its own references to the submodules it imported), so modules that
+    cached it (inspect's file cache) keep seeing the same object. Installed wheels are not affected."""
     checkout = CUDA_DIR.parent
     shadow = sys.modules.get("cuda")
     if shadow is not None and Path(getattr(shadow, "__file__", None) or "/").resolve().parent == CUDA_DIR:
         del sys.modules["cuda"]
+    else:
+        shadow = None
     saved = sys.path[:]
     sys.path[:] = [p for p in sys.path if Path(p or os.getcwd()).resolve() != checkout]
     try:
         return importlib.import_module(module)
     finally:
         sys.path[:] = saved
+        if shadow is not None:
+            sys.modules["cuda"] = shadow
 
 
 def nvrtc_binding():
