@@ -205,3 +205,60 @@ def test_gpu_launcher_opts_in_to_large_dynamic_smem_once(tee):
         tee.gpu(Launch(k, (1, 1, 1), (32, 1, 1), smem, args, torch.device("cpu")))
     assert tee.driver.smem_optins == [(f"lowered {k.name}", 64 * 1024), (f"lowered {k.name}", 100 * 1024)]
     assert len(tee.driver.launches) == 4 and len(tee.driver.loaded) == 1
+
+
+# --- availability: why the GPU runtime cannot run, reported and never raised at import -------------
+
+@pytest.fixture
+def fresh_runtime(monkeypatch):
+    from megalodon_kernels.cuda import runtime
+
+    monkeypatch.setattr(runtime, "_reason", runtime._UNSET)
+    monkeypatch.setattr(runtime, "_launcher", None)
+    return runtime
+
+
+def test_availability_without_cupy_names_the_extra(fresh_runtime, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # an import that fails
+    reason = fresh_runtime.unavailable_reason()
+    assert "NVRTC through CuPy is not available" in reason and "megalodon-kernels[cuda]" in reason
+    why = rotary_cuda.not_supported_reasons(x=torch.zeros(1, 2, 1, 4))
+    assert any("CUDA backend is unavailable" in r and "pip install" in r for r in why)
+    from megalodon_kernels import ops
+
+    y = ops.rotary(torch.randn(1, 2, 1, 4), torch.arange(2))  # auto falls back
+    assert torch.isfinite(y).all()
+
+
+class _FakeVersionDriver:
+    def __init__(self, version):
+        self.version = version
+
+    def driver_version(self):
+        return self.version
+
+
+@pytest.mark.parametrize("driver,arch,want", [
+    (12080, 80, "the NVIDIA driver supports CUDA 12.8 but NVRTC is 13"),  # driver older than NVRTC's major
+    (13000, 61, "cannot compile for cuda:0 (sm_61"),                    # an arch NVRTC 13 does not target
+    (13000, 90, None),
+])
+def test_availability_old_driver_and_unsupported_arch(fresh_runtime, monkeypatch, driver, arch, want):
+    runtime = fresh_runtime
+    monkeypatch.setattr(runtime.nvrtc, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(runtime.nvrtc, "supported_archs", lambda: [75, 80, 86, 87, 89, 90, 100, 120])
+    monkeypatch.setattr(runtime.nvrtc, "include_dirs", lambda: ())
+    monkeypatch.setattr(runtime.nvrtc, "nvrtc_binding", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runtime, "_device_arch", lambda device: arch)
+    monkeypatch.setattr(runtime, "CupyDriver", lambda: _FakeVersionDriver(driver))
+    reason = runtime.unavailable_reason()
+    if want is None:
+        assert reason is None
+    else:
+        assert want in reason
+        with pytest.raises(RuntimeError, match="CUDA backend is unavailable"):
+            runtime.gpu_launcher()
