@@ -41,6 +41,14 @@ def _versions() -> list[tuple[str, str]]:
         pass
     rows.append(("cpu", f"{cpu} ({os.cpu_count()} cores)"))
     rows.append(("cuda device", torch.cuda.get_device_name(0) if torch.cuda.is_available() else "none"))
+    from .cuda import nvrtc, runtime
+
+    reason = runtime.unavailable_reason()
+    try:
+        compiler = "NVRTC %d.%d" % nvrtc.nvrtc_version()
+    except nvrtc.NvrtcUnavailable:
+        compiler = "no NVRTC"
+    rows.append(("cuda runtime", f"{compiler}; " + (f"unavailable: {reason}" if reason else "available")))
     return rows
 
 

@@ -4,8 +4,10 @@ The repository's top level *is* the package (docs/design.md, Layout): ``ops/`` b
 ``megalodon_kernels.ops``, ``reference/`` becomes ``megalodon_kernels.reference`` and so on.
 Nothing installs as a top-level ``ops`` or ``reference``.
 
-A CPU install never needs nvcc. The CUDA extension ``megalodon_kernels.cuda._C`` (cuda/*.cu +
-cuda/bindings.cpp) is built only when a CUDA toolkit and a CUDA-enabled torch are importable at
+A CPU install never needs nvcc. The ops with a launch description (cema_kernel, ema_hidden,
+fftconv, timestep_norm, rotary) need no build at all: their kernels are compiled at run time by
+NVRTC (the ``cuda`` extra). The CUDA extension ``megalodon_kernels.cuda._C`` (cuda/*.cu +
+cuda/bindings.cpp: the launchers of attention and dropkey_softmax) is built only when a CUDA toolkit and a CUDA-enabled torch are importable at
 build time, or when ``MEGALODON_KERNELS_BUILD_CUDA=1`` forces it (an error then says what is
 missing); ``MEGALODON_KERNELS_BUILD_CUDA=0`` never builds it. Arch list: ``TORCH_CUDA_ARCH_LIST``
 (default "8.0;9.0"); parallel compile jobs: ``MAX_JOBS``. Build against the installed torch:

@@ -35,9 +35,15 @@ def emulator_times():
     import torch
 
     from megalodon_kernels.cuda import kernels as K
-    from megalodon_kernels.ops.rotary import rotation_tables
+    from megalodon_kernels.cuda.launch import EmulatorLauncher
+    from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+    from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
+    from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
+    from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
+    from megalodon_kernels.ops.timestep_norm import cuda_impl as tsn_cuda
 
     ext = build.load_emulator()
+    emu = EmulatorLauncher(ext)
     g = torch.Generator().manual_seed(0)
     out = []
 
@@ -55,34 +61,34 @@ def emulator_times():
         timed(f"dropkey_softmax bwd {tag}", "(2,4,64,64)", lambda: K.dropkey_softmax_bwd(ext, s, y, causal=True))
         x = torch.randn(2, 256, 4, 64, generator=g).to(dt)
         cos, sin = rotation_tables(torch.arange(256), 64, 10000.0, None, False, torch.float32)
-        timed(f"rotary fwd {tag}", "(2,256,4,64)", lambda: K.rotary_fwd(ext, x, cos, sin))
+        timed(f"rotary fwd {tag}", "(2,256,4,64)", lambda: rotary_cuda.rotary(emu, x, cos, sin, False))
         B, L, D, G = 2, 512, 64, 4
         x = torch.randn(B, L, D, generator=g).to(dt)
         args = (torch.ones(D), torch.zeros(D), torch.zeros(B, dtype=torch.int64), torch.zeros(B, G), torch.ones(B, G),
                 torch.zeros(B, L, dtype=torch.bool), G, 1e-5)
-        res = K.timestep_norm_fwd(ext, x, *args)
-        timed(f"timestep_norm fwd {tag}", f"({B},{L},{D}) G={G}", lambda: K.timestep_norm_fwd(ext, x, *args))
+        res = tsn_cuda.launch_fwd(emu, x, *args)
+        timed(f"timestep_norm fwd {tag}", f"({B},{L},{D}) G={G}", lambda: tsn_cuda.launch_fwd(emu, x, *args))
         timed(f"timestep_norm bwd {tag}", f"({B},{L},{D}) G={G}",
-              lambda: K.timestep_norm_bwd(ext, x, torch.zeros(B, G), torch.zeros(B, G), res[4], G))
+              lambda: tsn_cuda.launch_bwd(emu, x, torch.zeros(B, G), torch.zeros(B, G), res[4], G))
         for L in (1024, 16384, 65536):  # one block up to 16384, the multi-pass FFT above
             x = torch.randn(1, 1, L, generator=g).to(dt)
             k = torch.randn(1, L, generator=g)
-            timed(f"fftconv fwd {tag}", f"(1,1,{L})", lambda: K.fftconv_fwd(ext, x, k))
-            timed(f"fftconv bwd {tag}", f"(1,1,{L})", lambda: K.fftconv_bwd(ext, x, x, k))
+            timed(f"fftconv fwd {tag}", f"(1,1,{L})", lambda: fftconv_cuda.launch_fwd(emu, x, k))
+            timed(f"fftconv bwd {tag}", f"(1,1,{L})", lambda: fftconv_cuda.launch_bwd(emu, x, x, k))
         B, D, N, L = 2, 16, 16, 4096
         x = torch.randn(B, D, L, generator=g).to(dt)
         p = torch.rand(D, N, generator=g)
         log_q = torch.complex(-torch.rand(D, N, generator=g) * 0.01, torch.rand(D, N, generator=g) * 3.0)
         gamma = torch.randn(D, N, dtype=torch.complex64, generator=g)
         hx = torch.randn(B, D, N, dtype=torch.complex64, generator=g)
-        h, V, W = K.ema_hidden_fwd(ext, x, p, log_q, hx, weighted=True)
-        timed(f"ema_hidden fwd {tag}", f"({B},{D},{L}) N={N}", lambda: K.ema_hidden_fwd(ext, x, p, log_q, hx, True))
+        h, V, W = hidden_cuda.launch_fwd(emu, x, p, log_q, hx, weighted=True)
+        timed(f"ema_hidden fwd {tag}", f"({B},{D},{L}) N={N}", lambda: hidden_cuda.launch_fwd(emu, x, p, log_q, hx, True))
         timed(f"ema_hidden bwd {tag}", f"({B},{D},{L}) N={N}",
-              lambda: K.ema_hidden_bwd(ext, torch.ones_like(h), p, log_q, hx, V, W, L))
-    k, b = K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx)
-    timed("cema_kernel fwd float32", f"({B},{D},{L}) N={N}", lambda: K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx))
+              lambda: hidden_cuda.launch_bwd(emu, torch.ones_like(h), p, log_q, hx, V, W, L))
+    k, b = cema_cuda.launch_fwd(emu, p, log_q, gamma, L, hx)
+    timed("cema_kernel fwd float32", f"({B},{D},{L}) N={N}", lambda: cema_cuda.launch_fwd(emu, p, log_q, gamma, L, hx))
     timed("cema_kernel bwd float32", f"({B},{D},{L}) N={N}",
-          lambda: K.cema_kernel_bwd(ext, torch.ones_like(k), torch.ones_like(b), p, log_q, gamma, L, hx))
+          lambda: cema_cuda.launch_bwd(emu, torch.ones_like(k), torch.ones_like(b), p, log_q, gamma, L, hx))
     q, k_, v = (torch.randn(1, 128, 2, 64, generator=g) for _ in range(3))
     kw = dict(scale=0.125, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.1, seed=1, attn_fn="softmax")
     o, lse = K.attention_flash_fwd(ext, q, k_, v, **kw)
@@ -114,7 +120,7 @@ def main(argv=None) -> int:
         print(f"{name:<58} sm_{r.arch:<3} {r.registers:>4} {r.spill_stores + r.spill_loads:>5} {r.static_smem:>7} "
               f"{d:>8} {total:>7} {build.SMEM_LIMIT[r.arch]:>7}  {', '.join(status) or 'ok'}")
     print(f"\n{len(rows)} kernel variants, {bad} flagged (dynamic = worst case of the launcher, "
-          f"fftconv at N = 16384)")
+          f"flash attention's tiles; the launch descriptions' kernels: python -m megalodon_kernels.cuda compile)")
     if a.emulator:
         print(f"\n{'emulator run':<28} {'shape':<18} {'wall s':>8} {'cpu s':>8}")
         for name, shape, wall, cpu in emulator_times():

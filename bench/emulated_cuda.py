@@ -1,7 +1,7 @@
 """The ops' ``backend="cuda"`` on CPU tensors, through the SIMT emulator (cuda/emu/).
 
 For measurement scripts on a machine without a GPU: :func:`install` builds (or loads) the emulator
-extension and plugs the CUDA backend classes of cuda/backend.py over it into each op's dispatcher,
+extension and plugs each op's CUDA backend class over it into each op's dispatcher,
 as the tests do, so ``ops.<op>(..., backend="cuda")`` runs the same kernel sources on the CPU. The
 emulator is built with the device model (FMA contraction as nvcc does it, the math functions with
 the device's documented error bounds: cuda/emu/device_math.h), so the numbers are what a GPU may
@@ -11,27 +11,32 @@ from __future__ import annotations
 
 import importlib
 
-#: op -> backend class name in megalodon_kernels.cuda.backend
+#: op -> (module, backend class): the ops with a launch description run it over the emulator by
+#: name (ops/<op>/cuda_impl.py), the others their compiled launchers (cuda/backend.py)
 CLASSES = {
-    "cema_kernel": "CemaKernelBackend",
-    "ema_hidden": "EmaHiddenBackend",
-    "fftconv": "FftconvBackend",
-    "timestep_norm": "TimestepNormBackend",
-    "attention": "AttentionBackend",
-    "dropkey_softmax": "DropKeySoftmaxBackend",
-    "rotary": "RotaryBackend",
+    "cema_kernel": ("megalodon_kernels.ops.cema_kernel.cuda_impl", "CemaKernelBackend"),
+    "ema_hidden": ("megalodon_kernels.ops.ema_hidden.cuda_impl", "EmaHiddenBackend"),
+    "fftconv": ("megalodon_kernels.ops.fftconv.cuda_impl", "FftconvBackend"),
+    "timestep_norm": ("megalodon_kernels.ops.timestep_norm.cuda_impl", "TimestepNormBackend"),
+    "attention": ("megalodon_kernels.cuda.backend", "AttentionBackend"),
+    "dropkey_softmax": ("megalodon_kernels.cuda.backend", "DropKeySoftmaxBackend"),
+    "rotary": ("megalodon_kernels.ops.rotary.cuda_impl", "RotaryBackend"),
 }
 
 
 def install(ops=None, verbose: bool = True) -> None:
     """Route ``backend="cuda"`` of ``ops`` (default: every op with a CUDA backend) to the emulator."""
-    from megalodon_kernels.cuda import backend, build
+    from megalodon_kernels.cuda import build
+    from megalodon_kernels.cuda.launch import EmulatorLauncher
 
     ext = build.load_emulator(verbose=verbose)
+    launcher = EmulatorLauncher(ext)
     for op in ops or CLASSES:
-        impl = getattr(backend, CLASSES[op])(lambda: ext, "cpu")
+        module, cls = CLASSES[op]
+        target = ext if module.endswith("cuda.backend") else launcher
+        impl = getattr(importlib.import_module(module), cls)(lambda target=target: target, "cpu")
         backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
-        backends._modules["cuda"] = f"(emulated) megalodon_kernels.cuda.backend.{op}"
+        backends._modules["cuda"] = f"(emulated) {module}"
         backends._loaded["cuda"] = impl
 
 

@@ -5,6 +5,9 @@
   ``extension_error()`` says why it is missing and how to build it.
 * :mod:`.kernels` is the tensor-level API over the launchers (shared by the product extension
   and the CPU emulator); :mod:`.build` builds the emulator extension and runs nvcc for resources.
+* The ops with a launch description (``ops/<op>/cuda_impl.py``) need no extension: :mod:`.launch`
+  (records, the emulator launcher), :mod:`.runtime` (the GPU launcher), :mod:`.nvrtc` (run-time
+  compilation and its cache), :mod:`.instances` (every instantiation).
 
 Imports nothing from the rest of the package.
 """

@@ -1,4 +1,6 @@
-"""The CUDA backend of each op, as ``ops/<op>/cuda_impl.py`` exposes it.
+"""The backend-object base shared by every op's CUDA backend (``_Backend``: availability, device
+and dtype reasons over a getter of the launcher or extension), and the backends of the ops still
+on compiled launchers (dropkey_softmax, attention), as their ``ops/<op>/cuda_impl.py`` exposes them.
 
 Each ``<Op>Backend`` has the backend-module interface of ops/_dispatch.py (``DEFAULT_CONFIG``,
 ``not_supported_reasons(**inputs)`` (inputs it does not use are ignored, so an op may pass more),
@@ -15,7 +17,6 @@ import torch
 
 from . import extension, extension_error
 from . import kernels as K
-
 
 
 def _product_ext():
@@ -62,19 +63,6 @@ class _Backend:
         return reasons
 
 
-class RotaryBackend(_Backend):
-    FP64 = True  # double x with double tables
-
-    def not_supported_reasons(self, x, **_other_inputs) -> list[str]:
-        return self._reasons({"x": x}, "x")
-
-    def rotary_fwd(self, x, cos, sin):
-        return K.rotary_fwd(self.ext, x, cos, sin)
-
-    def rotary_bwd(self, dy, cos, sin):
-        return K.rotary_bwd(self.ext, dy, cos, sin)
-
-
 class DropKeySoftmaxBackend(_Backend):
     FP64 = True  # double scores: exp and sums in double, the same DropKey decisions
 
@@ -86,57 +74,6 @@ class DropKeySoftmaxBackend(_Backend):
 
     def dropkey_softmax_bwd(self, dy, y, *, causal, dropkey_p=0.0, seed=0):
         return K.dropkey_softmax_bwd(self.ext, dy, y, causal=causal)
-
-
-class TimestepNormBackend(_Backend):
-    FP64 = True  # double x: Welford/Kahan state, statistics and side inputs in double
-
-    def not_supported_reasons(self, x, num_groups=None, **_other_inputs) -> list[str]:
-        reasons = self._reasons({"x": x}, "x")
-        if x.dim() == 3 and x.shape[1] >= 2**31:
-            reasons.append("L must be < 2^31")
-        return reasons
-
-    def timestep_norm_fwd(self, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps):
-        return K.timestep_norm_fwd(self.ext, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask,
-                                   num_groups, eps)
-
-    def timestep_norm_bwd(self, dy, dmean, dvar, saved, num_groups):
-        return K.timestep_norm_bwd(self.ext, dy, dmean, dvar, saved, num_groups)
-
-
-class FftconvBackend(_Backend):
-    #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex product spectra of dk,
-    #: and of the multi-pass FFT's row workspace above the one-block limit (at least one row either way).
-    DEFAULT_CONFIG: dict = {"max_workspace_bytes": 256 << 20}
-    #: float64 x runs the kernels in double (complex128 spectra, double twiddles)
-    FP64 = True
-
-    def not_supported_reasons(self, x, k, **_other_inputs) -> list[str]:
-        reasons = self._reasons({"x": x, "k": k}, "x")
-        # k is converted to x's arithmetic type (float32, or float64 for float64 x): a float64 k
-        # with a narrower x would silently lose its precision, so it goes to backend='torch'
-        if k.dtype not in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
-            reasons.append(f"k must be float32, bfloat16, float16 or float64 for the CUDA kernels, got {k.dtype}")
-        elif k.dtype == torch.float64 and x.dtype != torch.float64:
-            reasons.append(f"a float64 k needs float64 x for the CUDA kernels (they compute in x's precision), "
-                           f"got x {x.dtype} (use backend='torch')")
-        L = x.shape[-1]
-        limit = K.fftconv_max_len(x.dtype)
-        if L > limit:
-            # one block per row up to 16384 (8192 in float64), the multi-pass four-step FFT above,
-            # up to 2^27 (2^25 in float64: 16-byte complex values, every pass within 128 KiB of smem)
-            reasons.append(f"the CUDA fftconv handles L <= {K.FFTCONV_MAX_LEN} (2^27; "
-                           f"L <= {K.FFTCONV_FP64_MAX_LEN} = 2^25 in float64), got L = {L} "
-                           f"with x {x.dtype} (use backend='torch')")
-        return reasons
-
-    def fftconv_fwd(self, x, k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-        return K.fftconv_fwd(self.ext, x, k, max_workspace_bytes=max_workspace_bytes)
-
-    def fftconv_bwd(self, dy, x, k, need_x, need_k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-        return K.fftconv_bwd(self.ext, dy, x, k, need_x, need_k, max_workspace_bytes=max_workspace_bytes)
-
 
 
 # --- attention ---
@@ -240,72 +177,7 @@ class AttentionBackend(_Backend):
 # --- end attention ---
 
 # The product backends (CUDA tensors, megalodon_kernels.cuda._C): ops/<op>/cuda_impl.py re-exports these.
-rotary = RotaryBackend()
 dropkey_softmax = DropKeySoftmaxBackend()
-timestep_norm = TimestepNormBackend()
-fftconv = FftconvBackend()
 attention = AttentionBackend()
 
 
-# --- cema_kernel / ema_hidden ---
-class _CemaBackend(_Backend):
-    #: float64 p with complex128 parameters runs in double (cuda/cema.cuh's R = double)
-    FP64 = True
-
-    def _cema_reasons(self, named: dict, p, N: int, L: int | None) -> list[str]:
-        reasons = self._available()
-        for name, t in named.items():
-            if t is not None and t.device.type != self.device_type:
-                reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} (use backend='torch')")
-                break
-        if p.dtype not in K.CEMA_REAL_CODES:
-            reasons.append(f"the CUDA CEMA kernels take float32 or float64 p, got p {p.dtype} (use backend='torch')")
-        else:
-            # The parameters share p's precision (ops._checks.check_coefficients enforces it for
-            # the public ops); a mix is refused rather than cast, as the kernels' tensor API does.
-            want = K._CEMA_COMPLEX[p.dtype]
-            for name in ("log_q", "gamma", "hx"):
-                t = named.get(name)
-                if t is not None and t.dtype != want:
-                    reasons.append(f"the CUDA CEMA kernels take {name} {want} with {p.dtype} p, got {t.dtype} "
-                                   f"(use backend='torch')")
-        if N > K.CEMA_MAX_N:
-            reasons.append(f"N = {N} > {K.CEMA_MAX_N} (the CUDA n tile is 16, 32 or 64; use backend='torch')")
-        if L is not None and L + 1 >= K.CEMA_MAX_LENGTH:
-            reasons.append(f"L = {L}: L + 1 >= 2**24, exponents would not be exact in fp32 (use backend='torch')")
-        return reasons
-
-
-class CemaKernelBackend(_CemaBackend):
-    """cema_kernel on cuda/cema.cuh: k and b by tiled synthesis, the gradients by tiled analysis."""
-
-    def not_supported_reasons(self, p, log_q=None, gamma=None, length=None, hx=None, **_other_inputs) -> list[str]:
-        named = {"p": p, "log_q": log_q, "gamma": gamma, "hx": hx}
-        return self._cema_reasons(named, p, p.shape[-1], length)
-
-    def cema_kernel_fwd(self, p, log_q, gamma, length, hx):
-        return K.cema_kernel_fwd(self.ext, p, log_q, gamma, length, hx)
-
-    def cema_kernel_bwd(self, dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
-        return K.cema_kernel_bwd(self.ext, dk, db, p, log_q, gamma, length, hx, needs)
-
-
-class EmaHiddenBackend(_CemaBackend):
-    """ema_hidden on cuda/cema.cuh: V, W by tiled analysis of x (fp32 or bf16; also fp64, summed in double
-    with float64 p, cast to fp32 with float32 p as the torch backend does), dx by tiled synthesis."""
-
-    def not_supported_reasons(self, x, p, log_q=None, hx=None, **_other_inputs) -> list[str]:
-        reasons = self._cema_reasons({"x": x, "p": p, "log_q": log_q, "hx": hx}, p, p.shape[-1], x.shape[-1])
-        reasons += self._dtype_reason("x", x, "the CUDA ema_hidden takes")
-        return reasons
-
-    def ema_hidden_fwd(self, x, p, log_q, hx, weighted=False):
-        return K.ema_hidden_fwd(self.ext, x, p, log_q, hx, weighted)
-
-    def ema_hidden_bwd(self, dh, p, log_q, hx, V, W, length, needs=(True, True, True, True)):
-        return K.ema_hidden_bwd(self.ext, dh, p, log_q, hx, V, W, length, needs)
-
-
-cema_kernel = CemaKernelBackend()
-ema_hidden = EmaHiddenBackend()
-# --- end cema_kernel / ema_hidden ---

@@ -9,6 +9,7 @@
 
 #include "launchers.h"
 #ifdef MK_EMULATOR_BUILD
+#include "emu/by_name.h"
 #include "emu/emu_api.h"
 #endif
 
@@ -46,97 +47,6 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
           mk::dropkey_softmax_bwd(dtype, P(y), P(dy), P(dx), Bf, Hf, L, S, causal, P(stream));
         },
         nogil);
-  m.def("rotary",
-        [](int dtype, bool conjugate, uptr x, uptr cos, uptr sin, uptr y, std::int64_t B, std::int64_t L,
-           std::int64_t H, std::int64_t half, std::int64_t Pn, uptr stream) {
-          mk::rotary(dtype, conjugate, P(x), P(cos), P(sin), P(y), B, L, H, half, Pn, P(stream));
-        },
-        nogil);
-  m.def("timestep_norm_workspace_floats", &mk::timestep_norm_workspace_floats);
-  m.def("timestep_norm_fwd",
-        [](int dtype, uptr x, uptr scale, uptr bias, uptr prev_count, uptr prev_mean, uptr prev_var, uptr mask, uptr y,
-           uptr count, uptr mean, uptr var, uptr cummean, uptr cumrstd, uptr ws, std::int64_t B, std::int64_t L,
-           std::int64_t D, std::int64_t G, double eps, uptr stream) {
-          mk::timestep_norm_fwd(dtype, P(x), P(scale), P(bias), P<const std::int64_t>(prev_count), P(prev_mean),
-                                P(prev_var), P<const bool>(mask), P(y), P<std::int64_t>(count), P(mean), P(var),
-                                P(cummean), P(cumrstd), P(ws), B, L, D, G, eps, P(stream));
-        },
-        nogil);
-  m.def("timestep_norm_bwd",
-        [](int dtype, uptr dy, uptr dmean, uptr dvar, uptr x, uptr scale, uptr prev_count, uptr prev_mean, uptr mask,
-           uptr cummean, uptr cumrstd, uptr dx, uptr dscale, uptr dbias, uptr dprev_mean, uptr dprev_var, uptr ws,
-           std::int64_t B, std::int64_t L, std::int64_t D, std::int64_t G, uptr stream) {
-          mk::timestep_norm_bwd(dtype, P(dy), P(dmean), P(dvar), P(x), P(scale), P<const std::int64_t>(prev_count),
-                                P(prev_mean), P<const bool>(mask), P(cummean), P(cumrstd), P(dx), P(dscale),
-                                P(dbias), P(dprev_mean), P(dprev_var), P(ws), B, L, D, G, P(stream));
-        },
-        nogil);
-  // --- fftconv (dtype codes: see launchers.h) ---
-  m.def("fftconv_fft_size", &mk::fftconv_fft_size);
-  m.def("fftconv_max_length", &mk::fftconv_max_length, py::arg("dtype") = 0);
-  m.def("fftconv_one_block_max_length", &mk::fftconv_one_block_max_length, py::arg("dtype") = 0);
-  m.def("fftconv_workspace_row_floats", &mk::fftconv_workspace_row_floats, py::arg("L"), py::arg("dtype") = 0);
-  m.def("fftconv_kernel_spectrum",
-        [](int dtype, uptr k, uptr kf, std::int64_t D, std::int64_t L, uptr ws, std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_kernel_spectrum(dtype, P(k), P(kf), D, L, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_fwd",
-        [](int dtype, uptr x, uptr kf, uptr y, std::int64_t B, std::int64_t D, std::int64_t L, uptr ws,
-           std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_fwd(dtype, P(x), P(kf), P(y), B, D, L, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_bwd_dx",
-        [](int dtype, uptr dy, uptr x, uptr kf, uptr dx, uptr prod, std::int64_t B, std::int64_t D, std::int64_t L,
-           uptr ws, std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_bwd_dx(dtype, P(dy), P(x), P(kf), P(dx), P(prod), B, D, L, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_bwd_dk",
-        [](int dtype, uptr prod, uptr acc, uptr dk, std::int64_t nb, std::int64_t D, std::int64_t L, bool accumulate,
-           bool finalize, uptr ws, std::int64_t ws_rows, uptr stream) {
-          mk::fftconv_bwd_dk(dtype, P(prod), P(acc), P(dk), nb, D, L, accumulate, finalize, P(ws), ws_rows, P(stream));
-        },
-        nogil);
-  m.def("fftconv_long_twiddle_probe",
-        [](uptr a, uptr out, std::int64_t n, int s, double sign, uptr stream, int dtype) {
-          mk::fftconv_long_twiddle_probe(P<const std::uint32_t>(a), P(out), n, s, sign, dtype, P(stream));
-        },
-        py::arg("a"), py::arg("out"), py::arg("n"), py::arg("s"), py::arg("sign"), py::arg("stream"),
-        py::arg("dtype") = 0, nogil);
-  // --- end fftconv ---
-  // --- cema_kernel / ema_hidden ---
-  m.def("cema_workspace_elems", &mk::cema_workspace_elems);
-  m.def("cema_kernel_fwd",
-        [](int real, uptr p, uptr log_q, uptr gamma, uptr hx, uptr k, uptr b, std::int64_t B, std::int64_t D,
-           std::int64_t N, std::int64_t L, uptr stream) {
-          mk::cema_kernel_fwd(real, P(p), P(log_q), P(gamma), P(hx), P(k), P(b), B, D, N, L, P(stream));
-        },
-        nogil);
-  m.def("cema_kernel_bwd",
-        [](int real, uptr dk, uptr db, uptr p, uptr log_q, uptr gamma, uptr hx, uptr dp, uptr dlog_q, uptr dgamma,
-           uptr dhx, uptr ws, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool weighted,
-           uptr stream) {
-          mk::cema_kernel_bwd(real, P(dk), P(db), P(p), P(log_q), P(gamma), P(hx), P(dp), P(dlog_q), P(dgamma),
-                              P(dhx), P(ws), B, D, N, L, weighted, P(stream));
-        },
-        nogil);
-  m.def("ema_hidden_fwd",
-        [](int dtype, int real, uptr x, uptr p, uptr log_q, uptr hx, uptr h, uptr v, uptr w, uptr ws,
-           std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, uptr stream) {
-          mk::ema_hidden_fwd(dtype, real, P(x), P(p), P(log_q), P(hx), P(h), P(v), P(w), P(ws), B, D, N, L,
-                             P(stream));
-        },
-        nogil);
-  m.def("ema_hidden_bwd",
-        [](int real, uptr dh, uptr p, uptr log_q, uptr hx, uptr v, uptr w, uptr dx, uptr dp, uptr dlog_q, uptr dhx,
-           std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L, bool need_p, bool need_lq, uptr stream) {
-          mk::ema_hidden_bwd(real, P(dh), P(p), P(log_q), P(hx), P(v), P(w), P(dx), P(dp), P(dlog_q), P(dhx), B, D,
-                             N, L, need_p, need_lq, P(stream));
-        },
-        nogil);
-  // --- end cema_kernel / ema_hidden ---
   // --- attention ---
   m.def("flash_attention_dv_tile", &mk::flash_attention_dv_tile);
   m.def("flash_attention_fwd",
@@ -167,6 +77,16 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
   m.def("emulator_set_smem_limit", &mk::emu_api::set_smem_limit, "per-block shared memory limit in bytes");
   m.def("emulator_switches", &mk::emu_api::switches, "fiber switches so far");
   m.def("emulator_launched_kernels", &mk::emu_api::launched_kernels, "kernel names launched so far");
+  // cuda/launch.py EmulatorLauncher: arguments as the bytes of their C types; returns their type tags
+  m.def("launch_kernel",
+        [](const std::string& name, std::tuple<unsigned, unsigned, unsigned> grid,
+           std::tuple<unsigned, unsigned, unsigned> block, std::size_t smem, const std::vector<py::bytes>& args) {
+          std::vector<std::string> raw(args.begin(), args.end());
+          py::gil_scoped_release release;
+          return ::mk_emu::launch_by_name(name, dim3(std::get<0>(grid), std::get<1>(grid), std::get<2>(grid)),
+                                          dim3(std::get<0>(block), std::get<1>(block), std::get<2>(block)), smem,
+                                          raw);
+        });
   m.def("emulator_selftest",
         [](const std::string& name, uptr in, uptr out, std::int64_t n, int grid, int block, std::int64_t smem) {
           mk::emu_api::selftest(name, P(in), P(out), n, grid, block, smem);

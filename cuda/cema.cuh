@@ -40,9 +40,10 @@
 //    deterministic: no atomics, the partition depends only on (D, N, L, R).
 #pragma once
 
-#include <type_traits>
-
 #include "common.cuh"
+#if !MK_NVRTC  // NVRTC: libcu++'s, from emu/emu.cuh
+#include <type_traits>
+#endif
 
 namespace mk {
 namespace cema {
@@ -448,6 +449,128 @@ __device__ __forceinline__ C4 sum_partials(const C4* __restrict__ partial, int o
 }
 
 // ------------------------------------------------------------------------------------------------
+// Per-coefficient finishing kernels (gradients and hidden states from the summed partials)
+// ------------------------------------------------------------------------------------------------
+// cema_kernel backward, one thread per coefficient (d, n): with S, S1 of dk and T, T1 of each db_b
+//   dp = Re(S gamma), dgamma = conj(S p) + sum_b conj(T hx_b), dlog_q = conj(S1 p gamma) + sum_b conj(T1 gamma hx_b),
+//   dhx_b = conj(T gamma)  (0 without db). Sums over b in order: deterministic.
+template <class R>
+__global__ void __launch_bounds__(kFinishThreads)
+    cema_bwd_finish_kernel(const c4_t<R>* __restrict__ partial, const R* __restrict__ p, const R* __restrict__ gamma,
+                           const R* __restrict__ hx, R* __restrict__ dp, R* __restrict__ dlog_q,
+                           R* __restrict__ dgamma, R* __restrict__ dhx, int D, int N, int B, int Y, bool has_k,
+                           bool has_b, bool weighted) {
+  using C = c2_t<R>;
+  using C4 = c4_t<R>;
+  const std::int64_t DN = static_cast<std::int64_t>(D) * N;
+  for (std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < DN;
+       c += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t cd = c / N, cn = c % N;
+    const R pc = p[c];
+    const C g = load_c(gamma, c);
+    R vdp = R(0);
+    C vdg = mkc<R>(R(0), R(0)), vdl = mkc<R>(R(0), R(0));
+    if (has_k) {
+      const C4 a = sum_partials(partial, 0, cd, cn, D, N, Y);
+      const C S = mkc<R>(a.x, a.y);
+      vdp = S.x * g.x - S.y * g.y;
+      vdg = mkc<R>(S.x * pc, -S.y * pc);
+      if (weighted) vdl = cconj(cmul(mkc<R>(a.z, a.w), mkc<R>(pc * g.x, pc * g.y)));
+    }
+    for (int b = 0; b < B && !has_b; ++b) {
+      const std::int64_t hc = static_cast<std::int64_t>(b) * DN + c;
+      dhx[2 * hc] = R(0);
+      dhx[2 * hc + 1] = R(0);
+    }
+    for (int b = 0; b < B && has_b; ++b) {
+      const std::int64_t hc = static_cast<std::int64_t>(b) * DN + c;
+      const C4 a = sum_partials(partial, b + (has_k ? 1 : 0), cd, cn, D, N, Y);
+      const C Tb = mkc<R>(a.x, a.y);
+      const C h = load_c(hx, hc);
+      const C dh = cconj(cmul(Tb, g));
+      dhx[2 * hc] = dh.x;
+      dhx[2 * hc + 1] = dh.y;
+      vdg = cadd(vdg, cconj(cmul(Tb, h)));
+      if (weighted) vdl = cadd(vdl, cconj(cmul(mkc<R>(a.z, a.w), cmul(g, h))));
+    }
+    dp[c] = vdp;
+    dgamma[2 * c] = vdg.x;
+    dgamma[2 * c + 1] = vdg.y;
+    dlog_q[2 * c] = vdl.x;
+    dlog_q[2 * c + 1] = vdl.y;
+  }
+}
+
+// ema_hidden forward, one thread per (b, d, n): V, W from the partials, h = p V + q**L hx.
+template <class R>
+__global__ void __launch_bounds__(kFinishThreads)
+    ema_hidden_finish_kernel(const c4_t<R>* __restrict__ partial, const R* __restrict__ p,
+                             const R* __restrict__ log_q, const R* __restrict__ hx, R* __restrict__ h,
+                             R* __restrict__ v, R* __restrict__ w, int B, int D, int N, std::int64_t L, int Y) {
+  using C = c2_t<R>;
+  const std::int64_t DN = static_cast<std::int64_t>(D) * N;
+  const std::int64_t total = DN * B;
+  for (std::int64_t i = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < total;
+       i += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const std::int64_t c = i % DN;
+    const int b = static_cast<int>(i / DN);
+    const c4_t<R> a = sum_partials(partial, b, c / N, c % N, D, N, Y);
+    C hv = mkc<R>(p[c] * a.x, p[c] * a.y);
+    if (hx != nullptr) hv = cadd(hv, cmul(qpow<R>(load_root(log_q, c), L), load_c(hx, i)));
+    h[2 * i] = hv.x;
+    h[2 * i + 1] = hv.y;
+    v[2 * i] = a.x;
+    v[2 * i + 1] = a.y;
+    if (w != nullptr) {
+      w[2 * i] = a.z;
+      w[2 * i + 1] = a.w;
+    }
+  }
+}
+
+// ema_hidden coefficient gradients from the saved sums V, W, one thread per (d, n), b in order:
+//   dp = sum_b Re(conj(dh) V), dlog_q = sum_b dh conj(p W + L q**L hx), dhx = dh conj(q**L).
+template <class R>
+__global__ void __launch_bounds__(kFinishThreads)
+    ema_hidden_coef_kernel(const R* __restrict__ dh, const R* __restrict__ p, const R* __restrict__ log_q,
+                           const R* __restrict__ hx, const R* __restrict__ v, const R* __restrict__ w,
+                           R* __restrict__ dp, R* __restrict__ dlog_q, R* __restrict__ dhx, int B, int D, int N,
+                           std::int64_t L, bool need_p, bool need_lq) {
+  using C = c2_t<R>;
+  const std::int64_t DN = static_cast<std::int64_t>(D) * N;
+  for (std::int64_t c = static_cast<std::int64_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < DN;
+       c += static_cast<std::int64_t>(gridDim.x) * blockDim.x) {
+    const R pc = p[c];
+    const C qL = hx != nullptr ? qpow<R>(load_root(log_q, c), L) : mkc<R>(R(0), R(0));
+    const C lqL = mkc<R>(static_cast<R>(L) * qL.x, static_cast<R>(L) * qL.y);
+    R vdp = R(0);
+    C vdl = mkc<R>(R(0), R(0));
+    for (int b = 0; b < B; ++b) {
+      const std::int64_t i = static_cast<std::int64_t>(b) * DN + c;
+      const C g = load_c(dh, i);
+      if (need_p) {
+        const C V = load_c(v, i);
+        vdp += g.x * V.x + g.y * V.y;  // Re(conj(g) V)
+      }
+      if (need_lq) {
+        const C W = load_c(w, i);
+        C dq = mkc<R>(pc * W.x, pc * W.y);
+        if (hx != nullptr) dq = cadd(dq, cmul(lqL, load_c(hx, i)));
+        vdl = cadd(vdl, cmul(g, cconj(dq)));
+      }
+      if (hx != nullptr) {
+        const C r = cmul(g, cconj(qL));
+        dhx[2 * i] = r.x;
+        dhx[2 * i + 1] = r.y;
+      }
+    }
+    dp[c] = vdp;
+    dlog_q[2 * c] = vdl.x;
+    dlog_q[2 * c + 1] = vdl.y;
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Host helpers shared by the launchers
 // ------------------------------------------------------------------------------------------------
 constexpr std::int64_t kTargetBlocks = 1024;  // enough (d, y) blocks for several waves on 108-132 SMs
@@ -470,6 +593,7 @@ inline std::int64_t analysis_tiles(const Layout& l) {
   return (l.M + Real<R>::kAnaRows - 1) / Real<R>::kAnaRows;
 }
 
+#if !MK_NVRTC  // the checks, the grid helper and the dispatch below are host code (launchers)
 inline void check_sizes(const char* op, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L) {
   require(B >= 0 && D >= 0 && N >= 0, std::string(op) + ": negative sizes");
   require(N <= kMaxN, std::string(op) + ": N = " + std::to_string(N) + " > " + std::to_string(kMaxN));
@@ -493,6 +617,7 @@ inline void dispatch_real(int real, const char* op, F&& f) {
                                 " is neither float32 (0) nor float64 (4)");
   }
 }
+#endif  // !MK_NVRTC
 
 }  // namespace cema
 }  // namespace mk

@@ -3,10 +3,6 @@
 // the SIMT emulator (emu/emu.cuh) under a host compiler.
 #pragma once
 
-#include <cstdint>
-#include <stdexcept>
-#include <string>
-
 #include "emu/emu.cuh"
 
 namespace mk {
@@ -18,6 +14,7 @@ using bf16 = __nv_bfloat16;
 // (flash_attention_launch.h).
 enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat64 = 4 };
 
+#if !MK_NVRTC
 // Runtime dtype -> compile-time element type T.
 #define MK_DISPATCH_FLOAT_BF16(dtype, T, ...)                                                    \
   [&] {                                                                                          \
@@ -38,6 +35,7 @@ enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat64 = 4 };
       default: throw std::invalid_argument("unsupported dtype code " + std::to_string(dtype)); \
     }                                                                                            \
   }()
+#endif  // !MK_NVRTC
 
 // Accumulation type of an element type: fp32 for float and bf16 storage, fp64 for double
 // (an fp64 input accumulated in fp32 would throw away what the caller asked fp64 for).
@@ -106,6 +104,7 @@ __host__ __device__ __forceinline__ std::uint32_t mix32(std::uint32_t x) {
   return x;
 }
 
+#if !MK_NVRTC
 // Host side: the seed folded into the 32-bit stream key, and the integer drop threshold.
 inline std::uint32_t seed_key(std::uint64_t seed) {
   const std::uint32_t s = mix32(static_cast<std::uint32_t>(seed & 0xFFFFFFFFu) ^ 0x9E3779B9u);
@@ -117,6 +116,7 @@ inline std::uint32_t threshold(double p) {
   const double t = p * 4294967296.0;
   return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<std::uint32_t>(t);
 }
+#endif  // !MK_NVRTC
 
 __host__ __device__ __forceinline__ std::uint32_t row_key(std::uint32_t key, std::uint32_t b, std::uint32_t h,
                                                           std::uint32_t i) {
@@ -167,6 +167,7 @@ __device__ __forceinline__ float2 shfl_xor2(float2 v, int lane_mask) {
 // ------------------------------------------------------------------------------------------------
 // Host-side argument checks (launchers throw std::invalid_argument -> Python ValueError)
 // ------------------------------------------------------------------------------------------------
+#if !MK_NVRTC
 inline void require(bool ok, const std::string& msg) {
   if (!ok) throw std::invalid_argument(msg);
 }
@@ -175,5 +176,6 @@ inline unsigned int grid_1d(std::int64_t blocks, std::int64_t cap = 1 << 20) {
   if (blocks < 1) blocks = 1;
   return static_cast<unsigned int>(blocks < cap ? blocks : cap);
 }
+#endif  // !MK_NVRTC
 
 }  // namespace mk

@@ -27,9 +27,10 @@
 // fft_dit (batched) for its column and row transforms.
 #pragma once
 
-#include <type_traits>
-
 #include "common.cuh"
+#if !MK_NVRTC  // NVRTC: libcu++'s, from emu/emu.cuh
+#include <type_traits>
+#endif
 
 namespace mk {
 

@@ -113,19 +113,27 @@ def emulated():
     """Every op's CUDA backend (cuda/backend.py) over the emulator extension, by op name; a test
     module may override it with the few it needs."""
     from megalodon_kernels.cuda import backend, build
+    from megalodon_kernels.cuda.launch import EmulatorLauncher
+    from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+    from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
+    from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
+    from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda
+    from megalodon_kernels.ops.timestep_norm import cuda_impl as timestep_norm_cuda
 
     if NO_EMULATOR:
         pytest.skip(NO_EMULATOR)
     ext = build.load_emulator()
     get = lambda: ext  # noqa: E731
+    launcher = EmulatorLauncher(ext)
+    by_name = lambda: launcher  # noqa: E731  (the ops with a launch description run it in the emulator)
     return {
         "attention": backend.AttentionBackend(get, "cpu"),
-        "cema_kernel": backend.CemaKernelBackend(get, "cpu"),
+        "cema_kernel": cema_cuda.CemaKernelBackend(by_name, "cpu"),
         "dropkey_softmax": backend.DropKeySoftmaxBackend(get, "cpu"),
-        "ema_hidden": backend.EmaHiddenBackend(get, "cpu"),
-        "fftconv": backend.FftconvBackend(get, "cpu"),
-        "rotary": backend.RotaryBackend(get, "cpu"),
-        "timestep_norm": backend.TimestepNormBackend(get, "cpu"),
+        "ema_hidden": hidden_cuda.EmaHiddenBackend(by_name, "cpu"),
+        "fftconv": fftconv_cuda.FftconvBackend(by_name, "cpu"),
+        "rotary": rotary_cuda.RotaryBackend(by_name, "cpu"),
+        "timestep_norm": timestep_norm_cuda.TimestepNormBackend(by_name, "cpu"),
     }
 
 

@@ -6,7 +6,7 @@
 * The fp32 accuracy contract at L = 2**18 with |q| = 1 - gap against an exact float64 oracle;
   streaming (prefix / carried-state) properties; gradcheck.
 * The reference's own backward against finite differences.
-* The CUDA kernels' tensor API (cuda/kernels.py over cuda/cema.cuh) in the emulator, in both fiber
+* The CUDA kernels' launch description (ops/cema_kernel/cuda_impl.py over cuda/cema.cuh) in the emulator, in both fiber
   orders: shapes over every n tile and several blocks per feature, partial gradients, long L in
   fp32 and fp64, determinism, strided inputs, what the launchers refuse.
 * Argument validation and what each backend refuses, naming the fix.
@@ -20,7 +20,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from megalodon_kernels import ops
-from megalodon_kernels.cuda import kernels as K
+from megalodon_kernels.cuda.launch import EmulatorLauncher as emu  # the launch descriptions in the emulator
+from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
 from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.cema_kernel import torch_impl as kernel_torch
 from megalodon_kernels.ops.cema_kernel import triton_impl as kernel_triton
@@ -37,10 +38,11 @@ CPLX = {F32: torch.complex64, F64: torch.complex128}
 def emulated(ext):
     """The CUDA backends over the emulator (conftest.use_emulated_cuda plugs them in); ema_hidden for
     the streaming state."""
-    from megalodon_kernels.cuda import backend
+    from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
 
-    get = lambda: ext  # noqa: E731
-    return {"cema_kernel": backend.CemaKernelBackend(get, "cpu"), "ema_hidden": backend.EmaHiddenBackend(get, "cpu")}
+    get = lambda launcher=emu(ext): launcher  # noqa: E731
+    return {"cema_kernel": cema_cuda.CemaKernelBackend(get, "cpu"),
+            "ema_hidden": hidden_cuda.EmaHiddenBackend(get, "cpu")}
 
 
 # ------------------------------------------------------------------------------------------------
@@ -277,7 +279,7 @@ def test_cuda_kernels(ext, order, shape, with_hx, real):
     p, log_q, gamma, hx = cema_coefficients(L + N, D, N, B, real)
     hx = hx if with_hx else None
     g = torch.Generator().manual_seed(7)
-    k, b = K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx)
+    k, b = cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, L, hx)
     k_ref, b_ref = ref.cema_kernel(to_np(p), to_np(log_q), to_np(gamma), L, None if hx is None else to_np(hx))
     assert k.dtype == real and k.shape == (D, L)
     assert_close("k", k, k_ref, fwd)
@@ -288,7 +290,7 @@ def test_cuda_kernels(ext, order, shape, with_hx, real):
         assert b is None
     dk = _randn(D, L, generator=g, dtype=real)
     db = _randn(B, D, L, generator=g, dtype=real) if with_hx else None
-    got = K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx)
+    got = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx)
     want = ref.cema_kernel_bwd(to_np(dk), None if db is None else to_np(db), to_np(p), to_np(log_q),
                                to_np(gamma), L, None if hx is None else to_np(hx))
     for name, a, r in zip(("dp", "dlog_q", "dgamma", "dhx"), got, want):
@@ -308,7 +310,7 @@ def test_cuda_kernels_bwd_one_gradient(ext, order, which, real):
     g = torch.Generator().manual_seed(11)
     dk = _randn(D, L, generator=g, dtype=real) if which == "dk_only" else None
     db = _randn(B, D, L, generator=g, dtype=real) if which == "db_only" else None
-    got = K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx)
+    got = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx)
     want = ref.cema_kernel_bwd(None if dk is None else to_np(dk), None if db is None else to_np(db), to_np(p),
                                to_np(log_q), to_np(gamma), L, to_np(hx))
     if which == "db_only":
@@ -326,8 +328,8 @@ def test_cuda_kernels_bwd_without_log_q_gradient(ext, real):
     p, log_q, gamma, hx = cema_coefficients(5, D, N, B, real)
     g = torch.Generator().manual_seed(1)
     dk, db = _randn(D, L, generator=g, dtype=real), _randn(B, D, L, generator=g, dtype=real)
-    full = K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx)
-    part = K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx, (True, False, True, True))
+    full = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx)
+    part = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx, (True, False, True, True))
     assert torch.count_nonzero(part[1]) == 0 and torch.count_nonzero(full[1]) > 0
     for a, b in zip((full[0], full[2], full[3]), (part[0], part[2], part[3])):
         assert torch.equal(a, b)
@@ -343,14 +345,14 @@ def test_cuda_kernels_property(ext, D, N, B, L, fp64, seed):
     p, log_q, gamma, hx = cema_coefficients(seed, D, N, max(B, 1), real)
     hx = hx if B > 0 else None
     g = torch.Generator().manual_seed(seed + 1)
-    k, b = K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx)
+    k, b = cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, L, hx)
     want = ref.cema_kernel(to_np(p), to_np(log_q), to_np(gamma), L, None if hx is None else to_np(hx))
     assert_close("k", k, want[0], fwd)
     if hx is not None:
         assert_close("b", b, want[1], fwd)
     dk = _randn(D, L, generator=g, dtype=real)
     db = _randn(B, D, L, generator=g, dtype=real) if hx is not None else None
-    got = K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx)
+    got = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx)
     want = ref.cema_kernel_bwd(to_np(dk), None if db is None else to_np(db), to_np(p), to_np(log_q),
                                to_np(gamma), L, None if hx is None else to_np(hx))
     for name, a, r in zip(("dp", "dlog_q", "dgamma", "dhx"), got, want):
@@ -368,14 +370,14 @@ def test_cuda_kernels_long_length_accuracy(ext, L):
     p, log_q, gamma, hx = cema_coefficients(4, D, N, B, F32, min_gap=1e-6, max_gap=2e-5)
     g = torch.Generator().manual_seed(5)
     j = np.arange(L, dtype=np.float64)
-    k, b = K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx)
+    k, b = cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, L, hx)
     qj, qj1 = cema_powers(log_q, j), cema_powers(log_q, j + 1)                # [D, N, L]
     assert_close("k", k, np.einsum("dn,dnl->dl", to_np(p) * to_np(gamma), qj).real, 1e-5)
     assert_close("b", b, np.einsum("bdn,dnl->bdl", to_np(gamma)[None] * to_np(hx), qj1).real, 1e-5)
     if L > 1 << 16:
         return  # the float64 references of the gradients at 2**20 cost more than the kernels
     dk, db = torch.randn(D, L, generator=g), torch.randn(B, D, L, generator=g)
-    got = K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx)
+    got = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx)
     want = ref.cema_kernel_bwd(to_np(dk), to_np(db), to_np(p), to_np(log_q), to_np(gamma), L, to_np(hx))
     for name, a, r in zip(("dp", "dlog_q", "dgamma", "dhx"), got, want):
         assert_close(name, a, r, 1e-5)
@@ -396,7 +398,7 @@ def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
     qj, qj1 = cema_powers(log_q, j, exact=True), cema_powers(log_q, j + 1, exact=True)
     g = torch.Generator().manual_seed(5)
     budget = 1e-12
-    k, b = K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx)
+    k, b = cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, L, hx)
     assert_close("k", k, np.einsum("dn,dnl->dl", P * G, qj).real, budget)
     assert_close("b", b, np.einsum("bdn,dnl->bdl", G[None] * H, qj1).real, budget)
     dk, db = _randn(D, L, generator=g, dtype=F64), _randn(B, D, L, generator=g, dtype=F64)
@@ -405,8 +407,8 @@ def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
     T, T1 = np.einsum("bdl,dnl->bdn", DB, qj1), np.einsum("bdl,dnl->bdn", DB * (j + 1), qj1)
     want = ((S * G).real, np.conj(S1 * P * G) + np.conj((T1 * H).sum(0) * G), np.conj(S * P) + np.conj((T * H).sum(0)),
             np.conj(T * G))
-    for name, a, r in zip(("dp", "dlog_q", "dgamma", "dhx"), K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx),
-                          want):
+    for name, a, r in zip(("dp", "dlog_q", "dgamma", "dhx"),
+                          cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx), want):
         assert_close(name, a, r, budget)
 
 
@@ -419,11 +421,11 @@ def test_cuda_kernels_several_tiles_per_block_fp64(ext):
     fwd, bwd = tol("cuda", F64, "fwd"), tol("cuda", F64, "bwd")
     p, log_q, gamma, hx = cema_coefficients(40, D, N, B, F64)
     g = torch.Generator().manual_seed(41)
-    got = K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx)
+    got = cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, L, hx)
     for name, a, r in zip("kb", got, kernel_torch.cema_kernel_fwd(p, log_q, gamma, L, hx, power_block=64)):
         assert_close(name, a, to_np(r), fwd)
     dk, db = _randn(D, L, generator=g, dtype=F64), _randn(B, D, L, generator=g, dtype=F64)
-    got = K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx)
+    got = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx)
     want = kernel_torch.cema_kernel_bwd(dk, db, p, log_q, gamma, L, hx, power_block=64)
     for name, a, r in zip(("dp", "dlog_q", "dgamma", "dhx"), got, want):
         assert_close(name, a, to_np(r), bwd)
@@ -441,7 +443,7 @@ def test_cuda_kernels_deterministic_across_runs_and_fiber_orders(ext, real):
     runs = []
     for rev in (0, 1, 0):
         ext.emulator_set_reverse(rev)
-        runs.append(K.cema_kernel_bwd(ext, dk, db, p, log_q, gamma, L, hx))
+        runs.append(cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx))
     ext.emulator_set_reverse(-1)
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
@@ -455,12 +457,13 @@ def test_cuda_kernels_strided_and_expanded_inputs(ext, real):
     B, D, N, L = 2, 3, 16, 50
     p, log_q, gamma, hx = cema_coefficients(30, D, N, B, real)
     views = [noncontiguous(t) for t in (p, log_q, gamma, hx)]
-    for a, b in zip(K.cema_kernel_fwd(ext, p, log_q, gamma, L, hx), K.cema_kernel_fwd(ext, *views[:3], L, views[3])):
+    for a, b in zip(cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, L, hx),
+                    cema_cuda.launch_fwd(emu(ext), *views[:3], L, views[3])):
         assert torch.equal(a, b)
     dk = torch.full((1, 1), 0.5, dtype=real).expand(D, L)
     db = _randn(B, D, L, generator=torch.Generator().manual_seed(1), dtype=real)
-    want = K.cema_kernel_bwd(ext, dk.contiguous(), db, p, log_q, gamma, L, hx)
-    got = K.cema_kernel_bwd(ext, dk, noncontiguous(db), *views[:3], L, views[3])
+    want = cema_cuda.launch_bwd(emu(ext), dk.contiguous(), db, p, log_q, gamma, L, hx)
+    got = cema_cuda.launch_bwd(emu(ext), dk, noncontiguous(db), *views[:3], L, views[3])
     for a, b in zip(want, got):
         assert torch.equal(a, b)
 
@@ -468,35 +471,24 @@ def test_cuda_kernels_strided_and_expanded_inputs(ext, real):
 def test_cuda_kernels_bad_inputs(ext):
     p, log_q, gamma, hx = cema_coefficients(0, 2, 16, 1)
     with pytest.raises(TypeError, match="float32 or float64 p"):
-        K.cema_kernel_fwd(ext, p.half(), log_q, gamma, 10, None)
+        cema_cuda.launch_fwd(emu(ext), p.half(), log_q, gamma, 10, None)
     # mixed precisions are refused, naming the argument (the op never produces them)
     with pytest.raises(TypeError, match="log_q torch.complex128 with torch.float64 p"):
-        K.cema_kernel_fwd(ext, p.double(), log_q, gamma.to(torch.complex128), 10, None)
+        cema_cuda.launch_fwd(emu(ext), p.double(), log_q, gamma.to(torch.complex128), 10, None)
     with pytest.raises(TypeError, match="gamma torch.complex64 with torch.float32 p"):
-        K.cema_kernel_fwd(ext, p, log_q, gamma.to(torch.complex128), 10, None)
+        cema_cuda.launch_fwd(emu(ext), p, log_q, gamma.to(torch.complex128), 10, None)
     with pytest.raises(TypeError, match="hx torch.complex128"):
-        K.cema_kernel_bwd(ext, None, None, p.double(), log_q.to(torch.complex128), gamma.to(torch.complex128), 10,
-                          hx)
+        cema_cuda.launch_bwd(emu(ext), None, None, p.double(), log_q.to(torch.complex128),
+                             gamma.to(torch.complex128), 10, hx)
     p65, lq65, g65, _ = cema_coefficients(0, 1, 65, 1)
     with pytest.raises(ValueError, match="N <= 64"):
-        K.cema_kernel_fwd(ext, p65, lq65, g65, 10, None)
+        cema_cuda.launch_fwd(emu(ext), p65, lq65, g65, 10, None)
     with pytest.raises(ValueError, match="N <= 64"):
-        K.cema_kernel_fwd(ext, p65.double(), lq65.to(torch.complex128), g65.to(torch.complex128), 10, None)
+        cema_cuda.launch_fwd(emu(ext), p65.double(), lq65.to(torch.complex128), g65.to(torch.complex128), 10, None)
     with pytest.raises(ValueError, match="length"):
-        K.cema_kernel_fwd(ext, p, log_q, gamma, 1 << 24, None)
+        cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, 1 << 24, None)
     with pytest.raises(ValueError, match="length"):
-        K.cema_kernel_fwd(ext, p, log_q, gamma, 0, None)
-    # the launchers check too (std::invalid_argument -> ValueError), whatever the caller;
-    # the first argument is the coefficients' dtype code (0 float32, 4 float64)
-    k = torch.empty(1, 4)
-    with pytest.raises(ValueError, match="N = 65"):
-        ext.cema_kernel_fwd(0, p65.data_ptr(), 0, 0, 0, k.data_ptr(), 0, 0, 1, 65, 4, 0)
-    with pytest.raises(ValueError, match="L \\+ 1 < 2\\^24"):
-        ext.cema_kernel_fwd(4, p.data_ptr(), 0, 0, 0, k.data_ptr(), 0, 0, 1, 16, (1 << 24) - 1, 0)
-    with pytest.raises(ValueError, match="needs hx"):
-        ext.cema_kernel_fwd(0, p.data_ptr(), 0, 0, 0, k.data_ptr(), 0, 2, 1, 16, 4, 0)
-    with pytest.raises(ValueError, match="coefficient dtype code 1"):  # bf16 coefficients: no kernel
-        ext.cema_kernel_fwd(1, p.data_ptr(), log_q.data_ptr(), gamma.data_ptr(), 0, k.data_ptr(), 0, 0, 1, 16, 4, 0)
+        cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, 0, None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -557,12 +549,10 @@ def test_triton_phase_fraction_is_exact_mod_one():
 
 
 def test_cuda_reasons_name_the_fix(emulated):
-    from megalodon_kernels.cuda import backend
-
     p, log_q, gamma, hx = cema_coefficients(0, 2, 80, 1)
-    why = " ".join(backend.cema_kernel.not_supported_reasons(p=p.half(), log_q=log_q, gamma=gamma,
+    why = " ".join(cema_cuda.not_supported_reasons(p=p.half(), log_q=log_q, gamma=gamma,
                                                              length=1 << 24, hx=None))
-    assert "_C" in why or "pip install" in why        # the product extension is not built here
+    assert "unavailable" in why                       # no GPU runtime here (the reason says which part)
     assert "cuda tensors" in why and "float16" in why and "N = 80 > 64" in why and "2**24" in why
     # float64 is supported: with matching complex128 parameters only the size limits remain
     p64, lq64, g64, hx64 = (t.to(torch.float64 if not t.is_complex() else torch.complex128)

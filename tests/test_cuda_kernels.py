@@ -1,5 +1,6 @@
 """The CUDA kernels in the emulator: every ``__global__`` kernel and every template instantiation the
-launchers take (cuda/*.cu, cuda/*.cuh) must be launched by some test.
+launchers take (cuda/*.cu, cuda/*.cuh) or the ops' launch descriptions list (KERNELS in
+ops/<op>/cuda_impl.py) must be launched by some test.
 
 The op tests (tests/test_<op>.py) run the CUDA backend and its kernels in the emulator (cuda/emu);
 conftest.py records, for every launcher call, the MK_LAUNCH names it launched and the call's
@@ -47,7 +48,6 @@ CODES = {
     "cema_kernel_fwd": dict(real=0), "cema_kernel_bwd": dict(real=0),
     "ema_hidden_fwd": dict(dtype=0, real=1), "ema_hidden_bwd": dict(real=0),
     "flash_attention_fwd": dict(attn=0, D=10), "flash_attention_bwd": dict(attn=0, D=14),
-    "fftconv_long_twiddle_probe": dict(dtype=(6, "dtype", 0)),
 }
 
 
@@ -99,6 +99,13 @@ def launched_instantiations(log, sites):
     return seen
 
 
+def described_kernels():
+    """{kernel base name} of the instantiations the ops' launch descriptions list (KERNELS)."""
+    from megalodon_kernels.cuda.instances import described_kernels
+
+    return {re.match(r"(?:\w+::)*(\w+)<", k.name).group(1) for k in described_kernels()}
+
+
 def test_every_kernel_is_instantiated_and_launched_by_name():
     defined, launches, sites = set(), set(), instantiation_sites()
     for path in kernel_sources():
@@ -107,7 +114,8 @@ def test_every_kernel_is_instantiated_and_launched_by_name():
         launches |= set(LAUNCH.findall(text))
     print(f"{len(defined)} __global__ kernels, {len(sites)} instantiation sites")
     assert defined and sites
-    assert not sorted(defined - {kernel for kernel, _ in sites.values()}), "kernels never instantiated"
+    instantiated = {kernel for kernel, _ in sites.values()} | described_kernels()
+    assert not sorted(defined - instantiated), "kernels never instantiated"
     assert not sorted(set(sites) - launches), "instantiations never launched by MK_LAUNCH"
     assert not sorted(launches - set(sites)), "MK_LAUNCH of a name that is not an instantiation site"
     unknown = {params for _, params in sites.values()} - set(DOMAIN) - {""}
@@ -131,3 +139,9 @@ def test_every_kernel_ran_in_the_emulator(ext, request):
     missing = sorted(wanted - ran)
     print(f"{len(wanted)} instantiations, {len(wanted & ran)} launched")
     assert not missing, f"instantiations never executed in the emulator: {missing}"
+    # the launch descriptions' instantiations, launched by name expression
+    from megalodon_kernels.cuda.instances import described_kernels
+
+    by_name = {args[0] for func, args, _, _ in ext.launch_log if func == "launch_kernel"}
+    missing = sorted({k.name for k in described_kernels()} - by_name)
+    assert not missing, f"KERNELS entries never launched in the emulator: {missing}"

@@ -8,7 +8,7 @@ the step-by-step recurrence.
 * The fp32 accuracy at L = 2**18 with 1 - |q| = 1e-5 against an exact float64 oracle; streaming
   over two parts; gradcheck.
 * The reference's own backward against finite differences.
-* The CUDA kernels' tensor API (cuda/kernels.py over cuda/cema.cuh) in the emulator, in both fiber
+* The CUDA kernels' launch description (ops/ema_hidden/cuda_impl.py over cuda/cema.cuh) in the emulator, in both fiber
   orders: every n tile, several blocks per feature, the saved sums V and W, partial gradients, long
   L in fp32 and fp64, determinism, strided and conj inputs, what the launchers refuse.
 * Argument validation and what each backend refuses, naming the fix.
@@ -20,7 +20,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from megalodon_kernels.cuda import kernels as K
+from megalodon_kernels.cuda.launch import EmulatorLauncher as emu  # the launch descriptions in the emulator
+from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.ema_hidden import torch_impl as hidden_torch
 from megalodon_kernels.reference import ema_hidden as ref
@@ -34,9 +35,7 @@ CPLX = {F32: torch.complex64, F64: torch.complex128}
 @pytest.fixture(scope="module")
 def emulated(ext):
     """The CUDA backend over the emulator (conftest.use_emulated_cuda plugs it in)."""
-    from megalodon_kernels.cuda import backend
-
-    return {"ema_hidden": backend.EmaHiddenBackend(lambda: ext, "cpu")}
+    return {"ema_hidden": hidden_cuda.EmaHiddenBackend(lambda launcher=emu(ext): launcher, "cpu")}
 
 
 def _dt(dtype):
@@ -280,7 +279,7 @@ def test_cuda_kernels(ext, order, shape, with_hx, real, dtype):
     hx = hx if with_hx else None
     g = torch.Generator().manual_seed(9)
     x = _randn(B, D, L, generator=g, dtype=real).to(dtype)
-    h, V, W = K.ema_hidden_fwd(ext, x, p, log_q, hx, True)
+    h, V, W = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
     # x enters in its own dtype and is accumulated in the real type: against the float64 recurrence
     # on the SAME (rounded) x the error is fp32- (fp64-) level whatever x's dtype.
     h_ref = ref.ema_hidden(to_np(x), to_np(p), to_np(log_q), None if hx is None else to_np(hx))
@@ -293,7 +292,7 @@ def test_cuda_kernels(ext, order, shape, with_hx, real, dtype):
     assert_close("W", W, np.einsum("bdl,dnl->bdn", to_np(x) * e, qe), fwd)
 
     dh = _crandn(B, D, N, generator=g, dtype=real)
-    dx, dp, dlq, dhx = K.ema_hidden_bwd(ext, dh, p, log_q, hx, V, W, L)
+    dx, dp, dlq, dhx = hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, V, W, L)
     want = ref.ema_hidden_bwd(to_np(dh), to_np(x), to_np(p), to_np(log_q), None if hx is None else to_np(hx))
     assert dx.dtype == real and dx.shape == (B, D, L) and dp.dtype == real and dlq.dtype == CPLX[real]
     for name, a, r in zip(("dx", "dp", "dlog_q", "dhx"), (dx, dp, dlq, dhx), want):
@@ -310,18 +309,18 @@ def test_cuda_kernels_unweighted_and_partial_needs(ext, real):
     B, D, N, L = 2, 3, 16, 77
     p, log_q, _, hx = cema_coefficients(21, D, N, B, real)
     x = _randn(B, D, L, generator=torch.Generator().manual_seed(2), dtype=real)
-    h1, V1, W1 = K.ema_hidden_fwd(ext, x, p, log_q, hx, True)
-    h0, V0, W0 = K.ema_hidden_fwd(ext, x, p, log_q, hx, False)
+    h1, V1, W1 = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
+    h0, V0, W0 = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, False)
     assert W0 is None and W1 is not None
     assert torch.equal(h0, h1) and torch.equal(V0, V1)
     dh = _crandn(B, D, N, generator=torch.Generator().manual_seed(3), dtype=real)
-    dx, dp, dlq, dhx = K.ema_hidden_bwd(ext, dh, p, log_q, hx, V0, None, L, (False, False, False, True))
+    dx, dp, dlq, dhx = hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, V0, None, L, (False, False, False, True))
     assert dx is None
     assert torch.count_nonzero(dp) == 0 and torch.count_nonzero(dlq) == 0
     want = ref.ema_hidden_bwd(to_np(dh), to_np(x), to_np(p), to_np(log_q), to_np(hx))
     assert_close("dhx", dhx, want[3], tol("cuda", real, "bwd"))
     with pytest.raises(ValueError, match="weighted"):
-        K.ema_hidden_bwd(ext, dh, p, log_q, hx, V0, None, L, (False, False, True, True))
+        hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, V0, None, L, (False, False, True, True))
 
 
 @given(D=st.integers(1, 5), N=st.integers(1, 64), B=st.integers(0, 3), L=st.integers(1, 700),
@@ -335,10 +334,10 @@ def test_cuda_kernels_property(ext, D, N, B, L, x_bf16, fp64, seed):
     hx = hx if B > 0 else None
     g = torch.Generator().manual_seed(seed + 1)
     x = _randn(max(B, 1), D, L, generator=g, dtype=real).to(BF16 if x_bf16 else real)
-    h, V, W = K.ema_hidden_fwd(ext, x, p, log_q, hx, True)
+    h, V, W = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
     assert_close("h", h, ref.ema_hidden(to_np(x), to_np(p), to_np(log_q), None if hx is None else to_np(hx)), fwd)
     dh = _crandn(max(B, 1), D, N, generator=g, dtype=real)
-    got = K.ema_hidden_bwd(ext, dh, p, log_q, hx, V, W, L)
+    got = hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, V, W, L)
     want = ref.ema_hidden_bwd(to_np(dh), to_np(x), to_np(p), to_np(log_q), None if hx is None else to_np(hx))
     for name, a, r in zip(("dx", "dp", "dlog_q", "dhx"), got, want):
         if r is not None:
@@ -354,14 +353,14 @@ def test_cuda_kernels_long_length_accuracy(ext, L):
     p, log_q, _, hx = cema_coefficients(4, D, N, B, F32, min_gap=1e-6, max_gap=2e-5)
     g = torch.Generator().manual_seed(5)
     x = torch.randn(B, D, L, generator=g)
-    h, V, W = K.ema_hidden_fwd(ext, x, p, log_q, hx, True)
+    h, V, W = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
     qe = cema_powers(log_q, np.arange(L - 1, -1, -1, dtype=np.float64))      # q**(L-1-j)
     h_ref = to_np(p) * np.einsum("bdl,dnl->bdn", to_np(x), qe) + cema_powers(log_q, [L])[..., 0] * to_np(hx)
     assert_close("h", h, h_ref, 1e-5)
     if L > 1 << 16:
         return  # the float64 references of the gradients at 2**20 cost more than the kernels
     dh = _crandn(B, D, N, generator=g)
-    got = K.ema_hidden_bwd(ext, dh, p, log_q, hx, V, W, L)
+    got = hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, V, W, L)
     want = ref.ema_hidden_bwd(to_np(dh), to_np(x), to_np(p), to_np(log_q), to_np(hx))
     for name, a, r in zip(("dx", "dp", "dlog_q", "dhx"), got, want):
         assert_close(name, a, r, 1e-5)
@@ -382,7 +381,7 @@ def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
     budget = 1e-12
     x = _randn(B, D, L, generator=g, dtype=F64)
     X = to_np(x).astype(np.longdouble)
-    h, V, W = K.ema_hidden_fwd(ext, x, p, log_q, hx, True)
+    h, V, W = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
     V_ref, W_ref = np.einsum("bdl,dnl->bdn", X, qe), np.einsum("bdl,dnl->bdn", X * (L - 1 - j), qe)
     assert_close("h", h, P * V_ref + qL * H, budget)
     assert_close("V", V, V_ref, budget)
@@ -391,7 +390,8 @@ def test_cuda_kernels_long_length_accuracy_fp64(ext, L):
     DH = to_np(dh).astype(np.clongdouble)
     want = (np.einsum("bdn,dnl->bdl", np.conj(DH) * P, qe).real, (np.conj(DH) * V_ref).real.sum(0),
             (DH * np.conj(P * W_ref + L * qL * H)).sum(0), DH * np.conj(qL))
-    for name, a, r in zip(("dx", "dp", "dlog_q", "dhx"), K.ema_hidden_bwd(ext, dh, p, log_q, hx, V, W, L), want):
+    for name, a, r in zip(("dx", "dp", "dlog_q", "dhx"), hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, V, W, L),
+                          want):
         assert_close(name, a, r, budget)
 
 
@@ -405,12 +405,12 @@ def test_cuda_kernels_several_tiles_per_block_fp64(ext):
     p, log_q, _, hx = cema_coefficients(40, D, N, B, F64)
     g = torch.Generator().manual_seed(41)
     x = _randn(B, D, L, generator=g, dtype=F64)
-    got = K.ema_hidden_fwd(ext, x, p, log_q, hx, True)
+    got = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
     want = hidden_torch.ema_hidden_fwd(x, p, log_q, hx, True, power_block=64)
     for name, a, r in zip(("h", "V", "W"), got, want):
         assert_close(name, a, to_np(r), fwd)
     dh = _crandn(B, D, N, generator=g, dtype=F64)
-    got = K.ema_hidden_bwd(ext, dh, p, log_q, hx, got[1], got[2], L)
+    got = hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, got[1], got[2], L)
     want = hidden_torch.ema_hidden_bwd(dh, p, log_q, hx, want[1], want[2], L, power_block=64)
     for name, a, r in zip(("dx", "dp", "dlog_q", "dhx"), got, want):
         assert_close(name, a, to_np(r), bwd)
@@ -427,7 +427,7 @@ def test_cuda_kernels_deterministic_across_runs_and_fiber_orders(ext, real):
     runs = []
     for rev in (0, 1, 0):
         ext.emulator_set_reverse(rev)
-        runs.append(K.ema_hidden_fwd(ext, x, p, log_q, hx, True))
+        runs.append(hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True))
     ext.emulator_set_reverse(-1)
     for other in runs[1:]:
         for a, b in zip(runs[0], other):
@@ -441,13 +441,13 @@ def test_cuda_kernels_strided_and_conj_inputs(ext, real):
     p, log_q, _, hx = cema_coefficients(30, D, N, B, real)
     views = [noncontiguous(t) for t in (p, log_q, hx)]
     x = _randn(B, D, L, generator=torch.Generator().manual_seed(2), dtype=real)
-    want = K.ema_hidden_fwd(ext, x, p, log_q, hx, True)
-    got = K.ema_hidden_fwd(ext, noncontiguous(x), *views, True)
+    want = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
+    got = hidden_cuda.launch_fwd(emu(ext), noncontiguous(x), *views, True)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
     dh = _crandn(B, D, N, generator=torch.Generator().manual_seed(3), dtype=real)
-    want = K.ema_hidden_bwd(ext, dh.conj().resolve_conj(), p, log_q, hx, want[1], want[2], L)
-    got = K.ema_hidden_bwd(ext, dh.conj(), *views, got[1], got[2], L)
+    want = hidden_cuda.launch_bwd(emu(ext), dh.conj().resolve_conj(), p, log_q, hx, want[1], want[2], L)
+    got = hidden_cuda.launch_bwd(emu(ext), dh.conj(), *views, got[1], got[2], L)
     for a, b in zip(want, got):
         assert torch.equal(a, b)
 
@@ -455,16 +455,17 @@ def test_cuda_kernels_strided_and_conj_inputs(ext, real):
 def test_cuda_kernels_bad_inputs(ext):
     p, log_q, _, _ = cema_coefficients(0, 2, 16, 1)
     with pytest.raises(TypeError, match="dh torch.complex128"):
-        K.ema_hidden_bwd(ext, torch.zeros(1, 2, 16, dtype=torch.complex64), p.double(), log_q.to(torch.complex128),
-                         None, None, None, 8, (True, False, False, False))
+        hidden_cuda.launch_bwd(emu(ext), torch.zeros(1, 2, 16, dtype=torch.complex64), p.double(),
+                               log_q.to(torch.complex128), None, None, None, 8, (True, False, False, False))
     with pytest.raises(TypeError, match="float32, bfloat16 or float64 x"):
-        K.ema_hidden_fwd(ext, torch.zeros(1, 2, 8, dtype=F16), p, log_q, None)
-    # the launcher checks too (std::invalid_argument -> ValueError), whatever the caller
-    with pytest.raises(ValueError, match="float64 x needs float64 coefficients"):  # kernels.py casts it first
-        x = torch.zeros(1, 2, 8, dtype=F64)
-        out = torch.empty(1, 2, 16, 2)
-        ext.ema_hidden_fwd(4, 0, x.data_ptr(), p.data_ptr(), log_q.data_ptr(), 0, out.data_ptr(), out.data_ptr(), 0,
-                           out.data_ptr(), 1, 2, 16, 8, 0)
+        hidden_cuda.launch_fwd(emu(ext), torch.zeros(1, 2, 8, dtype=F16), p, log_q, None)
+    # float64 x with float32 coefficients is cast to float32 first (as the torch backend computes
+    # x in p's dtype): no such instantiation exists, and the result is the float32 x one
+    assert not any("kAnalysisHidden, double, float," in k.name for k in hidden_cuda.KERNELS)
+    x = torch.randn(1, 2, 8, dtype=F64)
+    for a, b in zip(hidden_cuda.launch_fwd(emu(ext), x, p, log_q, None, True),
+                    hidden_cuda.launch_fwd(emu(ext), x.float(), p, log_q, None, True)):
+        assert torch.equal(a, b)
 
 
 # ------------------------------------------------------------------------------------------------

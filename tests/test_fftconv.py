@@ -8,7 +8,7 @@
 * Properties: linearity, causality, direct == FFT, gradcheck; the path each backend picks.
 * The reference's own backward against finite differences.
 * Triton: the tile plan, one gradient alone, the long case L = 2**17 against a float64 FFT.
-* The CUDA kernels' tensor API (cuda/kernels.py over cuda/fftconv*.cuh) in the emulator, in both
+* The CUDA kernels' launch description (ops/fftconv/cuda_impl.py over cuda/fftconv*.cuh) in the emulator, in both
   fiber orders: one block per row up to L = 16384 in fp32 and bf16, the multi-pass FFT above it
   (float: 8192 in float64) against float64, up to L = 2**20, the twiddles, workspace chunking, the
   float64 instantiations, what the launchers refuse.
@@ -27,8 +27,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from megalodon_kernels.cuda import kernels as K
-from megalodon_kernels.ops.fftconv import fftconv
+from megalodon_kernels.cuda.launch import EmulatorLauncher as emu  # the launch descriptions in the emulator
+from megalodon_kernels.ops.fftconv import cuda_impl as C, fftconv
 from megalodon_kernels.ops.fftconv import torch_impl as conv_torch
 from megalodon_kernels.ops.fftconv import triton_impl as conv_triton
 from megalodon_kernels.reference import fftconv as ref
@@ -41,9 +41,7 @@ F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float6
 @pytest.fixture(scope="module")
 def emulated(ext):
     """The CUDA backend over the emulator (conftest.use_emulated_cuda plugs it in)."""
-    from megalodon_kernels.cuda import backend
-
-    return {"fftconv": backend.FftconvBackend(lambda: ext, "cpu")}
+    return {"fftconv": C.FftconvBackend(lambda launcher=emu(ext): launcher, "cpu")}
 
 
 def _dt(d):
@@ -365,8 +363,8 @@ def _fft_ref(x, k, dy):
 
 
 def _check_kernels(ext, x, k, dy, dtype, **kw):
-    y = K.fftconv_fwd(ext, x, k, **kw)
-    dx, dk = K.fftconv_bwd(ext, dy, x, k, **kw)
+    y = C.launch_fwd(emu(ext), x, k, **kw)
+    dx, dk = C.launch_bwd(emu(ext), dy, x, k, **kw)
     assert y.dtype == dtype and dx.dtype == dtype and dk.dtype == F32
     yr, dxr, dkr = _fft_ref(x, k, dy)
     assert_close("y", y, yr, tol("cuda", dtype, "fwd"))
@@ -382,8 +380,8 @@ FP64_TIGHT = 1e-13
 
 
 def _check_kernels64(ext, x, k, dy, refs=None, **kw):
-    y = K.fftconv_fwd(ext, x, k, **kw)
-    dx, dk = K.fftconv_bwd(ext, dy, x, k, **kw)
+    y = C.launch_fwd(emu(ext), x, k, **kw)
+    dx, dk = C.launch_bwd(emu(ext), dy, x, k, **kw)
     assert y.dtype == dx.dtype == dk.dtype == F64
     yr, dxr, dkr = _fft_ref(x, k, dy) if refs is None else refs
     for name, a, r, t in (("y", y, yr, "fwd"), ("dx", dx, dxr, "bwd"), ("dk", dk, dkr, "bwd")):
@@ -391,52 +389,46 @@ def _check_kernels64(ext, x, k, dy, refs=None, **kw):
     return y, dx, dk
 
 
-def test_cuda_kernels_lengths_and_workspace_sizes(ext):
-    assert ext.fftconv_one_block_max_length() == K.FFTCONV_ONE_BLOCK_MAX_LEN == 16384
-    assert ext.fftconv_max_length() == K.FFTCONV_MAX_LEN == 2**27
-    assert ext.fftconv_workspace_row_floats(16384) == 0           # one block per row, no workspace
-    assert ext.fftconv_workspace_row_floats(16385) == 2 * 32768   # N = 2^15 complex64
-    assert ext.fftconv_workspace_row_floats(2**20) == 2 * 2**20
-    assert ext.fftconv_fft_size(70001) == 2**17
+def test_cuda_kernels_lengths_and_workspace_sizes():
+    assert C.ONE_BLOCK_MAX_LEN == 16384 and C.MAX_LEN == 2**27
+    assert C.workspace_row_floats(16384, F32) == 0           # one block per row, no workspace
+    assert C.workspace_row_floats(16385, F32) == 2 * 32768   # N = 2^15 complex64
+    assert C.workspace_row_floats(2**20, F32) == 2 * 2**20
+    assert C.fft_size(70001) == 2**17 and C.fft_size(1) == 32
 
 
-def test_cuda_kernels_fp64_lengths_and_workspace_sizes(ext):
-    assert ext.fftconv_one_block_max_length(4) == K.FFTCONV_FP64_ONE_BLOCK_MAX_LEN == 8192
-    assert ext.fftconv_max_length(4) == K.FFTCONV_FP64_MAX_LEN == 2**25
-    assert K.fftconv_max_len(F64) == 2**25 and K.fftconv_max_len(F32) == 2**27
-    assert ext.fftconv_workspace_row_floats(8192, 4) == 0            # one block, no workspace
-    assert ext.fftconv_workspace_row_floats(8193, 4) == 4 * 16384    # N = 2^14 complex128, in floats
-    assert ext.fftconv_workspace_row_floats(8193, 0) == 0            # float: still one block
-    assert ext.fftconv_workspace_row_floats(2**20, 4) == 4 * 2**20
-    # both one-block configurations ask for 128 KiB (float N = 2^14, double N = 2^13)
-    table = dict(ext.dynamic_smem_table())
-    assert table["fftconv_fwd_kernel"] == 16384 * 8 == 8192 * 16
-    assert max(table[f] for f in ("fft4_col_fwd_kernel", "fft4_row_conv_kernel")) <= 128 * 1024
+def test_cuda_kernels_fp64_lengths_and_workspace_sizes():
+    assert C.FP64_ONE_BLOCK_MAX_LEN == 8192 and C.FP64_MAX_LEN == 2**25
+    assert C.max_len(F64) == 2**25 and C.max_len(F32) == C.max_len(BF16) == 2**27
+    assert C.workspace_row_floats(8192, F64) == 0            # one block, no workspace
+    assert C.workspace_row_floats(8193, F64) == 4 * 16384    # N = 2^14 complex128, in floats
+    assert C.workspace_row_floats(8193, F32) == 0            # float: still one block
+    assert C.workspace_row_floats(2**20, F64) == 4 * 2**20
+    # both one-block configurations ask for 128 KiB (float N = 2^14, double N = 2^13), every
+    # multi-pass pass at most that
+    assert C.fft_smem_bytes(F32, 14) == C.fft_smem_bytes(F64, 13) == C.one_block_max_smem_bytes() == 128 * 1024
+    assert max(C.multi_pass_max_smem_bytes(rows) for rows in (False, True)) <= 128 * 1024
 
 
-def test_cuda_kernels_launchers_reject_bad_lengths_and_a_missing_workspace(ext):
+def test_cuda_kernels_launch_descriptions_reject_bad_lengths_and_a_missing_workspace(ext):
+    x = torch.zeros(1, 1, 1)
     with pytest.raises(ValueError, match="L <= 134217728"):
-        ext.fftconv_fwd(0, 0, 0, 0, 1, 1, 2**27 + 1, 0, 0, 0)
-    with pytest.raises(ValueError, match="workspace"):
-        ext.fftconv_fwd(0, 0, 0, 0, 1, 1, 16385, 0, 0, 0)
-    dk = torch.empty(1, 16385)  # finalize needs dk: the workspace check is what must fire
-    with pytest.raises(ValueError, match="workspace"):
-        ext.fftconv_bwd_dk(0, 0, 0, dk.data_ptr(), 1, 1, 16385, False, True, 0, 0, 0)
-    dk64 = torch.empty(1, 8193, dtype=F64)  # double: multi-pass from L = 8193 on
-    with pytest.raises(ValueError, match="workspace"):
-        ext.fftconv_bwd_dk(4, 0, 0, dk64.data_ptr(), 1, 1, 8193, False, True, 0, 0, 0)
+        C.log2n_of(2**27 + 1, F32)
     with pytest.raises(ValueError, match="L <= 33554432 in float64"):
-        ext.fftconv_fwd(4, 0, 0, 0, 1, 1, 2**25 + 1, 0, 0, 0)
-    with pytest.raises(ValueError, match="float32 or float64"):  # bf16 is a storage type, not an arithmetic one
-        ext.fftconv_bwd_dk(1, 0, 0, dk.data_ptr(), 1, 1, 100, False, True, 0, 0, 0)
+        C.log2n_of(2**25 + 1, F64)
+    with pytest.raises(ValueError, match="workspace"):  # the multi-pass FFT without its workspace
+        C._bwd_dk(emu(ext), x, None, torch.empty(1, 16385), 1, 1, 16385, 15, F32, False, True, None, 0)
+    with pytest.raises(ValueError, match="workspace"):  # double: multi-pass from L = 8193 on
+        C._bwd_dk(emu(ext), x, None, torch.empty(1, 8193, dtype=F64), 1, 1, 8193, 14, F64, False, True, None, 0)
+    assert C.multi_pass(15, F32) and C.multi_pass(14, F64) and not C.multi_pass(14, F32)
 
 
 def test_cuda_kernels_fp64_refuse_float16_x_naming_it(ext):
     x = torch.zeros(1, 1, 8, dtype=F16)
     with pytest.raises(TypeError, match="float64 x, got torch.float16"):
-        K.fftconv_fwd(ext, x, torch.zeros(1, 8))
+        C.launch_fwd(emu(ext), x, torch.zeros(1, 8))
     with pytest.raises(TypeError, match="float64 x, got torch.float16"):
-        K.fftconv_bwd(ext, x, x, torch.zeros(1, 8))
+        C.launch_bwd(emu(ext), x, x, torch.zeros(1, 8))
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
@@ -445,9 +437,9 @@ def test_cuda_kernels_one_block_vs_direct_reference(ext, order, dtype, B, D, L):
     g = torch.Generator().manual_seed(8)
     x = torch.randn(B, D, L, generator=g).to(dtype)
     k = torch.randn(D, L, generator=g) * torch.exp(-torch.arange(L) / 20.0)
-    y = K.fftconv_fwd(ext, x, k)
+    y = C.launch_fwd(emu(ext), x, k)
     dy = torch.randn(B, D, L, generator=g).to(dtype)
-    dx, dk = K.fftconv_bwd(ext, dy, x, k)
+    dx, dk = C.launch_bwd(emu(ext), dy, x, k)
     assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", dtype, "fwd"))
     dxr, dkr = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
     assert dx.dtype == dtype and dk.dtype == F32
@@ -457,13 +449,13 @@ def test_cuda_kernels_one_block_vs_direct_reference(ext, order, dtype, B, D, L):
 
 def test_cuda_kernels_16k_one_block_per_row(ext, order):
     B, D, L = 1, 1, 16384
-    assert ext.fftconv_fft_size(L) == 16384
+    assert C.fft_size(L) == 16384
     g = torch.Generator().manual_seed(9)
     x = torch.randn(B, D, L, generator=g)
     k = torch.randn(D, L, generator=g) * torch.exp(-torch.arange(L) / 2000.0)
     dy = torch.randn(B, D, L, generator=g)
-    y = K.fftconv_fwd(ext, x, k)
-    dx, dk = K.fftconv_bwd(ext, dy, x, k)
+    y = C.launch_fwd(emu(ext), x, k)
+    dx, dk = C.launch_bwd(emu(ext), dy, x, k)
     yr, dxr, dkr = _fft_ref(x, k, dy)
     assert_close("y", y, yr, 2e-5)
     assert_close("dx", dx, dxr, 5e-5)
@@ -476,12 +468,12 @@ def test_cuda_kernels_one_block_dk_over_batch_slices(ext):
     g = torch.Generator().manual_seed(10)
     x, dy = torch.randn(B, D, L, generator=g), torch.randn(B, D, L, generator=g)
     k = torch.randn(D, L, generator=g)
-    N = ext.fftconv_fft_size(L)
-    dx, dk = K.fftconv_bwd(ext, dy, x, k, max_workspace_bytes=2 * D * (N + 1) * 8)
+    N = C.fft_size(L)
+    dx, dk = C.launch_bwd(emu(ext), dy, x, k, max_workspace_bytes=2 * D * (N + 1) * 8)
     _, dxr, dkr = _fft_ref(x, k, dy)
     assert_close("dx", dx, dxr, 5e-5)
     assert_close("dk", dk, dkr, 5e-5)
-    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
+    dx_only, none = C.launch_bwd(emu(ext), dy, x, k, need_k=False)
     assert none is None
     assert_close("dx only", dx_only, dxr, 5e-5)
 
@@ -490,8 +482,8 @@ def test_cuda_kernels_just_above_one_block_vs_direct_reference(ext):
     # L = 16385: the first multi-pass length, against the O(L^2) definition itself
     L = 16385
     x, k, dy = _inputs(1, 1, 1, L, F32)
-    y = K.fftconv_fwd(ext, x, k)
-    dx, dk = K.fftconv_bwd(ext, dy, x, k)
+    y = C.launch_fwd(emu(ext), x, k)
+    dx, dk = C.launch_bwd(emu(ext), dy, x, k)
     assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", F32, "fwd"))
     dxr, dkr = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
     assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"))
@@ -523,7 +515,7 @@ def test_cuda_kernels_forward_at_2_pow_20(ext):
     # only, the backward runs the same passes (see the N = 2^17 and 2^18 cases)
     L = 2**20
     x, k, _ = _inputs(8, 1, 1, L, F32)
-    y = K.fftconv_fwd(ext, x, k)
+    y = C.launch_fwd(emu(ext), x, k)
     n = 2 * L
     xr, kr = to_np(x), to_np(k)
     assert_close("y", y, np.fft.irfft(np.fft.rfft(xr, n) * np.fft.rfft(kr, n), n)[..., :L], tol("cuda", F32, "fwd"))
@@ -537,8 +529,7 @@ def test_cuda_kernels_twiddles_exact_angle_also_above_2_pow_24(ext):
     a = np.concatenate([g.integers(0, 2**24, 500), g.integers(2**24, 2**27, 1500),
                         [0, 2**24 - 1, 2**24, 2**24 + 1, 2**26, 2**27 - 1]]).astype(np.uint32)
     for sign in (-1.0, 1.0):
-        out = torch.empty(len(a), 2)
-        ext.fftconv_long_twiddle_probe(torch.from_numpy(a).data_ptr(), out.data_ptr(), len(a), s, sign, 0)
+        out = torch.view_as_real(C.twiddle_probe(emu(ext), torch.from_numpy(a), s, sign, F32))
         want = np.exp(1j * sign * np.pi * a.astype(np.float64) / 2.0**s)
         got = to_np(out[:, 0]) + 1j * to_np(out[:, 1])
         err = np.abs(got - want)
@@ -560,12 +551,12 @@ def test_cuda_kernels_workspace_chunks_give_identical_results(ext):
     B, D, L = 3, 2, 16385
     x, k, dy = _inputs(5, B, D, L, F32)
     y, dx, dk = _check_kernels(ext, x, k, dy, F32)
-    N = ext.fftconv_fft_size(L)
+    N = C.fft_size(L)
     small = D * (N + 1) * 8  # one batch element of product spectra, and 2 workspace rows
-    y1 = K.fftconv_fwd(ext, x, k, max_workspace_bytes=1)
-    dx1, dk1 = K.fftconv_bwd(ext, dy, x, k, max_workspace_bytes=small)
+    y1 = C.launch_fwd(emu(ext), x, k, max_workspace_bytes=1)
+    dx1, dk1 = C.launch_bwd(emu(ext), dy, x, k, max_workspace_bytes=small)
     assert torch.equal(y1, y) and torch.equal(dx1, dx) and torch.equal(dk1, dk)
-    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
+    dx_only, none = C.launch_bwd(emu(ext), dy, x, k, need_k=False)
     assert none is None and torch.equal(dx_only, dx)
 
 
@@ -573,7 +564,7 @@ def test_cuda_kernels_one_block_boundary_still_one_block(ext):
     # 16384 stays on the one-block kernels (no workspace row), its neighbour 16385 is multi-pass;
     # the two paths meet float64 with the same budget on either side of the switch
     for L, ws_floats in ((16384, 0), (16385, 2 * 32768)):
-        assert ext.fftconv_workspace_row_floats(L) == ws_floats
+        assert C.workspace_row_floats(L, F32) == ws_floats
         x, k, dy = _inputs(6, 1, 1, L, F32)
         _check_kernels(ext, x, k, dy, F32)
 
@@ -584,8 +575,8 @@ def test_cuda_kernels_fp64_one_block_vs_direct_reference(ext, order, L):
     x, k, dy = _inputs64(10 + L, 2, 3, L)
     refs = (ref.fftconv(to_np(x), to_np(k)), *ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k)))
     y, dx, dk = _check_kernels64(ext, x, k, dy, refs)
-    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
-    none2, dk_only = K.fftconv_bwd(ext, dy, x, k, need_x=False)
+    dx_only, none = C.launch_bwd(emu(ext), dy, x, k, need_k=False)
+    none2, dk_only = C.launch_bwd(emu(ext), dy, x, k, need_x=False)
     assert none is None and none2 is None
     assert torch.equal(dx_only, dx) and torch.equal(dk_only, dk)
 
@@ -594,7 +585,7 @@ def test_cuda_kernels_fp64_one_block_boundary(ext, order):
     # 8192 is the last one-block length in double (no workspace), 8193 the first multi-pass one
     # (N = 2^14: plan N1 = N2 = 128); the float path keeps one block at 8193
     for L, ws_floats in ((8192, 0), (8193, 4 * 16384)):
-        assert ext.fftconv_workspace_row_floats(L, 4) == ws_floats
+        assert C.workspace_row_floats(L, F64) == ws_floats
         x, k, dy = _inputs64(20, 1, 1, L)
         _check_kernels64(ext, x, k, dy)
 
@@ -606,13 +597,13 @@ def test_cuda_kernels_fp64_multipass_batch_channels_and_workspace_chunks(ext, or
     B, D, L = 3, 2, 9000
     x, k, dy = _inputs64(21, B, D, L)
     y, dx, dk = _check_kernels64(ext, x, k, dy)
-    N = ext.fftconv_fft_size(L)
+    N = C.fft_size(L)
     small = D * (N + 1) * 16  # one batch element of complex128 product spectra; 1 ws row
-    y1 = K.fftconv_fwd(ext, x, k, max_workspace_bytes=1)
-    dx1, dk1 = K.fftconv_bwd(ext, dy, x, k, max_workspace_bytes=small)
+    y1 = C.launch_fwd(emu(ext), x, k, max_workspace_bytes=1)
+    dx1, dk1 = C.launch_bwd(emu(ext), dy, x, k, max_workspace_bytes=small)
     assert torch.equal(y1, y) and torch.equal(dx1, dx) and torch.equal(dk1, dk)
-    dx_only, none = K.fftconv_bwd(ext, dy, x, k, need_k=False)
-    none2, dk_only = K.fftconv_bwd(ext, dy, x, k, need_x=False)
+    dx_only, none = C.launch_bwd(emu(ext), dy, x, k, need_k=False)
+    none2, dk_only = C.launch_bwd(emu(ext), dy, x, k, need_x=False)
     assert none is None and none2 is None and torch.equal(dx_only, dx) and torch.equal(dk_only, dk)
 
 
@@ -636,8 +627,7 @@ def test_cuda_kernels_fp64_twiddles_accurate_to_double(ext):
     s = 24
     a = np.concatenate([g.integers(0, 2**25, 2000), [0, 1, 2**24 - 1, 2**24, 2**25 - 1]]).astype(np.uint32)
     for sign in (-1.0, 1.0):
-        out = torch.empty(len(a), 2, dtype=F64)
-        ext.fftconv_long_twiddle_probe(torch.from_numpy(a).data_ptr(), out.data_ptr(), len(a), s, sign, 0, 4)
+        out = torch.view_as_real(C.twiddle_probe(emu(ext), torch.from_numpy(a), s, sign, F64))
         # exact reference: the angle's fraction of a turn is reduced in integers first
         red = (a.astype(np.int64) % 2**(s + 1)).astype(np.float64) / 2.0**s
         want = np.exp(1j * sign * np.pi * red)

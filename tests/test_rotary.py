@@ -97,15 +97,17 @@ def test_xpos_scores_depend_on_distance_only():
 
 
 # ---------------------------------------------------------------------------------------------
-# The CUDA kernels themselves (cuda/kernels.py over the emulator), in both fiber orders
+# The CUDA kernels themselves (the launch description of cuda_impl.py in the emulator), in both fiber orders
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
 @pytest.mark.parametrize("xpos,per_batch", [(None, False), (512.0, False), (None, True)],
                          ids=["rope", "xpos", "per_batch"])
-def test_cuda_kernels(ext, kernels, order, dtype, xpos, per_batch):
-    from megalodon_kernels.ops.rotary import rotation_tables
+def test_cuda_kernels(ext, order, dtype, xpos, per_batch):
+    from megalodon_kernels.cuda.launch import EmulatorLauncher
+    from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
 
+    launcher = EmulatorLauncher(ext)
     B, L, H, d = 2, 33, 3, 8
     x = torch.randn(B, L, H, d, generator=torch.Generator().manual_seed(5)).to(dtype)
     pos = (torch.randint(0, 1000, (B, L), generator=torch.Generator().manual_seed(6)) if per_batch
@@ -114,10 +116,10 @@ def test_cuda_kernels(ext, kernels, order, dtype, xpos, per_batch):
     tables = F64 if dtype == F64 else F32
     for downscale in (False, True):
         cos, sin = rotation_tables(pos, d, 10000.0, xpos, downscale, tables)
-        y = kernels.rotary_fwd(ext, x, cos, sin)
+        y = rotary_cuda.rotary(launcher, x, cos, sin, False)
         assert y.dtype == dtype
         assert_close("y", y, ref.rotary(to_np(x), pos.numpy(), 10000.0, xpos, downscale), tol("cuda", dtype, "fwd"))
-        dx = kernels.rotary_bwd(ext, x, cos, sin)
+        dx = rotary_cuda.rotary(launcher, x, cos, sin, True)
         assert_close("dx", dx, ref.rotary_bwd(to_np(x), pos.numpy(), 10000.0, xpos, downscale),
                      tol("cuda", dtype, "bwd"))
 

@@ -9,7 +9,8 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from megalodon_kernels.ops.timestep_norm import timestep_norm, torch_impl, triton_impl
+from megalodon_kernels.cuda.launch import EmulatorLauncher as emu  # the launch descriptions in the emulator
+from megalodon_kernels.ops.timestep_norm import cuda_impl as tsn_cuda, timestep_norm, torch_impl, triton_impl
 from megalodon_kernels.reference import timestep_norm as ref
 from support import PADDINGS, as_input, assert_close, err_ratio, to_np, tol
 from support import timestep_norm_inputs as problem
@@ -359,7 +360,7 @@ def test_empty_segment_passes_state_through_like_torch(backend):
 
 
 # ---------------------------------------------------------------------------------------------
-# The CUDA kernels themselves (cuda/kernels.py over the emulator)
+# The CUDA kernels themselves (the launch description of cuda_impl.py in the emulator)
 
 
 def _kernel_case(B, L, D, G, dtype, pad_kind, prev_count, seed=0):
@@ -393,9 +394,9 @@ def _kernel_case(B, L, D, G, dtype, pad_kind, prev_count, seed=0):
     (2, 700, 8, 2, "left", [0, 3]),        # 64 chunks; leading chunks fully padded
     (1, 40, 64, 2, "all", [4]),            # nothing observed: the prior comes back unchanged
 ], ids=["L1", "L31_mixed_pad", "L129_G_eq_D", "L700_left_pad", "all_padded"])
-def test_cuda_kernels(ext, kernels, order, dtype, B, L, D, G, pad_kind, prev_count):
+def test_cuda_kernels(ext, order, dtype, B, L, D, G, pad_kind, prev_count):
     x, scale, bias, pc, pm, pv, mask = _kernel_case(B, L, D, G, dtype, pad_kind, prev_count)
-    y, count, mean, var, saved = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, G, 1e-5)
+    y, count, mean, var, saved = tsn_cuda.launch_fwd(emu(ext), x, scale, bias, pc, pm, pv, mask, G, 1e-5)
     args = (to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(), mask.numpy())
     yr, cr, mr, vr = ref.timestep_norm(*args)
     assert y.dtype == dtype
@@ -410,7 +411,7 @@ def test_cuda_kernels(ext, kernels, order, dtype, B, L, D, G, pad_kind, prev_cou
     g = torch.Generator().manual_seed(7)
     dy = torch.randn(B, L, D, generator=g).to(dtype)
     dm, dv = torch.randn(B, G, generator=g, dtype=acc), torch.randn(B, G, generator=g, dtype=acc)
-    dx, dscale, dbias, dpm, dpv = kernels.timestep_norm_bwd(ext, dy, dm, dv, saved, G)
+    dx, dscale, dbias, dpm, dpv = tsn_cuda.launch_bwd(emu(ext), dy, dm, dv, saved, G)
     want = ref.timestep_norm_bwd(to_np(dy), dm.numpy(), dv.numpy(), *args[:3], G, *args[4:])
     for name, got, expected in zip(("dx", "dscale", "dbias", "dprev_mean", "dprev_var"),
                                    (dx, dscale, dbias, dpm, dpv), want):
@@ -420,14 +421,14 @@ def test_cuda_kernels(ext, kernels, order, dtype, B, L, D, G, pad_kind, prev_cou
 
 
 @pytest.mark.parametrize("dtype", [F32, F64], ids=str)
-def test_cuda_kernels_streaming_and_large_common_mean(ext, kernels, dtype):
+def test_cuda_kernels_streaming_and_large_common_mean(ext, dtype):
     # two halves with the carried state == one call; a large common offset does not cancel
     B, L, D, G = 2, 300, 8, 2
     x, scale, bias, pc, pm, pv, mask = _kernel_case(B, L, D, G, dtype, "none", [0, 0], seed=3)
     x = x + 1000.0
-    y, *_ = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, G, 1e-5)
-    y1, c1, m1, v1, _ = kernels.timestep_norm_fwd(ext, x[:, :111], scale, bias, pc, pm, pv, mask[:, :111], G, 1e-5)
-    y2, *_ = kernels.timestep_norm_fwd(ext, x[:, 111:], scale, bias, c1, m1, v1, mask[:, 111:], G, 1e-5)
+    y, *_ = tsn_cuda.launch_fwd(emu(ext), x, scale, bias, pc, pm, pv, mask, G, 1e-5)
+    y1, c1, m1, v1, _ = tsn_cuda.launch_fwd(emu(ext), x[:, :111], scale, bias, pc, pm, pv, mask[:, :111], G, 1e-5)
+    y2, *_ = tsn_cuda.launch_fwd(emu(ext), x[:, 111:], scale, bias, c1, m1, v1, mask[:, 111:], G, 1e-5)
     # fp64: the offset of 1000 costs ~1e-13 relative in the group variances, far below 1e-10
     streamed_tol, ref_tol = (2e-5, 1e-4) if dtype == F32 else (tol("cuda", F64, "fwd"),) * 2
     assert_close("streamed", torch.cat([y1, y2], 1), to_np(y), streamed_tol)
@@ -437,12 +438,12 @@ def test_cuda_kernels_streaming_and_large_common_mean(ext, kernels, dtype):
 
 
 @pytest.mark.parametrize("dtype", [F32, F64], ids=str)
-def test_cuda_kernels_infinities_propagate(ext, kernels, dtype):
+def test_cuda_kernels_infinities_propagate(ext, dtype):
     x, scale, bias, pc, pm, pv, mask = _kernel_case(1, 20, 4, 1, dtype, "none", [0])
     x[0, 5, 1] = float("inf")
     x[0, 12, :] = float("nan")
     mask[0, 12] = True  # NaN in a padded step reaches nothing
-    y, *_ = kernels.timestep_norm_fwd(ext, x, scale, bias, pc, pm, pv, mask, 1, 1e-5)
+    y, *_ = tsn_cuda.launch_fwd(emu(ext), x, scale, bias, pc, pm, pv, mask, 1, 1e-5)
     yr, *_ = ref.timestep_norm(to_np(x), scale.numpy(), bias.numpy(), 1, pc.numpy(), pm.numpy(), pv.numpy(),
                                mask.numpy())
     assert np.isfinite(to_np(y)[0, :5]).all()

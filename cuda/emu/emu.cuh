@@ -26,15 +26,45 @@
 // `kernel` in the macros is a plain name (use a function-pointer variable for templates).
 #pragma once
 
+#define MK_DEFAULT_SMEM_OPTIN 166912  // A100 per-block limit; the emulator's launch check
+
+#ifdef __CUDACC_RTC__
+// ------------------------------------------------------------------------------------------------
+// NVRTC (run-time compilation of the kernels alone, cuda/nvrtc.py): device code only, no host
+// launchers and no C++ standard library; libcu++ (CCCL) stands in for the std headers used here.
+// ------------------------------------------------------------------------------------------------
+#include <cuda/std/cstddef>
+#include <cuda/std/cstdint>
+#include <cuda/std/limits>
+#include <cuda/std/type_traits>
+#include <cuda/std/utility>
+#include <cuda_bf16.h>
+
+namespace std {
+using namespace ::cuda::std;
+}
+#ifndef INFINITY
+#define INFINITY (::cuda::std::numeric_limits<float>::infinity())
+#endif
+
+#define MK_EMULATOR 0
+#define MK_NVRTC 1
+
+#define MK_DYNAMIC_SMEM(type, name)                                  \
+  extern __shared__ __align__(16) unsigned char mk_dynamic_smem_[]; \
+  type* name = reinterpret_cast<type*>(mk_dynamic_smem_)
+#define MK_STATIC_SMEM(type, name, count) __shared__ type name[count]
+
+#else
+#define MK_NVRTC 0
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#endif
 
-#define MK_DEFAULT_SMEM_OPTIN 166912  // A100 per-block limit; the emulator's launch check
-
-#ifdef __CUDACC__
+#if defined(__CUDACC__) && !defined(__CUDACC_RTC__)
 // ------------------------------------------------------------------------------------------------
 // Real CUDA
 // ------------------------------------------------------------------------------------------------
@@ -65,7 +95,7 @@ inline void mk_cuda_check(cudaError_t err, const char* what) {
   ::mk_cuda_check(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, (int)(bytes)), \
                   "cudaFuncSetAttribute(" #kernel ")")
 
-#else
+#elif !defined(__CUDACC__)
 // ------------------------------------------------------------------------------------------------
 // Host emulation
 // ------------------------------------------------------------------------------------------------

@@ -1,7 +1,164 @@
-"""CUDA backend of timestep_norm: cuda/timestep_norm.cuh through megalodon_kernels.cuda._C
-(see cuda/backend.py). mean/var and the saved statistics are fp32 (float64 for float64 x)."""
-from ...cuda.backend import timestep_norm as _backend
+"""CUDA backend of timestep_norm: the kernels are cuda/timestep_norm.cuh; this file is their whole
+launch path (a GPU through the NVRTC runtime, or the CPU emulator: the same Launch records).
 
+mean/var, the saved statistics, scale/bias/prior and the workspace are in the accumulation type:
+float32, or float64 for float64 x.
+"""
+from __future__ import annotations
+
+import torch
+
+from ...cuda import launch as L
+from ...cuda import runtime
+from ...cuda.backend import _Backend
+
+MAX_CHUNKS = 128   # kTsnMaxChunks: threads (time chunks) of the scan kernels
+ROW_THREADS = 256  # kTsnRowThreads: 8 warps = 8 rows per block in the row kernels
+SLOTS = 64         # kTsnSlots: row slices of the dscale/dbias partial sums (8 x 8)
+HEADER = "timestep_norm.cuh"
+
+
+def _k(name: str, cpp: str) -> L.Kernel:
+    return L.Kernel(HEADER, f"mk::{name}<{cpp}>")
+
+
+#: element-typed kernels take x's type T, the scans and the reduction its accumulation type A
+_ELEMENT = ("tsn_moments_kernel", "tsn_normalize_kernel", "tsn_row_grads_kernel", "tsn_dx_kernel",
+            "tsn_param_partial_kernel")
+_ACC = ("tsn_scan_fwd_kernel", "tsn_scan_bwd_kernel", "tsn_param_reduce_kernel")
+_ACC_CPP = {torch.float32: "float", torch.float64: "double"}
+KERNELS = ([_k(n, cpp) for n in _ELEMENT for cpp in L.CPP_TYPES.values()]
+           + [_k(n, cpp) for n in _ACC for cpp in _ACC_CPP.values()])
+
+
+def _kernel(name: str, x: torch.Tensor) -> L.Kernel:
+    cpp = L.CPP_TYPES[x.dtype] if name in _ELEMENT else _ACC_CPP[L.acc_dtype(x)]
+    return _k(name, cpp)
+
+
+def _shape(x: torch.Tensor, G: int):
+    if x.dtype not in L.CPP_TYPES:
+        raise TypeError(f"the CUDA timestep_norm takes float32, bfloat16 or float64 x, got {x.dtype}")
+    B, Lq, D = x.shape
+    if D < 1 or G < 1 or D % G:
+        raise ValueError(f"timestep_norm: num_groups must divide D >= 1, got D = {D}, num_groups = {G}")
+    if Lq >= 2**31 or D >= 2**31 or B * G >= 2**31:
+        raise ValueError("timestep_norm: L, D and B * num_groups must be < 2^31")
+    chunks = 32  # a power of two in [32, 128], about 16 steps each for short sequences
+    while chunks < MAX_CHUNKS and chunks * 16 < Lq:
+        chunks *= 2
+    return B, Lq, D, chunks, -(-Lq // chunks)
+
+
+def workspace_elems(B: int, Lq: int, D: int, G: int) -> int:
+    """Accumulation-type elements: 3 per row (fwd: the (mean, var) pairs, bwd: (gmu, ds, db)) plus
+    the dscale/dbias partial sums."""
+    return 3 * B * Lq * G + 2 * SLOTS * D
+
+
+def _row_grid(rows: int) -> int:
+    return L.grid_1d(-(-rows // 8))
+
+
+def _elem_grid(n: int) -> int:
+    return L.grid_1d(-(-n // 256), 1 << 16)
+
+
+def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps):
+    """(y, count, mean, var, saved) like the torch backend."""
+    G = int(num_groups)
+    B, Lq, D, chunks, chunk = _shape(x, G)
+    if not eps > 0:
+        raise ValueError(f"timestep_norm: eps must be > 0, got {eps}")
+    dev, acc, A = x.device, L.acc_dtype(x), L.acc_tag(x)
+    xc = x.contiguous()
+    scale_f, bias_f = scale.to(acc).contiguous(), bias.to(acc).contiguous()
+    pc = prev_count.to(torch.int64).contiguous()
+    pm, pv = prev_mean.to(acc).contiguous(), prev_var.to(acc).contiguous()
+    mask = padding_mask.to(torch.bool).contiguous()
+    y = torch.empty(xc.shape, dtype=x.dtype, device=dev)
+    count = torch.empty(B, dtype=torch.int64, device=dev)
+    mean = torch.empty(B, G, dtype=acc, device=dev)
+    var = torch.empty(B, G, dtype=acc, device=dev)
+    cummean = torch.empty(B, Lq, G, dtype=acc, device=dev)
+    cumrstd = torch.empty(B, Lq, G, dtype=acc, device=dev)
+    ws = torch.empty(max(1, workspace_elems(B, Lq, D, G)), dtype=acc, device=dev)
+    saved = (xc, scale_f, pc, pm, mask, cummean, cumrstd)
+    if B == 0:
+        return y, count, mean, var, saved
+    rows, total, Dg = B * Lq * G, B * Lq * D, D // G
+    p = L.ptr
+    if rows > 0:
+        L.launch(launcher, _kernel("tsn_moments_kernel", x), _row_grid(rows), ROW_THREADS, 0,
+                 [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
+    L.launch(launcher, _kernel("tsn_scan_fwd_kernel", x), B * G, chunks, 0,
+             [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(pc)), ("ptr", p(pm)), ("ptr", p(pv)), ("ptr", p(cummean)),
+              ("ptr", p(cumrstd)), ("ptr", p(count)), ("ptr", p(mean)), ("ptr", p(var)), ("i32", Lq), ("i32", G),
+              ("i32", chunk), (A, float(eps))], dev)
+    if total > 0:
+        L.launch(launcher, _kernel("tsn_normalize_kernel", x), _elem_grid(total), 256, 0,
+                 [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(scale_f)),
+                  ("ptr", p(bias_f)), ("ptr", p(y)), ("i64", total), ("i32", D), ("i32", Dg)], dev)
+    return y, count, mean, var, saved
+
+
+def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups):
+    """(dx (x's dtype), dscale, dbias, dprev_mean, dprev_var) (accumulation type)."""
+    xc, scale_f, pc, pm, mask, cummean, cumrstd = saved
+    G = int(num_groups)
+    B, Lq, D, chunks, chunk = _shape(xc, G)
+    dev, acc = xc.device, cummean.dtype
+    dyc = (torch.zeros_like(xc) if dy is None else dy.to(xc.dtype)).contiguous()
+    dm = torch.zeros(B, G, dtype=acc, device=dev) if dmean is None else dmean.to(acc).contiguous()
+    dv = torch.zeros(B, G, dtype=acc, device=dev) if dvar is None else dvar.to(acc).contiguous()
+    dx = torch.empty(xc.shape, dtype=xc.dtype, device=dev)
+    dscale = torch.empty(D, dtype=acc, device=dev)
+    dbias = torch.empty(D, dtype=acc, device=dev)
+    dpm = torch.empty(B, G, dtype=acc, device=dev)
+    dpv = torch.empty(B, G, dtype=acc, device=dev)
+    ws = torch.empty(max(1, workspace_elems(B, Lq, D, G)), dtype=acc, device=dev)
+    rows, total, Dg = B * Lq * G, B * Lq * D, D // G
+    part = ws[3 * rows:]  # the dscale/dbias partial sums follow the per-row gradients
+    p = L.ptr
+    if B > 0:
+        if rows > 0:
+            L.launch(launcher, _kernel("tsn_row_grads_kernel", xc), _row_grid(rows), ROW_THREADS, 0,
+                     [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(scale_f)), ("ptr", p(cummean)),
+                      ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
+        L.launch(launcher, _kernel("tsn_scan_bwd_kernel", xc), B * G, chunks, 0,
+                 [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(pc)), ("ptr", p(pm)), ("ptr", p(cummean)),
+                  ("ptr", p(cumrstd)), ("ptr", p(dm)), ("ptr", p(dv)), ("ptr", p(dpm)), ("ptr", p(dpv)), ("i32", Lq),
+                  ("i32", G), ("i32", chunk)], dev)
+        if total > 0:
+            L.launch(launcher, _kernel("tsn_dx_kernel", xc), _elem_grid(total), 256, 0,
+                     [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(cumrstd)), ("ptr", p(ws)),
+                      ("ptr", p(scale_f)), ("ptr", p(dx)), ("i64", total), ("i32", D), ("i32", Dg)], dev)
+    L.launch(launcher, _kernel("tsn_param_partial_kernel", xc), (-(-D // 32), SLOTS // 8), (32, 8), 0,
+             [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(cummean)), ("ptr", p(cumrstd)),
+              ("ptr", p(part)), ("i64", B * Lq), ("i32", D), ("i32", Dg)], dev)
+    L.launch(launcher, _kernel("tsn_param_reduce_kernel", xc), _elem_grid(D), 256, 0,
+             [("ptr", p(part)), ("ptr", p(dscale)), ("ptr", p(dbias)), ("i32", D), ("i32", SLOTS)], dev)
+    return dx, dscale, dbias, dpm, dpv
+
+
+class TimestepNormBackend(_Backend):
+    FP64 = True  # double x: Welford/Kahan state, statistics and side inputs in double
+
+    def not_supported_reasons(self, x, num_groups=None, **_other_inputs) -> list[str]:
+        reasons = self._reasons({"x": x}, "x")
+        if x.dim() == 3 and x.shape[1] >= 2**31:
+            reasons.append("L must be < 2^31")
+        return reasons
+
+    def timestep_norm_fwd(self, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps):
+        return launch_fwd(self.ext, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask,
+                                 num_groups, eps)
+
+    def timestep_norm_bwd(self, dy, dmean, dvar, saved, num_groups):
+        return launch_bwd(self.ext, dy, dmean, dvar, saved, num_groups)
+
+
+_backend = TimestepNormBackend(runtime.gpu_launcher)
 DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
 not_supported_reasons = _backend.not_supported_reasons
 timestep_norm_fwd = _backend.timestep_norm_fwd

@@ -1,0 +1,152 @@
+"""The GPU runtime of the launch descriptions: NVRTC cubins launched through the CUDA driver.
+
+:func:`gpu_launcher` returns the process-wide :class:`GpuLauncher`, or raises a RuntimeError
+saying why the CUDA backend cannot run here (no CuPy / NVRTC, no CUDA torch or device, a driver
+older than NVRTC, an arch NVRTC cannot target); the ops' ``not_supported_reasons`` report that
+message and ``auto`` falls back. Nothing is imported or compiled before the first call.
+
+A launch compiles its kernel instantiation for the device's arch on first use (cuda/nvrtc.py,
+disk cache), loads the cubin into the device's primary context (the one torch uses), opts in to
+large dynamic shared memory when the launch needs it, and launches on torch's current stream of
+the tensors' device with the arguments packed as their C types (cuda/launch.py). The driver calls
+go through :class:`CupyDriver`; tests substitute a recording fake.
+"""
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import threading
+
+import torch
+
+from . import nvrtc
+from .launch import DEFAULT_MAX_DYNAMIC_SMEM, Launch, c_value
+
+#: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
+_MAX_DYNAMIC_SHARED = 8
+
+
+class CupyDriver:
+    """The few CUDA driver calls the runtime makes, through CuPy's driver binding."""
+
+    def __init__(self):
+        self._driver = nvrtc.import_cupy("cupy_backends.cuda.api.driver")
+        self._runtime = nvrtc.import_cupy("cupy_backends.cuda.api.runtime")
+
+    def driver_version(self) -> int:
+        return int(self._runtime.driverGetVersion())
+
+    def load(self, cubin: bytes):
+        return self._driver.moduleLoadData(cubin)
+
+    def function(self, module, lowered_name: str):
+        return self._driver.moduleGetFunction(module, lowered_name)
+
+    def set_max_dynamic_smem(self, function, nbytes: int) -> None:
+        self._driver.funcSetAttribute(function, _MAX_DYNAMIC_SHARED, nbytes)
+
+    def launch(self, function, grid, block, smem: int, stream: int, values: list) -> None:
+        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        self._driver.launchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
+
+
+class GpuLauncher:
+    EMULATOR = False
+
+    def __init__(self, driver=None, compile_kernel=nvrtc.compile_kernel, arch_of=None, stream_of=None,
+                 device_type: str = "cuda"):
+        #: "cpu" only for tests that run this launcher's code over a fake driver on CPU tensors
+        self.device_type = device_type
+        self.driver = driver if driver is not None else CupyDriver()
+        self.compile_kernel = compile_kernel
+        self._arch_of = arch_of or _device_arch
+        self._stream_of = stream_of or _current_stream
+        self._functions: dict = {}
+        self._lock = threading.Lock()
+
+    def function(self, kernel, device: torch.device):
+        """The loaded kernel for ``device`` (compiled and loaded on first use)."""
+        key = (device.index, kernel)
+        with self._lock:
+            if key not in self._functions:
+                compiled = self.compile_kernel(kernel.header, kernel.name, self._arch_of(device))
+                with _on_device(device):
+                    module = self.driver.load(compiled.cubin)
+                    fn = self.driver.function(module, compiled.lowered_name)
+                self._functions[key] = [module, fn, DEFAULT_MAX_DYNAMIC_SMEM]
+            return self._functions[key]
+
+    def __call__(self, launch: Launch) -> None:
+        if launch.device.type != self.device_type:
+            raise ValueError(f"the CUDA runtime needs {self.device_type} tensors, got a launch on {launch.device}")
+        entry = self.function(launch.kernel, launch.device)
+        values = [c_value(tag, value) for tag, value in launch.args]
+        with _on_device(launch.device):
+            if launch.smem > entry[2]:
+                self.driver.set_max_dynamic_smem(entry[1], launch.smem)
+                entry[2] = launch.smem
+            self.driver.launch(entry[1], launch.grid, launch.block, launch.smem, self._stream_of(launch.device),
+                               values)
+
+
+def _device_arch(device: torch.device) -> int:
+    major, minor = torch.cuda.get_device_capability(device)
+    return 10 * major + minor
+
+
+def _current_stream(device: torch.device) -> int:
+    return torch.cuda.current_stream(device).cuda_stream
+
+
+def _on_device(device: torch.device):
+    return torch.cuda.device(device) if device.type == "cuda" else contextlib.nullcontext()
+
+
+def unavailable_reason() -> str | None:
+    """Why the GPU runtime cannot run here (None when it can); cheap after the first call."""
+    global _reason
+    if _reason is _UNSET:
+        _reason = _check()
+    return _reason
+
+
+_UNSET = object()
+_reason = _UNSET
+_launcher: GpuLauncher | None = None
+
+
+def _check() -> str | None:
+    try:
+        nvrtc.nvrtc_binding()
+        nvrtc.include_dirs()
+    except nvrtc.NvrtcUnavailable as exc:
+        return str(exc)
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch (a CUDA build of torch and an NVIDIA driver are needed)"
+    try:
+        driver = CupyDriver()
+        version = driver.driver_version()
+    except Exception as exc:  # no libcuda, or CuPy built for another CUDA major
+        return f"the CUDA driver cannot be queried through CuPy ({type(exc).__name__}: {exc})"
+    major, minor = nvrtc.nvrtc_version()
+    if version < 1000 * major:
+        return (f"the NVIDIA driver supports CUDA {version // 1000}.{version % 1000 // 10} but NVRTC is {major}.{minor}: "
+                f"its cubins need a driver for CUDA {major}.x (upgrade the driver, or install the CuPy/NVRTC wheels "
+                f"for CUDA {version // 1000}: see README)")
+    archs = nvrtc.supported_archs()
+    for i in range(torch.cuda.device_count()):
+        arch = _device_arch(torch.device("cuda", i))
+        if arch not in archs:
+            return f"NVRTC {major}.{minor} cannot compile for cuda:{i} (sm_{arch}; it targets {archs})"
+    return None
+
+
+def gpu_launcher() -> GpuLauncher:
+    """The process-wide GPU launcher, or RuntimeError(reason) when the runtime cannot run here."""
+    global _launcher
+    reason = unavailable_reason()
+    if reason is not None:
+        raise RuntimeError(f"the CUDA backend is unavailable: {reason}")
+    if _launcher is None:
+        _launcher = GpuLauncher()
+    return _launcher

@@ -1,0 +1,264 @@
+"""The launch descriptions (ops/<op>/cuda_impl.py) drive the GPU runtime and the emulator alike.
+
+Each op call runs through a tee: the GPU runtime's code (cuda/runtime.py GpuLauncher: kernel
+lookup, smem opt-in, argument packing, driver launch) over a fake driver that records what
+cuLaunchKernel would receive, and the emulator (which executes the launch by name and reports the
+C++ parameter types it unpacked). The two records must be equal, launch for launch: the GPU path
+launches exactly what the emulator executed and checked against the references."""
+import pytest
+import torch
+
+from megalodon_kernels.cuda import nvrtc
+from megalodon_kernels.cuda.launch import EmulatorLauncher
+from megalodon_kernels.cuda.runtime import GpuLauncher
+from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
+from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
+from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
+from megalodon_kernels.ops.timestep_norm import cuda_impl as tsn_cuda
+
+F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
+
+
+class FakeDriver:
+    """Records the driver calls the GPU runtime makes (no GPU)."""
+
+    def __init__(self):
+        self.launches, self.loaded, self.smem_optins = [], [], []
+
+    def load(self, cubin):
+        self.loaded.append(cubin)
+        return ("module", len(self.loaded))
+
+    def function(self, module, lowered_name):
+        return lowered_name
+
+    def set_max_dynamic_smem(self, function, nbytes):
+        self.smem_optins.append((function, nbytes))
+
+    def launch(self, function, grid, block, smem, stream, values):
+        self.launches.append((function, tuple(grid), tuple(block), smem, stream, [bytes(v) for v in values]))
+
+
+def fake_compile(header, name, arch):
+    return nvrtc.Compiled(header, name, arch, f"lowered {name}", f"cubin of {name}".encode(), "",
+                          nvrtc.Resources(0, 0, 0, 0, 0), 0.0, "fake")
+
+
+class Tee:
+    def __init__(self, gpu, emulator):
+        self.gpu, self.emulator, self.gpu_tags = gpu, emulator, []
+
+    def __call__(self, launch):
+        self.gpu_tags.append(tuple(tag for tag, _ in launch.args))
+        self.gpu(launch)
+        self.emulator(launch)
+
+
+@pytest.fixture
+def tee(ext):
+    driver = FakeDriver()
+    gpu = GpuLauncher(driver=driver, compile_kernel=fake_compile, arch_of=lambda device: 80,
+                      stream_of=lambda device: 0, device_type="cpu")
+    t = Tee(gpu, EmulatorLauncher(ext, records=[]))
+    t.driver = driver
+    return t
+
+
+def assert_same_launches(tee):
+    gpu = [(fn.removeprefix("lowered "), grid, block, smem, tuple(zip(tags, data)))
+           for (fn, grid, block, smem, _stream, data), tags in zip(tee.driver.launches, tee.gpu_tags)]
+    emu = tee.emulator.records
+    assert gpu and len(gpu) == len(emu)
+    assert gpu == emu  # name, grid, block, smem, and per argument (type tag, bytes)
+    # each instantiation was compiled and loaded once, whatever the number of launches
+    loaded = tee.driver.loaded
+    assert len(loaded) == len(set(loaded)) and {f"cubin of {name}".encode() for name, *_ in gpu} <= set(loaded)
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("path", ["fwd", "bwd"])
+def test_rotary_gpu_launches_equal_the_emulator_launches(tee, dtype, path):
+    B, L, H, d = 2, 5, 3, 8
+    x = torch.randn(B, L, H, d).to(dtype)
+    cos, sin = rotation_tables(torch.arange(L), d, 10000.0, None, False, F64 if dtype == F64 else F32)
+    backend = rotary_cuda.RotaryBackend(lambda: tee, "cpu")
+    y = getattr(backend, f"rotary_{path}")(x, cos, sin)
+    assert torch.isfinite(y.float()).all()
+    assert_same_launches(tee)
+    conj = "true" if path == "bwd" else "false"
+    assert tee.emulator.records[0][0] == f"mk::rotary_kernel<{rotary_cuda.L.CPP_TYPES[dtype]}, {conj}>"
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("path", ["fwd", "bwd"])
+def test_timestep_norm_gpu_launches_equal_the_emulator_launches(tee, dtype, path):
+    B, L, D, G = 2, 40, 8, 2
+    acc = F64 if dtype == F64 else F32
+    x = torch.randn(B, L, D).to(dtype)
+    mask = torch.zeros(B, L, dtype=torch.bool)
+    mask[0, :7] = True
+    args = (x, torch.rand(D, dtype=acc) + 0.5, torch.randn(D, dtype=acc), torch.tensor([0, 3]),
+            torch.zeros(B, G, dtype=acc), torch.ones(B, G, dtype=acc), mask, G, 1e-5)
+    backend = tsn_cuda.TimestepNormBackend(lambda: tee, "cpu")
+    y, count, mean, var, saved = backend.timestep_norm_fwd(*args)
+    if path == "bwd":
+        _reset(tee)
+        dx, *_ = backend.timestep_norm_bwd(torch.randn(B, L, D).to(dtype), torch.randn(B, G, dtype=acc),
+                                           torch.randn(B, G, dtype=acc), saved, G)
+        assert torch.isfinite(dx.float()).all()
+    else:
+        assert torch.isfinite(y.float()).all()
+    assert_same_launches(tee)
+    # the scan's eps argument travels in the accumulation type (float32 or float64)
+    if path == "fwd":
+        scan = next(r for r in tee.emulator.records if "tsn_scan_fwd" in r[0])
+        assert scan[4][-1][0] == ("f64" if dtype == F64 else "f32")
+
+
+def _reset(tee):
+    for log in (tee.driver.launches, tee.gpu_tags, tee.emulator.records):
+        log.clear()
+
+
+def _coefficients(real, D=3, N=20, B=2):
+    g = torch.Generator().manual_seed(1)
+    cdt = torch.complex64 if real == F32 else torch.complex128
+    p = torch.rand(D, N, generator=g, dtype=real)
+    log_q = torch.complex(-torch.rand(D, N, generator=g, dtype=real) * 0.1,
+                          torch.rand(D, N, generator=g, dtype=real) * 3).to(cdt)
+    gamma = torch.randn(D, N, generator=g, dtype=cdt)
+    hx = torch.randn(B, D, N, generator=g, dtype=cdt)
+    return p, log_q, gamma, hx
+
+
+@pytest.mark.parametrize("real", [F32, F64], ids=str)
+@pytest.mark.parametrize("weighted", [False, True], ids=["unweighted", "weighted"])
+def test_cema_kernel_gpu_launches_equal_the_emulator_launches(tee, real, weighted):
+    p, log_q, gamma, hx = _coefficients(real)
+    backend = cema_cuda.CemaKernelBackend(lambda: tee, "cpu")
+    k, b = backend.cema_kernel_fwd(p, log_q, gamma, 70, hx)
+    assert torch.isfinite(k).all() and torch.isfinite(b).all()
+    assert_same_launches(tee)
+    _reset(tee)
+    grads = backend.cema_kernel_bwd(torch.randn_like(k), torch.randn_like(b), p, log_q, gamma, 70, hx,
+                                    (True, weighted, True, True))
+    assert all(torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all() for g in grads)
+    assert_same_launches(tee)
+    assert [r[0].split("<")[0] for r in tee.emulator.records] == ["mk::cema::cema_analysis_kernel",
+                                                                  "mk::cema::cema_bwd_finish_kernel"]
+
+
+@pytest.mark.parametrize("dtype,real", [(F32, F32), (BF16, F32), (F64, F64), (BF16, F64)], ids=str)
+def test_ema_hidden_gpu_launches_equal_the_emulator_launches(tee, dtype, real):
+    p, log_q, _, hx = _coefficients(real)
+    x = torch.randn(2, 3, 50).to(dtype)
+    backend = hidden_cuda.EmaHiddenBackend(lambda: tee, "cpu")
+    h, V, W = backend.ema_hidden_fwd(x, p, log_q, hx, True)
+    assert torch.isfinite(torch.view_as_real(h)).all()
+    assert_same_launches(tee)
+    _reset(tee)
+    dx, dp, dlq, dhx = backend.ema_hidden_bwd(torch.randn_like(h), p, log_q, hx, V, W, 50)
+    assert torch.isfinite(dx).all() and torch.isfinite(dp).all()
+    assert_same_launches(tee)
+
+
+@pytest.mark.parametrize("dtype,L", [(F32, 100), (BF16, 100), (F64, 100), (F32, 16385), (F64, 8193)],
+                         ids=["f32-one_block", "bf16-one_block", "f64-one_block", "f32-multi_pass", "f64-multi_pass"])
+def test_fftconv_gpu_launches_equal_the_emulator_launches(tee, dtype, L):
+    # B = 2 with a product-spectrum slice of one batch element: the dk sum accumulates, then finalizes
+    x, k = torch.randn(2, 1, L).to(dtype), torch.randn(1, L).to(F64 if dtype == F64 else F32)
+    backend = fftconv_cuda.FftconvBackend(lambda: tee, "cpu")
+    y = backend.fftconv_fwd(x, k)
+    assert torch.isfinite(y.float()).all()
+    assert_same_launches(tee)
+    _reset(tee)
+    row_bytes = (fftconv_cuda.fft_size(L) + 1) * (16 if dtype == F64 else 8)
+    dx, dk = backend.fftconv_bwd(torch.randn_like(y), x, k, True, True, max_workspace_bytes=row_bytes)
+    assert torch.isfinite(dx.float()).all() and torch.isfinite(dk).all()
+    assert_same_launches(tee)
+    if L > 10000:  # the multi-pass plan travels by value as a 16-byte struct
+        assert any(arg[0] == "struct16" for r in tee.emulator.records for arg in r[4])
+
+
+def test_emulator_refuses_arguments_that_do_not_match_the_signature(ext):
+    from megalodon_kernels.cuda.launch import Kernel, Launch
+
+    k = rotary_cuda.KERNELS[0]
+    good = [("ptr", 0)] * 4 + [("i64", 0)] * 4 + [("bool", False)]
+    bad_size = good[:-1] + [("i32", 0)]  # a 4-byte value for the 1-byte bool parameter
+    with pytest.raises(ValueError, match="argument 8 has 4 bytes"):
+        EmulatorLauncher(ext)(Launch(k, (1, 1, 1), (32, 1, 1), 0, tuple(bad_size), torch.device("cpu")))
+    with pytest.raises(ValueError, match="8 arguments for 9 parameters"):
+        EmulatorLauncher(ext)(Launch(k, (1, 1, 1), (32, 1, 1), 0, tuple(good[:-1]), torch.device("cpu")))
+    with pytest.raises(ValueError, match="no kernel mk::nope"):
+        EmulatorLauncher(ext)(Launch(Kernel("rotary.cuh", "mk::nope<float>"), (1, 1, 1), (32, 1, 1), 0, (),
+                                     torch.device("cpu")))
+
+
+def test_gpu_launcher_opts_in_to_large_dynamic_smem_once(tee):
+    from megalodon_kernels.cuda.launch import Launch
+
+    k = rotary_cuda.KERNELS[0]
+    args = tuple([("ptr", 0)] * 4 + [("i64", 0)] * 4 + [("bool", False)])
+    for smem in (1024, 64 * 1024, 64 * 1024, 100 * 1024):
+        tee.gpu(Launch(k, (1, 1, 1), (32, 1, 1), smem, args, torch.device("cpu")))
+    assert tee.driver.smem_optins == [(f"lowered {k.name}", 64 * 1024), (f"lowered {k.name}", 100 * 1024)]
+    assert len(tee.driver.launches) == 4 and len(tee.driver.loaded) == 1
+
+
+# --- availability: why the GPU runtime cannot run, reported and never raised at import -------------
+
+@pytest.fixture
+def fresh_runtime(monkeypatch):
+    from megalodon_kernels.cuda import runtime
+
+    monkeypatch.setattr(runtime, "_reason", runtime._UNSET)
+    monkeypatch.setattr(runtime, "_launcher", None)
+    return runtime
+
+
+def test_availability_without_cupy_names_the_extra(fresh_runtime, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # an import that fails
+    reason = fresh_runtime.unavailable_reason()
+    assert "NVRTC through CuPy is not available" in reason and "megalodon-kernels[cuda]" in reason
+    why = rotary_cuda.not_supported_reasons(x=torch.zeros(1, 2, 1, 4))
+    assert any("CUDA backend is unavailable" in r and "pip install" in r for r in why)
+    from megalodon_kernels import ops
+
+    y = ops.rotary(torch.randn(1, 2, 1, 4), torch.arange(2))  # auto falls back
+    assert torch.isfinite(y).all()
+
+
+class _FakeVersionDriver:
+    def __init__(self, version):
+        self.version = version
+
+    def driver_version(self):
+        return self.version
+
+
+@pytest.mark.parametrize("driver,arch,want", [
+    (12080, 80, "the NVIDIA driver supports CUDA 12.8 but NVRTC is 13"),  # driver older than NVRTC's major
+    (13000, 61, "cannot compile for cuda:0 (sm_61"),                    # an arch NVRTC 13 does not target
+    (13000, 90, None),
+])
+def test_availability_old_driver_and_unsupported_arch(fresh_runtime, monkeypatch, driver, arch, want):
+    runtime = fresh_runtime
+    monkeypatch.setattr(runtime.nvrtc, "nvrtc_version", lambda: (13, 0))
+    monkeypatch.setattr(runtime.nvrtc, "supported_archs", lambda: [75, 80, 86, 87, 89, 90, 100, 120])
+    monkeypatch.setattr(runtime.nvrtc, "include_dirs", lambda: ())
+    monkeypatch.setattr(runtime.nvrtc, "nvrtc_binding", lambda: None)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(runtime, "_device_arch", lambda device: arch)
+    monkeypatch.setattr(runtime, "CupyDriver", lambda: _FakeVersionDriver(driver))
+    reason = runtime.unavailable_reason()
+    if want is None:
+        assert reason is None
+    else:
+        assert want in reason
+        with pytest.raises(RuntimeError, match="CUDA backend is unavailable"):
+            runtime.gpu_launcher()
