@@ -42,16 +42,21 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-def check_cu_seqlens(cu_seqlens, *, batch: int, length: int, device: torch.device, batch_arg: str = "x") -> int:
-    """Validate the shape, dtype and device of ``cu_seqlens`` for a packed call on a row of
-    ``length`` steps; returns the number of documents n. Its values (0 first, non-decreasing,
-    ``length`` last) are checked when the op plans the call (:func:`plan`)."""
+def _check_boundaries_tensor(cu_seqlens) -> None:
+    """cu_seqlens is an integer tensor (n + 1,), n >= 1 (TypeError / ValueError naming it)."""
     if not isinstance(cu_seqlens, torch.Tensor):
         raise TypeError(f"cu_seqlens must be an integer torch.Tensor of shape (n + 1,), got {type(cu_seqlens).__name__}")
     if cu_seqlens.dtype not in INT_DTYPES:
         raise TypeError(f"cu_seqlens must have an integer dtype (int32 or int64), got {cu_seqlens.dtype}")
     if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
         raise ValueError(f"cu_seqlens must have shape (n + 1,) with n >= 1 documents, got shape {tuple(cu_seqlens.shape)}")
+
+
+def check_cu_seqlens(cu_seqlens, *, batch: int, length: int, device: torch.device, batch_arg: str = "x") -> int:
+    """Validate the shape, dtype and device of ``cu_seqlens`` for a packed call on a row of
+    ``length`` steps; returns the number of documents n. Its values (0 first, non-decreasing,
+    ``length`` last) are checked when the op plans the call (:func:`plan`)."""
+    _check_boundaries_tensor(cu_seqlens)
     if cu_seqlens.device != device:
         raise ValueError(f"cu_seqlens is on {cu_seqlens.device} but the other inputs are on {device}")
     if batch != 1:
@@ -74,12 +79,7 @@ def document_positions(cu_seqlens: torch.Tensor, length: int | None = None) -> t
 
     ``length`` (= cu_seqlens[-1]) saves the one host read of cu_seqlens[-1]; positions themselves
     are computed on the device."""
-    if not isinstance(cu_seqlens, torch.Tensor):
-        raise TypeError(f"cu_seqlens must be an integer torch.Tensor of shape (n + 1,), got {type(cu_seqlens).__name__}")
-    if cu_seqlens.dtype not in INT_DTYPES:
-        raise TypeError(f"cu_seqlens must have an integer dtype (int32 or int64), got {cu_seqlens.dtype}")
-    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 2:
-        raise ValueError(f"cu_seqlens must have shape (n + 1,) with n >= 1 documents, got shape {tuple(cu_seqlens.shape)}")
+    _check_boundaries_tensor(cu_seqlens)
     cu = cu_seqlens.to(torch.int64)
     check_on_device((cu[0] == 0) & (cu[1:] >= cu[:-1]).all(),
                     "cu_seqlens must start at 0 and be non-decreasing")
