@@ -97,27 +97,31 @@ class Bucket:
 
     size: the row length Lb; docs (nb,) int64: the documents' indices; lengths (nb,) int64;
     index (nb, Lb) int64: the packed position each row step reads (clamped into the row where the
-    step is padding); valid (nb, Lb) bool: the step holds a document token."""
+    step is padding); valid (nb, Lb) bool: the step holds a document token. The valid steps as
+    flat lists: ``valid_rows``, ``valid_steps`` (their row and step) and ``valid_src`` (their
+    packed position), so gathering and scattering touch only real tokens."""
 
     size: int
     docs: torch.Tensor
     lengths: torch.Tensor
     index: torch.Tensor
     valid: torch.Tensor
+    valid_rows: torch.Tensor
+    valid_steps: torch.Tensor
+    valid_src: torch.Tensor
 
     def rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
-        """Gather the packed tensor t (batch 1, time at ``dim``) into rows (nb, ..., Lb, ...), zeros
-        at padded steps; contiguous."""
-        tt = t[0].movedim(dim - 1, 0)
-        r = tt[self.index]  # (nb, Lb, *rest)
-        mask = self.valid.view(*self.valid.shape, *([1] * (r.dim() - 2)))
-        r = torch.where(mask, r, r.new_zeros(()))
-        return r.movedim(1, dim).contiguous()
+        """Gather the packed tensor t (batch 1, time at ``dim``) into contiguous rows
+        (nb, ..., Lb, ...), zeros at padded steps."""
+        shape = list(t.shape)
+        shape[0], shape[dim] = self.docs.shape[0], self.size
+        out = t.new_zeros(shape)
+        out.movedim(dim, 1)[self.valid_rows, self.valid_steps] = t[0].movedim(dim - 1, 0)[self.valid_src]
+        return out
 
     def put(self, rows: torch.Tensor, out: torch.Tensor, dim: int) -> None:
         """Write the valid steps of rows (nb, ..., Lb, ...) into the packed tensor out (batch 1)."""
-        ot = out[0].movedim(dim - 1, 0)
-        ot[self.index[self.valid]] = rows.movedim(dim, 1)[self.valid].to(out.dtype)
+        out[0].movedim(dim - 1, 0)[self.valid_src] = rows.movedim(dim, 1)[self.valid_rows, self.valid_steps].to(out.dtype)
 
 
 @dataclass(frozen=True)
@@ -182,7 +186,9 @@ def _make_plan(cu_seqlens, length, align, row_length) -> Plan:
         index = offset + steps
         valid = (index >= starts[:, None]) & (index < (starts + lens)[:, None])
         index = index.clamp(0, max(length - 1, 0))
+        valid_rows, valid_steps = valid.nonzero(as_tuple=True)
         buckets.append(Bucket(size, torch.tensor(docs, dtype=torch.int64, device=dev), lens.to(dev),
-                              index.to(dev), valid.to(dev)))
+                              index.to(dev), valid.to(dev), valid_rows.to(dev), valid_steps.to(dev),
+                              index[valid_rows, valid_steps].to(dev)))
     return Plan(len(lengths), length, torch.tensor(lengths, dtype=torch.int64, device=dev), tuple(lengths),
                 tuple(buckets))
