@@ -34,19 +34,6 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
 #endif
   auto nogil = py::call_guard<py::gil_scoped_release>();
 
-  m.def("dropkey_softmax_fwd",
-        [](int dtype, uptr x, uptr y, std::int64_t Bf, std::int64_t Hf, std::int64_t L, std::int64_t S, bool causal,
-           double p, std::uint64_t seed, uptr batch_index, uptr stream) {
-          mk::dropkey_softmax_fwd(dtype, P(x), P(y), Bf, Hf, L, S, causal, p, seed, P<const std::int64_t>(batch_index),
-                                  P(stream));
-        },
-        nogil);
-  m.def("dropkey_softmax_bwd",
-        [](int dtype, uptr y, uptr dy, uptr dx, std::int64_t Bf, std::int64_t Hf, std::int64_t L, std::int64_t S,
-           bool causal, uptr stream) {
-          mk::dropkey_softmax_bwd(dtype, P(y), P(dy), P(dx), Bf, Hf, L, S, causal, P(stream));
-        },
-        nogil);
   // --- attention ---
   m.def("flash_attention_dv_tile", &mk::flash_attention_dv_tile);
   m.def("flash_attention_fwd",

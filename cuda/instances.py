@@ -15,15 +15,12 @@ import importlib
 from .launch import Kernel
 
 #: the ops whose CUDA path is a launch description (ops/<op>/cuda_impl.py with KERNELS)
-DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden", "fftconv")
-
-_T = ("float", "mk::bf16", "double")  # element types (MK_DISPATCH_FLOAT_BF16_DOUBLE)
+DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden", "fftconv", "dropkey_softmax")
 
 
 def _launcher_kernels() -> list[Kernel]:
     out = []
     add = lambda header, names: out.extend(Kernel(header, n) for n in names)  # noqa: E731
-    add("dropkey_softmax.cuh", [f"mk::dropkey_softmax_{d}_kernel<{t}, 8>" for d in ("fwd", "bwd") for t in _T])
     for e in ("cutlass::bfloat16_t", "cutlass::half_t"):
         for d in (64, 128, 256):
             fwd, bwd = f"mk::flash::FwdCfg<{e}, {d}>", f"mk::flash::BwdCfg<{e}, {d}>"

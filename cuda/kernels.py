@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 
 import torch
 
@@ -78,14 +77,6 @@ def _on_device_of_first_tensor(fn):
     return wrapper
 
 
-def _f32(t: torch.Tensor) -> torch.Tensor:
-    return t.to(torch.float32).contiguous()
-
-
-# ------------------------------------------------------------------------------------------------
-# dropkey_softmax
-# ------------------------------------------------------------------------------------------------
-
 def _batch_index(batch_index, B: int, device) -> torch.Tensor | None:
     """A DropKey batch index (B,) as the kernels read it (contiguous int64 on ``device``), or None."""
     if batch_index is None:
@@ -95,109 +86,10 @@ def _batch_index(batch_index, B: int, device) -> torch.Tensor | None:
     return batch_index.to(device=device, dtype=torch.int64).contiguous()
 
 
-def _bhls(shape) -> tuple[int, int, int, int]:
-    L, S = shape[-2:]
-    H = shape[-3] if len(shape) >= 3 else 1
-    return math.prod(shape[:-3]), H, L, S
-
-
-@_on_device_of_first_tensor
-def dropkey_softmax_fwd(ext, scores: torch.Tensor, *, causal: bool, dropkey_p: float, seed: int,
-                        batch_index: torch.Tensor | None = None) -> torch.Tensor:
-    """Probabilities in scores' dtype (float32, bfloat16, or float64 with fp64 exp and sums).
-
-    ``batch_index`` (Bf,) int64 or None: the batch index the DropKey rule hashes for each flat
-    batch (None: the flat batch index itself)."""
-    code = dtype_code(scores, "scores", fp64=True)
-    _check_device(ext, scores)
-    x = scores.contiguous()
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    Bf, Hf, L, S = _bhls(x.shape)
-    bidx = _batch_index(batch_index, Bf, x.device)
-    ext.dropkey_softmax_fwd(code, _ptr(x), _ptr(y), Bf, Hf, L, S, bool(causal), float(dropkey_p), int(seed),
-                            _ptr(bidx), _stream(x))
-    return y
-
-
-@_on_device_of_first_tensor
-def dropkey_softmax_bwd(ext, dy: torch.Tensor, y: torch.Tensor, *, causal: bool, **_unused) -> torch.Tensor:
-    code = dtype_code(y, "y", fp64=True)
-    _check_device(ext, dy, y)
-    yc, dyc = y.contiguous(), dy.to(y.dtype).contiguous()
-    dx = torch.empty(yc.shape, dtype=y.dtype, device=y.device)
-    Bf, Hf, L, S = _bhls(yc.shape)
-    ext.dropkey_softmax_bwd(code, _ptr(yc), _ptr(dyc), _ptr(dx), Bf, Hf, L, S, bool(causal), _stream(yc))
-    return dx
-
-
 # ------------------------------------------------------------------------------------------------
 # --- attention ---
 # ------------------------------------------------------------------------------------------------
 
-def _attn_visible(L: int, S: int, chunk_size, block_causal: bool, device) -> torch.Tensor | None:
-    """(L, S) bool of the chunk / block_causal visibility (None without chunk_size); the causal
-    part is left to the dropkey_softmax kernel. Query i sits at key position i + S - L."""
-    if chunk_size is None:
-        return None
-    pos = torch.arange(L, device=device).view(L, 1) + (S - L)
-    cp = torch.div(pos, chunk_size, rounding_mode="floor")
-    cj = torch.div(torch.arange(S, device=device).view(1, S), chunk_size, rounding_mode="floor")
-    return (cj == cp) | (cj == cp - 1) if block_causal else cj == cp
-
-
-def _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index):
-    """(P (B, H, L, S), s (B, H, L, S)) of the matmul path (scores masked with -inf), both in
-    _acc_dtype(q): float64 q/k/v run float64 matmuls and the fp64 dropkey_softmax kernel."""
-    B, L, H, _ = q.shape
-    S = k.shape[1]
-    acc = _acc_dtype(q)
-    s = torch.matmul(q.transpose(1, 2).to(acc), k.transpose(1, 2).to(acc).transpose(-1, -2))
-    s.mul_(scale)
-    vis = _attn_visible(L, S, chunk_size, block_causal, q.device)
-    if vis is not None:
-        s.masked_fill_(~vis, float("-inf"))
-    # The kernel's (flat batch, head, row, column) of a (B, H, L, S) tensor are the attention's (b, h, i, j).
-    p = dropkey_softmax_fwd(ext, s, causal=causal, dropkey_p=dropkey_p, seed=seed, batch_index=batch_index)
-    return p, s
-
-
-def attention_matmul_fwd(ext, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-                         batch_index=None):
-    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 (fp64 for float64 q); -inf for rows with no
-    visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
-    _check_device(ext, q, k, v)
-    B, L, H, _ = q.shape
-    S = k.shape[1]
-    if B * H * L * S == 0:
-        o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
-        return o, torch.full((B, H, L), float("-inf"), dtype=_acc_dtype(q), device=q.device)
-    p, s = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
-    o = torch.matmul(p, v.transpose(1, 2).to(p.dtype)).transpose(1, 2).to(q.dtype).contiguous()
-    # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
-    pmax, idx = p.max(dim=-1, keepdim=True)
-    lse = (s.gather(-1, idx) - pmax.log()).squeeze(-1)
-    lse = lse.masked_fill(pmax.squeeze(-1) == 0, float("-inf"))
-    return o, lse
-
-
-def attention_matmul_bwd(ext, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-                         batch_index=None):
-    """(dq, dk, dv) in the input dtypes; P is recomputed by the forward kernel (same DropKey mask)."""
-    _check_device(ext, do, q, k, v)
-    B, L, H, _ = q.shape
-    S = k.shape[1]
-    if B * H * L * S == 0:
-        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    p, _ = _attn_probs(ext, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
-    acc = lambda x: x.transpose(1, 2).to(p.dtype)  # noqa: E731  (B, H, T, d) in _acc_dtype(q)
-    dot, qt, kt, vt = acc(do), acc(q), acc(k), acc(v)
-    dv = torch.matmul(p.transpose(-1, -2), dot)
-    dp = torch.matmul(dot, vt.transpose(-1, -2)).contiguous()
-    ds = dropkey_softmax_bwd(ext, dp, p, causal=causal)  # P (dP - rowsum(P dP)); 0 where P = 0
-    dq = torch.matmul(ds, kt).mul_(scale)
-    dk = torch.matmul(ds.transpose(-1, -2), qt).mul_(scale)
-    back = lambda x, like: x.transpose(1, 2).to(like.dtype).contiguous()  # noqa: E731
-    return back(dq, q), back(dk, k), back(dv, v)
 #: Element type codes of the flash attention launchers (float32 runs in the emulator only).
 ATTN_DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 #: Padded head dims the flash kernels are compiled for.

@@ -11,16 +11,6 @@
 
 namespace mk {
 
-// --- dropkey_softmax (scores (Bf, Hf, L, S) contiguous) ----------------------------------------
-// batch_index: (Bf,) int64, the batch index the DropKey rule hashes for each flat batch, or null.
-void dropkey_softmax_fwd(int dtype, const void* x, void* y, std::int64_t Bf, std::int64_t Hf, std::int64_t L,
-                         std::int64_t S, bool causal, double p, std::uint64_t seed, const std::int64_t* batch_index,
-                         void* stream);
-void dropkey_softmax_bwd(int dtype, const void* y, const void* dy, void* dx, std::int64_t Bf, std::int64_t Hf,
-                         std::int64_t L, std::int64_t S, bool causal, void* stream);
-
-
-
 // --- attention (flash, cuda/flash_attention.cuh) -----------------------------------------------
 // q (B, L, H, D), k (B, S, H, D), v (B, S, H, ldv), o / dout (B, L, H, ldv) contiguous with D the
 // padded head dim (64, 128, 256) and ldv a multiple of flash_attention_dv_tile(dtype, D) (0: no

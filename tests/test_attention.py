@@ -658,14 +658,21 @@ def flash_path(attention_cuda, monkeypatch):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Names of the cuda/kernels.py attention entry points called, in order."""
+    """Names of the CUDA attention paths' entry points called, in order (flash: cuda/kernels.py;
+    matmul: ops/attention/cuda_impl.py over ops/dropkey_softmax/cuda_impl.py)."""
     from megalodon_kernels.cuda import kernels as K
+    from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
+    from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
 
     seen = []
-    for name in ("attention_flash_fwd", "attention_flash_bwd", "attention_matmul_fwd", "attention_matmul_bwd",
-                 "dropkey_softmax_fwd", "dropkey_softmax_bwd"):
-        fn = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: (seen.append(_name), _fn(*a, **kw))[1])
+    for module, attr, name in ((K, "attention_flash_fwd", "attention_flash_fwd"),
+                               (K, "attention_flash_bwd", "attention_flash_bwd"),
+                               (attention_cuda, "matmul_fwd", "attention_matmul_fwd"),
+                               (attention_cuda, "matmul_bwd", "attention_matmul_bwd"),
+                               (dropkey_cuda, "softmax_fwd", "dropkey_softmax_fwd"),
+                               (dropkey_cuda, "softmax_bwd", "dropkey_softmax_bwd")):
+        fn = getattr(module, attr)
+        monkeypatch.setattr(module, attr, lambda *a, _fn=fn, _name=name, **kw: (seen.append(_name), _fn(*a, **kw))[1])
     return seen
 
 
@@ -721,11 +728,11 @@ def _lse_reference(q, k, scale):
 
 
 def test_cuda_float64_lse_is_float64(attention_cuda):
-    from megalodon_kernels.cuda import kernels as K
+    from megalodon_kernels.ops.attention.cuda_impl import matmul_fwd
 
     q, k, v, _ = make_qkv(1, 9, 12, 2, 8, 4, F64)
-    o, lse = K.attention_matmul_fwd(attention_cuda.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
-                                    chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0)
+    o, lse = matmul_fwd(attention_cuda.launcher, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
+                        chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0)
     assert o.dtype == lse.dtype == F64
     close("lse", lse, _lse_reference(q, k, 0.5), tol("cuda", F64, "fwd"), floor=1.0)
 
@@ -832,18 +839,13 @@ def test_cuda_flash_empty_lengths(flash_path, L, S):
     check_cuda(1, L, S, 2, 8, 3, F32, chunk_size=2, block_causal=True, dropkey_p=0.5, seed=1)
 
 
-def test_cuda_auto_path_runs_the_flash_kernels_and_matmul_fallback_the_softmax_kernel(attention_cuda, monkeypatch):
-    from megalodon_kernels.cuda import kernels as K
-
-    calls = []
-    for name in ("attention_flash_fwd", "attention_flash_bwd", "attention_matmul_fwd", "attention_matmul_bwd"):
-        fn = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: (calls.append(_name), _fn(*a, **kw))[1])
+def test_cuda_auto_path_runs_the_flash_kernels_and_matmul_fallback_the_softmax_kernel(attention_cuda, calls):
     check_cuda(1, 9, 9, 1, 8, 4, BF16, against_torch=False, dropkey_p=0.2, seed=2)
     assert calls == ["attention_flash_fwd", "attention_flash_bwd"]
     calls.clear()
     check_cuda(1, 9, 9, 1, 300, 4, F32, against_torch=False)  # head dim 300: matmul path
-    assert calls == ["attention_matmul_fwd", "attention_matmul_bwd"]
+    assert calls == ["attention_matmul_fwd", "dropkey_softmax_fwd", "attention_matmul_bwd", "dropkey_softmax_fwd",
+                     "dropkey_softmax_bwd"]
     launched = " ".join(attention_cuda.ext.emulator_launched_kernels())
     assert all(n in launched for n in ("flash_fwd", "flash_bwd_kv", "flash_bwd_q", "dropkey_softmax"))
 

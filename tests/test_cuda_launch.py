@@ -11,7 +11,10 @@ import torch
 from megalodon_kernels.cuda import nvrtc
 from megalodon_kernels.cuda.launch import EmulatorLauncher
 from megalodon_kernels.cuda.runtime import GpuLauncher
+from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
 from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+from megalodon_kernels.ops.dropkey_rule import seed_key, threshold
+from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
 from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
 from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
 from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
@@ -179,6 +182,50 @@ def test_fftconv_gpu_launches_equal_the_emulator_launches(tee, dtype, L):
     assert_same_launches(tee)
     if L > 10000:  # the multi-pass plan travels by value as a 16-byte struct
         assert any(arg[0] == "struct16" for r in tee.emulator.records for arg in r[4])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("batch_index", [False, True], ids=["own_batch", "batch_index"])
+def test_dropkey_softmax_gpu_launches_equal_the_emulator_launches(tee, dtype, batch_index):
+    # S = 300: several scores per thread (64 threads); batch_index: packed attention's per-row document
+    scores = torch.randn(3, 2, 5, 300).to(dtype)
+    bidx = torch.tensor([4, 0, 4]) if batch_index else None
+    backend = dropkey_cuda.DropKeySoftmaxBackend(lambda: tee, "cpu")
+    y = dropkey_cuda.softmax_fwd(tee, scores, causal=True, dropkey_p=0.3, seed=2**40 + 7, batch_index=bidx)
+    assert torch.isfinite(y.float()).all()
+    assert_same_launches(tee)
+    (name, grid, block, smem, args), = tee.emulator.records
+    assert name == f"mk::dropkey_softmax_fwd_kernel<{dropkey_cuda.L.CPP_TYPES[dtype]}, 8>"
+    assert block == (64, 1, 1) and smem == 0
+    assert [a[0] for a in args] == ["ptr", "ptr", "i64", "i32", "i32", "i32", "bool", "u32", "u32", "ptr"]
+    assert args[7][1] == seed_key(2**40 + 7).to_bytes(4, "little") and args[8][1] == threshold(0.3).to_bytes(4, "little")
+    assert (args[9][1] == bytes(8)) != batch_index  # a null pointer exactly when no batch index is given
+    _reset(tee)
+    dx = backend.dropkey_softmax_bwd(torch.randn_like(y), y, causal=True)
+    assert torch.isfinite(dx.float()).all()
+    assert_same_launches(tee)
+    assert tee.emulator.records[0][0].startswith("mk::dropkey_softmax_bwd_kernel<")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float16, F64], ids=str)
+@pytest.mark.parametrize("batch_index", [False, True], ids=["own_batch", "batch_index"])
+def test_attention_matmul_path_gpu_launches_equal_the_emulator_launches(tee, dtype, batch_index):
+    # the matmul path: torch matmuls around the dropkey_softmax kernels (fwd; bwd recomputes P)
+    B, L, S, H = 2, 7, 9, 2
+    q, k, v = torch.randn(B, L, H, 8).to(dtype), torch.randn(B, S, H, 8).to(dtype), torch.randn(B, S, H, 5).to(dtype)
+    kw = dict(scale=0.5, causal=True, chunk_size=4, block_causal=True, dropkey_p=0.3, seed=11,
+              batch_index=torch.tensor([3, 3]) if batch_index else None)
+    o, lse = attention_cuda.matmul_fwd(tee, q, k, v, **kw)
+    assert torch.isfinite(o.float()).all() and o.dtype == dtype
+    assert_same_launches(tee)
+    acc = "double" if dtype == F64 else "float"  # the scores are in the accumulation type
+    assert [r[0] for r in tee.emulator.records] == [f"mk::dropkey_softmax_fwd_kernel<{acc}, 8>"]
+    _reset(tee)
+    grads = attention_cuda.matmul_bwd(tee, torch.randn_like(o), q, k, v, **kw)
+    assert all(torch.isfinite(g.float()).all() for g in grads)
+    assert_same_launches(tee)
+    assert [r[0] for r in tee.emulator.records] == [f"mk::dropkey_softmax_fwd_kernel<{acc}, 8>",
+                                                    f"mk::dropkey_softmax_bwd_kernel<{acc}, 8>"]
 
 
 def test_emulator_refuses_arguments_that_do_not_match_the_signature(ext):

@@ -39,6 +39,7 @@ REGISTER_BUDGET = {
     "fft4_col_fwd_kernel": 56, "fft4_col_inv_kernel": 48, "fft4_row_conv_kernel": 64, "fft4_row_dk_kernel": 64,
     "fft4_row_spectrum_kernel": 56, "fft4_twiddle_probe_kernel": 24,
     "fftconv_bwd_dk_kernel": 56, "fftconv_bwd_dx_kernel": 64, "fftconv_fwd_kernel": 64, "fftconv_spectrum_kernel": 48,
+    "dropkey_softmax_bwd_kernel": 64, "dropkey_softmax_fwd_kernel": 64,
     "flash_fwd_kernel": 208,
 }
 
