@@ -1,9 +1,9 @@
 """The backend-object base shared by every op's CUDA backend (``_Backend``: availability, device
-and dtype reasons over a getter of the launcher or extension).
+and dtype reasons over a getter of the launcher).
 
 Each op's ``<Op>Backend`` (in its ``ops/<op>/cuda_impl.py``) has the backend-module interface of
 ops/_dispatch.py (``DEFAULT_CONFIG``, ``not_supported_reasons(**inputs)`` (inputs it does not use
-are ignored, so an op may pass more), the op's ``*_fwd``/``*_bwd``) over a launcher (or extension)
+are ignored, so an op may pass more), the op's ``*_fwd``/``*_bwd``) over a launcher
 getter and a device type; tests build the same classes over the CPU emulator
 (``device_type="cpu"``) to run the ops' autograd Functions end to end.
 
@@ -13,29 +13,26 @@ from __future__ import annotations
 
 import torch
 
-from . import extension, extension_error
-from . import kernels as K
-
-
-def _product_ext():
-    mod = extension()
-    if mod is None:
-        raise RuntimeError(extension_error())
-    return mod
+#: element types of the kernels (fp32 accumulation) ...
+DTYPES = (torch.float32, torch.bfloat16)
+#: ... and of the ops whose kernels also run in double (double accumulation)
+FP64_DTYPES = (*DTYPES, torch.float64)
 
 
 class _Backend:
     DEFAULT_CONFIG: dict = {}
-    #: the op's kernels also run in float64 (double accumulation; kernels.FP64_DTYPE_CODES)
+    #: the op's kernels also run in float64 (FP64_DTYPES)
     FP64 = False
 
     def _dtype_reason(self, name: str, t: torch.Tensor, what: str = "the CUDA kernels take") -> list[str]:
         """Why the kernels cannot take ``t``'s dtype (empty when they can)."""
-        if t.dtype in (K.FP64_DTYPE_CODES if self.FP64 else K.DTYPE_CODES):
+        if t.dtype in (FP64_DTYPES if self.FP64 else DTYPES):
             return []
-        return [f"{what} {K._dtype_names(self.FP64)} {name}, got {t.dtype} (use backend='torch')"]
+        names = "float32, bfloat16 or float64" if self.FP64 else "float32 or bfloat16"
+        return [f"{what} {names} {name}, got {t.dtype} (use backend='torch')"]
 
-    def __init__(self, get_ext=_product_ext, device_type: str = "cuda"):
+    def __init__(self, get_ext, device_type: str = "cuda"):
+        """``get_ext``: returns the launcher (cuda/launch.py, cuda/runtime.py) or raises why there is none."""
         self._get_ext = get_ext
         self.device_type = device_type
 
@@ -46,7 +43,7 @@ class _Backend:
     def _available(self) -> list[str]:
         try:
             self._get_ext()
-        except Exception as exc:  # not built (product) / no compiler (emulator)
+        except Exception as exc:  # no GPU runtime here / no compiler (emulator)
             return [str(exc)]
         return []
 

@@ -124,12 +124,10 @@ def emulated():
 
     if NO_EMULATOR:
         pytest.skip(NO_EMULATOR)
-    ext = build.load_emulator()
-    get = lambda: ext  # noqa: E731
-    launcher = EmulatorLauncher(ext)
-    by_name = lambda: launcher  # noqa: E731  (the ops with a launch description run it in the emulator)
+    launcher = EmulatorLauncher(build.load_emulator())
+    by_name = lambda: launcher  # noqa: E731  (each op's launch description runs in the emulator)
     return {
-        "attention": attention_cuda.AttentionBackend(get, "cpu"),  # flash: the launchers; matmul: by name
+        "attention": attention_cuda.AttentionBackend(by_name, "cpu"),
         "cema_kernel": cema_cuda.CemaKernelBackend(by_name, "cpu"),
         "dropkey_softmax": dropkey_cuda.DropKeySoftmaxBackend(by_name, "cpu"),
         "ema_hidden": hidden_cuda.EmaHiddenBackend(by_name, "cpu"),
@@ -223,11 +221,3 @@ def _record_launches(mod):
         fn = getattr(mod, name)
         if callable(fn) and not name.startswith(("_", "emulator_")):
             setattr(mod, name, recording(name, fn))
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """cuda/kernels.py: the tensor API over the launchers."""
-    from megalodon_kernels.cuda import kernels as k
-
-    return k

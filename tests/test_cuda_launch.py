@@ -5,6 +5,8 @@ lookup, smem opt-in, argument packing, driver launch) over a fake driver that re
 cuLaunchKernel would receive, and the emulator (which executes the launch by name and reports the
 C++ parameter types it unpacked). The two records must be equal, launch for launch: the GPU path
 launches exactly what the emulator executed and checked against the references."""
+import ctypes
+
 import pytest
 import torch
 
@@ -226,6 +228,45 @@ def test_attention_matmul_path_gpu_launches_equal_the_emulator_launches(tee, dty
     assert_same_launches(tee)
     assert [r[0] for r in tee.emulator.records] == [f"mk::dropkey_softmax_fwd_kernel<{acc}, 8>",
                                                     f"mk::dropkey_softmax_bwd_kernel<{acc}, 8>"]
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=str)
+@pytest.mark.parametrize("dh,dv", [(16, 12), (100, 130), (256, 200)], ids=["D64", "D128", "D256"])
+@pytest.mark.parametrize("mode", ["softmax", "laplace", "batch_index"])
+def test_attention_flash_gpu_launches_equal_the_emulator_launches(tee, dtype, dh, dv, mode):
+    # the kernels a GPU has (bf16 / fp16 tensor-core tiles) at every padded head dim; v padded to the dv tile
+    B, L, S, H = 2, 70, 67, 1
+    q, k = torch.randn(B, L, H, dh).to(dtype), torch.randn(B, S, H, dh).to(dtype)
+    v = torch.randn(B, S, H, dv).to(dtype)
+    kw = dict(scale=0.3, causal=True, chunk_size=32, block_causal=True, dropkey_p=0.2, seed=5,
+              attn_fn="laplace" if mode == "laplace" else "softmax",
+              batch_index=torch.tensor([1, 0]) if mode == "batch_index" else None)
+    backend = attention_cuda.AttentionBackend(lambda: tee, "cpu")
+    assert backend.flash_reasons(q, v) == []
+    o, lse = backend.attention_fwd(q, k, v, path="flash", **kw)
+    assert torch.isfinite(o.float()).all()
+    assert_same_launches(tee)
+    D = attention_cuda.flash_head_dim(dh)
+    element = attention_cuda.FLASH_ELEMENTS[dtype]
+    (name, grid, block, smem, args), = tee.emulator.records
+    assert name == f"mk::flash::flash_fwd_kernel<mk::flash::FwdCfg<{element}, {D}>>"
+    ldv = -(-dv // attention_cuda.fwd_dv_tile(D)) * attention_cuda.fwd_dv_tile(D)
+    assert grid == (2, B * H, ldv // attention_cuda.fwd_dv_tile(D)) and block == (128, 1, 1)
+    assert smem == attention_cuda.fwd_smem_bytes(element, D) and [a[0] for a in args] == ["struct128"]
+    _reset(tee)
+    grads = backend.attention_bwd(torch.randn_like(o), q, k, v, o, lse, path="flash", **kw)
+    assert all(torch.isfinite(g.float()).all() for g in grads)
+    assert_same_launches(tee)
+    assert [r[0].split("<")[0] for r in tee.emulator.records] == [
+        "mk::flash::flash_bwd_kv_kernel", "mk::flash::flash_bwd_kv_kernel", "mk::flash::flash_bwd_q_kernel"]
+    assert [r[0].rsplit(", ", 1)[-1] for r in tee.emulator.records[:2]] == ["mk::flash::Grad::kDV>",
+                                                                           "mk::flash::Grad::kDK>"]
+
+
+def test_flash_params_mirror_the_kernels_struct():
+    # mk::flash::Params: 8 pointers, 6 ints, a float, 4 ints, 2 uint32, (4 bytes padding) and a pointer
+    assert ctypes.sizeof(attention_cuda.FlashParams) == 128
+    assert attention_cuda.FlashParams.batch_index.offset == 120 and attention_cuda.FlashParams.thr.offset == 112
 
 
 def test_emulator_refuses_arguments_that_do_not_match_the_signature(ext):
