@@ -267,8 +267,21 @@ __device__ __forceinline__ R* synth_out(int o, int d, int D, std::int64_t L, boo
 }
 
 // grid (D, Y), block kThreads. nout outputs: cema: has_k + B, dx: B.
+// Blocks per multiprocessor the synthesis kernel is built for (__launch_bounds__' second argument;
+// 0: ptxas chooses). fp64 before sm_90: 3, no more than its 41 KiB of static shared memory allows
+// there anyway (A100: 3 blocks); without it ptxas spills 4 B on NVRTC's PTX, which addresses shared
+// memory with 64-bit pointers where nvcc's uses 32-bit ones. fp32 and sm_90 keep ptxas' choice.
+template <class R>
+constexpr int synth_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return std::is_same_v<R, double> ? 3 : 0;
+#else
+  return 0;
+#endif
+}
+
 template <int MODE, class R>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, synth_min_blocks<R>())
     cema_synth_kernel(const R* __restrict__ p, const R* __restrict__ log_q, const R* __restrict__ gamma,
                       const R* __restrict__ rows, R* __restrict__ out0, R* __restrict__ outs, int D, int N,
                       std::int64_t L, int nout, bool has_k) {

@@ -6,8 +6,7 @@ the compile command.
 By default (and in CI) one instantiation per kernel template of the launch descriptions is compiled
 (the last listed: double, or the widest variant) plus one flash attention kernel, about 45 s from
 scratch on two cores; ``--stress`` compiles every instantiation of every kernel, as ``python -m
-megalodon_kernels.cuda compile`` does (one known failure there: a 4-byte spill of
-``cema_synth_kernel<kSynthCema, double>`` on sm_80 with NVRTC 13.0, see cuda/README.md)."""
+megalodon_kernels.cuda compile`` does."""
 import json
 import os
 import subprocess

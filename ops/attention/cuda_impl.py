@@ -248,7 +248,7 @@ def _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, s
 
 
 def matmul_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-                         batch_index=None):
+               batch_index=None):
     """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 (fp64 for float64 q); -inf for rows with no
     visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
     B, L, H, _ = q.shape
@@ -266,7 +266,7 @@ def matmul_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dr
 
 
 def matmul_bwd(launcher, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-                         batch_index=None):
+               batch_index=None):
     """(dq, dk, dv) in the input dtypes; P is recomputed by the forward kernel (same DropKey mask)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
@@ -296,7 +296,7 @@ class AttentionBackend(_Backend):
       kernel (cuda/dropkey_softmax.cuh; the package's DropKey rule with (b, h, i, j) = the
       score indices) and P v; the backward recomputes P with that kernel and uses its softmax
       backward. It materialises the L x S fp32 (fp64) scores and has no Laplace. Used where the flash
-      kernel has no compiled configuration (fp32 on the GPU, head dim > 256, dv = 0).
+      kernel has no instantiated configuration (fp32 on the GPU, head dim > 256, dv = 0).
       float64 q/k/v always take this path, in fp64 throughout (float64 matmuls, the fp64
       dropkey_softmax kernel): the flash kernel's tensor-core tiles have no fp64 configuration,
       so fp64 with attn_fn="laplace" (flash only) is refused.
