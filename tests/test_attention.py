@@ -862,7 +862,7 @@ def test_cuda_flash_property(flash_path, L, S, chunk, causal, block_causal, drop
 
 @pytest.mark.parametrize("mask", ["causal", "blockcausal", "full"])
 def test_cuda_flash_tensor_core_layouts_emulated(flash_path, monkeypatch, mask):
-    # dtype code 3 (emulator only): the kernels with the SM80 TiledMMA (4 warps along M,
+    # mk::flash::bf16_sm80emu (emulator only): the kernels with the SM80 TiledMMA (4 warps along M,
     # m16n8k16 bf16 -> fp32) whose atom is an mma.sync stand-in gathering the PTX fragment
     # layout by warp shuffles: checks the tensor-core thread-value layouts end to end.
     from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
