@@ -2,9 +2,11 @@
 
     python -m megalodon_kernels.bench.cuda_resources [--arch 80 90] [--emulator]
 
-Compiles each cuda/*.cu with ``nvcc -cubin -arch=sm_XX -Xptxas -v`` (cached by source hash, no
-GPU needed) and prints registers, spill bytes, static + worst-case dynamic shared memory against
-the per-block limit; exit code 1 if any kernel spills or does not fit. ``--emulator`` also times
+Compiles the flash attention and dropkey_softmax instantiations of the launch descriptions with
+``nvcc -cubin -arch=sm_XX -Xptxas -v`` (cuda/build.py; cached by source hash, no GPU needed) and
+prints registers, spill bytes, static + worst-case dynamic shared memory against the per-block
+limit; exit code 1 if any kernel spills or does not fit (every kernel through NVRTC: ``python -m
+megalodon_kernels.cuda compile``). ``--emulator`` also times
 each op's forward and backward in the SIMT emulator (CPU seconds; a functional check, not a
 performance figure).
 """
@@ -22,28 +24,28 @@ def _family(kernel: str) -> str:
 
 
 def resource_rows(archs):
-    rows = build.nvcc_resources_all(tuple(archs))
-    try:
-        dyn = dict(build.load_emulator().dynamic_smem_table())
-    except Exception as exc:  # no host compiler
-        print(f"(dynamic shared memory table unavailable: {exc})", file=sys.stderr)
-        dyn = {}
-    return rows, dyn
+    from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
+    from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
+
+    rows = build.nvcc_resources_all(build.nvcc_sources(attention_cuda.KERNELS + dropkey_cuda.KERNELS), tuple(archs))
+    fwd = max(attention_cuda.fwd_smem_bytes(e, D) for e, D in attention_cuda.FLASH)
+    bwd = max(attention_cuda.bwd_smem_bytes(e, D) for e, D in attention_cuda.FLASH)
+    return rows, {"flash_fwd_kernel": fwd, "flash_bwd_kv_kernel": bwd, "flash_bwd_q_kernel": bwd}
 
 
 def emulator_times():
     import torch
 
-    from megalodon_kernels.cuda import kernels as K
     from megalodon_kernels.cuda.launch import EmulatorLauncher
+    from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
     from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+    from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
     from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
     from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
     from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
     from megalodon_kernels.ops.timestep_norm import cuda_impl as tsn_cuda
 
-    ext = build.load_emulator()
-    emu = EmulatorLauncher(ext)
+    emu = EmulatorLauncher(build.load_emulator())
     g = torch.Generator().manual_seed(0)
     out = []
 
@@ -55,10 +57,10 @@ def emulator_times():
     for dt in (torch.float32, torch.bfloat16):
         tag = str(dt).replace("torch.", "")
         s = torch.randn(2, 4, 64, 64, generator=g).to(dt)
-        y = K.dropkey_softmax_fwd(ext, s, causal=True, dropkey_p=0.1, seed=1)
+        y = dropkey_cuda.softmax_fwd(emu, s, causal=True, dropkey_p=0.1, seed=1)
         timed(f"dropkey_softmax fwd {tag}", "(2,4,64,64)",
-              lambda: K.dropkey_softmax_fwd(ext, s, causal=True, dropkey_p=0.1, seed=1))
-        timed(f"dropkey_softmax bwd {tag}", "(2,4,64,64)", lambda: K.dropkey_softmax_bwd(ext, s, y, causal=True))
+              lambda: dropkey_cuda.softmax_fwd(emu, s, causal=True, dropkey_p=0.1, seed=1))
+        timed(f"dropkey_softmax bwd {tag}", "(2,4,64,64)", lambda: dropkey_cuda.softmax_bwd(emu, s, y, causal=True))
         x = torch.randn(2, 256, 4, 64, generator=g).to(dt)
         cos, sin = rotation_tables(torch.arange(256), 64, 10000.0, None, False, torch.float32)
         timed(f"rotary fwd {tag}", "(2,256,4,64)", lambda: rotary_cuda.rotary(emu, x, cos, sin, False))
@@ -91,10 +93,10 @@ def emulator_times():
           lambda: cema_cuda.launch_bwd(emu, torch.ones_like(k), torch.ones_like(b), p, log_q, gamma, L, hx))
     q, k_, v = (torch.randn(1, 128, 2, 64, generator=g) for _ in range(3))
     kw = dict(scale=0.125, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.1, seed=1, attn_fn="softmax")
-    o, lse = K.attention_flash_fwd(ext, q, k_, v, **kw)
-    timed("attention flash fwd float32", "(1,128,2,64)", lambda: K.attention_flash_fwd(ext, q, k_, v, **kw))
+    o, lse = attention_cuda.flash_fwd(emu, q, k_, v, **kw)
+    timed("attention flash fwd float32", "(1,128,2,64)", lambda: attention_cuda.flash_fwd(emu, q, k_, v, **kw))
     timed("attention flash bwd float32", "(1,128,2,64)",
-          lambda: K.attention_flash_bwd(ext, torch.ones_like(o), q, k_, v, o, lse, **kw))
+          lambda: attention_cuda.flash_bwd(emu, torch.ones_like(o), q, k_, v, o, lse, **kw))
     return out
 
 
@@ -119,8 +121,8 @@ def main(argv=None) -> int:
         name = r.kernel.split("(")[0].replace("void ", "").replace("mk::", "").replace("__nv_bfloat16", "bf16")
         print(f"{name:<58} sm_{r.arch:<3} {r.registers:>4} {r.spill_stores + r.spill_loads:>5} {r.static_smem:>7} "
               f"{d:>8} {total:>7} {build.SMEM_LIMIT[r.arch]:>7}  {', '.join(status) or 'ok'}")
-    print(f"\n{len(rows)} kernel variants, {bad} flagged (dynamic = worst case of the launcher, "
-          f"flash attention's tiles; the launch descriptions' kernels: python -m megalodon_kernels.cuda compile)")
+    print(f"\n{len(rows)} kernel variants, {bad} flagged (dynamic = worst case of the launch description, "
+          f"flash attention's tiles; every kernel through NVRTC: python -m megalodon_kernels.cuda compile)")
     if a.emulator:
         print(f"\n{'emulator run':<28} {'shape':<18} {'wall s':>8} {'cpu s':>8}")
         for name, shape, wall, cpu in emulator_times():

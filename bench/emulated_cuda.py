@@ -11,15 +11,15 @@ from __future__ import annotations
 
 import importlib
 
-#: op -> (module, backend class): the ops with a launch description run it over the emulator by
-#: name (ops/<op>/cuda_impl.py), the others their compiled launchers (cuda/backend.py)
+#: op -> (module, backend class): each op's launch description (ops/<op>/cuda_impl.py) runs over
+#: the emulator by name
 CLASSES = {
     "cema_kernel": ("megalodon_kernels.ops.cema_kernel.cuda_impl", "CemaKernelBackend"),
     "ema_hidden": ("megalodon_kernels.ops.ema_hidden.cuda_impl", "EmaHiddenBackend"),
     "fftconv": ("megalodon_kernels.ops.fftconv.cuda_impl", "FftconvBackend"),
     "timestep_norm": ("megalodon_kernels.ops.timestep_norm.cuda_impl", "TimestepNormBackend"),
-    "attention": ("megalodon_kernels.cuda.backend", "AttentionBackend"),
-    "dropkey_softmax": ("megalodon_kernels.cuda.backend", "DropKeySoftmaxBackend"),
+    "attention": ("megalodon_kernels.ops.attention.cuda_impl", "AttentionBackend"),
+    "dropkey_softmax": ("megalodon_kernels.ops.dropkey_softmax.cuda_impl", "DropKeySoftmaxBackend"),
     "rotary": ("megalodon_kernels.ops.rotary.cuda_impl", "RotaryBackend"),
 }
 
@@ -29,12 +29,10 @@ def install(ops=None, verbose: bool = True) -> None:
     from megalodon_kernels.cuda import build
     from megalodon_kernels.cuda.launch import EmulatorLauncher
 
-    ext = build.load_emulator(verbose=verbose)
-    launcher = EmulatorLauncher(ext)
+    launcher = EmulatorLauncher(build.load_emulator(verbose=verbose))
     for op in ops or CLASSES:
         module, cls = CLASSES[op]
-        target = ext if module.endswith("cuda.backend") else launcher
-        impl = getattr(importlib.import_module(module), cls)(lambda target=target: target, "cpu")
+        impl = getattr(importlib.import_module(module), cls)(lambda: launcher, "cpu")
         backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
         backends._modules["cuda"] = f"(emulated) {module}"
         backends._loaded["cuda"] = impl

@@ -2,8 +2,7 @@
 
     python bench/nvrtc_compile.py [--arch 80 90] [--out bench/results/nvrtc_compile.md]
 
-Covers every instantiation (cuda/instances.py: the launch descriptions' and the compiled
-launchers'). What a user waits for on the first call of an op on a GPU machine is the sum over the
+Covers every instantiation (cuda/instances.py: the launch descriptions' KERNELS). What a user waits for on the first call of an op on a GPU machine is the sum over the
 instantiations that op launches; later calls and processes read the disk cache. Each compile also
 fills the cache, so ``python -m megalodon_kernels.cuda compile`` afterwards is quick.
 """

@@ -1,20 +1,16 @@
-// pybind11 bindings of the host launchers. Pointers arrive as integers (tensor.data_ptr()) and
-// streams as integers (torch.cuda.current_stream().cuda_stream, 0 in the emulator): this file
-// includes neither torch nor CUDA headers, so the same bindings serve the real CUDA extension
-// and the CPU emulator extension (MK_EMULATOR_BUILD adds the emulator controls and self-tests).
+// pybind11 module of the CPU emulator (cuda/build.py): launch by name expression for the ops'
+// launch descriptions (cuda/launch.py EmulatorLauncher), the emulator controls and its self-tests.
+// Pointers arrive as integers (tensor.data_ptr()); no torch headers.
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
 #include <cstdint>
 
-#include "launchers.h"
-#ifdef MK_EMULATOR_BUILD
 #include "emu/by_name.h"
 #include "emu/emu_api.h"
-#endif
 
 #ifndef MK_EXT_NAME
-#define MK_EXT_NAME _C
+#define MK_EXT_NAME _mk_cuda_emu
 #endif
 
 namespace py = pybind11;
@@ -26,52 +22,9 @@ static T* P(uptr p) {
 }
 
 PYBIND11_MODULE(MK_EXT_NAME, m) {
-  m.doc() = "megalodon_kernels CUDA kernels (raw-pointer launchers; see cuda/kernels.py for the tensor API)";
-#ifdef MK_EMULATOR_BUILD
+  m.doc() = "megalodon_kernels CUDA emulator (kernels launched by name expression, see cuda/launch.py)";
   m.attr("EMULATOR") = true;
-#else
-  m.attr("EMULATOR") = false;
-#endif
   auto nogil = py::call_guard<py::gil_scoped_release>();
-
-  m.def("dropkey_softmax_fwd",
-        [](int dtype, uptr x, uptr y, std::int64_t Bf, std::int64_t Hf, std::int64_t L, std::int64_t S, bool causal,
-           double p, std::uint64_t seed, uptr batch_index, uptr stream) {
-          mk::dropkey_softmax_fwd(dtype, P(x), P(y), Bf, Hf, L, S, causal, p, seed, P<const std::int64_t>(batch_index),
-                                  P(stream));
-        },
-        nogil);
-  m.def("dropkey_softmax_bwd",
-        [](int dtype, uptr y, uptr dy, uptr dx, std::int64_t Bf, std::int64_t Hf, std::int64_t L, std::int64_t S,
-           bool causal, uptr stream) {
-          mk::dropkey_softmax_bwd(dtype, P(y), P(dy), P(dx), Bf, Hf, L, S, causal, P(stream));
-        },
-        nogil);
-  // --- attention ---
-  m.def("flash_attention_dv_tile", &mk::flash_attention_dv_tile);
-  m.def("flash_attention_fwd",
-        [](int dtype, uptr q, uptr k, uptr v, uptr o, uptr lse, std::int64_t B, std::int64_t L, std::int64_t S,
-           std::int64_t H, std::int64_t D, std::int64_t ldv, double scale, bool causal, std::int64_t chunk,
-           bool block_causal, bool laplace, double p, std::uint64_t seed, uptr batch_index, uptr stream) {
-          mk::flash_attention_fwd(dtype, P(q), P(k), P(v), P(o), P<float>(lse), B, L, S, H, D, ldv, scale, causal,
-                                  chunk, block_causal, laplace, p, seed, P<const std::int64_t>(batch_index),
-                                  P(stream));
-        },
-        nogil);
-  m.def("flash_attention_bwd",
-        [](int dtype, uptr q, uptr k, uptr v, uptr dout, uptr lse, uptr delta, uptr dq, uptr dk, uptr dv,
-           std::int64_t B, std::int64_t L, std::int64_t S, std::int64_t H, std::int64_t D, std::int64_t ldv,
-           double scale, bool causal, std::int64_t chunk, bool block_causal, bool laplace, double p,
-           std::uint64_t seed, uptr batch_index, uptr stream) {
-          mk::flash_attention_bwd(dtype, P(q), P(k), P(v), P(dout), P<const float>(lse), P<const float>(delta), P(dq),
-                                  P(dk), P(dv), B, L, S, H, D, ldv, scale, causal, chunk, block_causal, laplace, p,
-                                  seed, P<const std::int64_t>(batch_index), P(stream));
-        },
-        nogil);
-  // --- end attention ---
-  m.def("dynamic_smem_table", &mk::dynamic_smem_table);
-
-#ifdef MK_EMULATOR_BUILD
   m.def("emulator_set_reverse", &mk::emu_api::set_reverse, "fiber order: 1 reversed, 0 natural, -1 from MK_EMU_REVERSE");
   m.def("emulator_set_threads", &mk::emu_api::set_threads, "OS threads over blocks (-1: MK_EMU_THREADS, default 1)");
   m.def("emulator_set_smem_limit", &mk::emu_api::set_smem_limit, "per-block shared memory limit in bytes");
@@ -92,5 +45,4 @@ PYBIND11_MODULE(MK_EXT_NAME, m) {
           mk::emu_api::selftest(name, P(in), P(out), n, grid, block, smem);
         },
         nogil);
-#endif
 }

@@ -85,20 +85,7 @@ using c2_t = typename Real<R>::c2;
 template <class R>
 using c4_t = typename Real<R>::c4;
 
-struct Layout {
-  int NP, T;
-  std::int64_t M;  // rows of T positions covering L
-};
-
 __host__ __device__ __forceinline__ int padded_n(int N) { return N <= 16 ? 16 : (N <= 32 ? 32 : 64); }
-
-inline Layout layout(int N, std::int64_t L) {
-  Layout l;
-  l.NP = padded_n(N);
-  l.T = kTableSize / l.NP;
-  l.M = (L + l.T - 1) / l.T;
-  return l;
-}
 
 // Rows per synthesis thread: kSynRowsMax where the Q2 tile [(256 / T) * rows][NP] fits Real<R>::kSynQ2.
 template <class R>
@@ -267,8 +254,21 @@ __device__ __forceinline__ R* synth_out(int o, int d, int D, std::int64_t L, boo
 }
 
 // grid (D, Y), block kThreads. nout outputs: cema: has_k + B, dx: B.
+// Blocks per multiprocessor the synthesis kernel is built for (__launch_bounds__' second argument;
+// 0: ptxas chooses). fp64 before sm_90: 3, no more than its 41 KiB of static shared memory allows
+// there anyway (A100: 3 blocks); without it ptxas spills 4 B on NVRTC's PTX, which addresses shared
+// memory with 64-bit pointers where nvcc's uses 32-bit ones. fp32 and sm_90 keep ptxas' choice.
+template <class R>
+constexpr int synth_min_blocks() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+  return std::is_same_v<R, double> ? 3 : 0;
+#else
+  return 0;
+#endif
+}
+
 template <int MODE, class R>
-__global__ void __launch_bounds__(kThreads)
+__global__ void __launch_bounds__(kThreads, synth_min_blocks<R>())
     cema_synth_kernel(const R* __restrict__ p, const R* __restrict__ log_q, const R* __restrict__ gamma,
                       const R* __restrict__ rows, R* __restrict__ out0, R* __restrict__ outs, int D, int N,
                       std::int64_t L, int nout, bool has_k) {
@@ -569,55 +569,6 @@ __global__ void __launch_bounds__(kFinishThreads)
     dlog_q[2 * c + 1] = vdl.y;
   }
 }
-
-// ------------------------------------------------------------------------------------------------
-// Host helpers shared by the launchers
-// ------------------------------------------------------------------------------------------------
-constexpr std::int64_t kTargetBlocks = 1024;  // enough (d, y) blocks for several waves on 108-132 SMs
-
-// Blocks along the sequence per feature: all tiles of a row in one block when D alone fills the
-// GPU (the per-block Q1 table is then built once per d), more when D is small.
-inline int blocks_along(std::int64_t tiles, std::int64_t D) {
-  const std::int64_t want = (kTargetBlocks + D - 1) / D;
-  std::int64_t y = want < tiles ? want : tiles;
-  if (y > 65535) y = 65535;
-  return static_cast<int>(y < 1 ? 1 : y);
-}
-template <class R>
-inline std::int64_t synth_tiles(const Layout& l) {
-  const std::int64_t RT = static_cast<std::int64_t>(kThreads / l.T) * syn_rows<R>(l.NP);
-  return (l.M + RT - 1) / RT;
-}
-template <class R>
-inline std::int64_t analysis_tiles(const Layout& l) {
-  return (l.M + Real<R>::kAnaRows - 1) / Real<R>::kAnaRows;
-}
-
-#if !MK_NVRTC  // the checks, the grid helper and the dispatch below are host code (launchers)
-inline void check_sizes(const char* op, std::int64_t B, std::int64_t D, std::int64_t N, std::int64_t L) {
-  require(B >= 0 && D >= 0 && N >= 0, std::string(op) + ": negative sizes");
-  require(N <= kMaxN, std::string(op) + ": N = " + std::to_string(N) + " > " + std::to_string(kMaxN));
-  require(L >= 1 && L + 1 < (1ll << 24),
-          std::string(op) + ": need 1 <= L and L + 1 < 2^24 (exact fp32 exponents), got L = " + std::to_string(L));
-  require(D < (1ll << 31) && B < (1ll << 31), std::string(op) + ": B and D must be < 2^31");
-}
-inline unsigned int finish_grid(std::int64_t items) {
-  return grid_1d((items + kFinishThreads - 1) / kFinishThreads, 1 << 16);
-}
-
-// Coefficient dtype code (mk::DType: kFloat32 or kFloat64) -> f(R{}) with R float or double.
-template <class F>
-inline void dispatch_real(int real, const char* op, F&& f) {
-  if (real == kFloat32) {
-    f(float{});
-  } else if (real == kFloat64) {
-    f(double{});
-  } else {
-    throw std::invalid_argument(std::string(op) + ": coefficient dtype code " + std::to_string(real) +
-                                " is neither float32 (0) nor float64 (4)");
-  }
-}
-#endif  // !MK_NVRTC
 
 }  // namespace cema
 }  // namespace mk

@@ -1,4 +1,4 @@
-// Shared device helpers: dtype conversion, warp/block reductions, the DropKey rule, checks.
+// Shared device helpers: dtype conversion, warp/block reductions, the DropKey rule.
 // Every kernel source includes this first; it brings in the real CUDA headers under nvcc and
 // the SIMT emulator (emu/emu.cuh) under a host compiler.
 #pragma once
@@ -8,34 +8,6 @@
 namespace mk {
 
 using bf16 = __nv_bfloat16;
-
-// Element types the launchers accept (the Python side passes these codes; cuda/kernels.py
-// DTYPE_CODES). 2 is float16 and 3 an emulator-only bf16 configuration, both attention-only
-// (flash_attention_launch.h).
-enum DType : int { kFloat32 = 0, kBFloat16 = 1, kFloat64 = 4 };
-
-#if !MK_NVRTC
-// Runtime dtype -> compile-time element type T.
-#define MK_DISPATCH_FLOAT_BF16(dtype, T, ...)                                                    \
-  [&] {                                                                                          \
-    switch (dtype) {                                                                             \
-      case ::mk::kFloat32: { using T = float; return __VA_ARGS__(); }                            \
-      case ::mk::kBFloat16: { using T = ::mk::bf16; return __VA_ARGS__(); }                      \
-      default: throw std::invalid_argument("unsupported dtype code " + std::to_string(dtype)); \
-    }                                                                                            \
-  }()
-
-// The same, for the ops that also run in double: T = double accumulates in double (acc_t<T>).
-#define MK_DISPATCH_FLOAT_BF16_DOUBLE(dtype, T, ...)                                             \
-  [&] {                                                                                          \
-    switch (dtype) {                                                                             \
-      case ::mk::kFloat32: { using T = float; return __VA_ARGS__(); }                            \
-      case ::mk::kBFloat16: { using T = ::mk::bf16; return __VA_ARGS__(); }                      \
-      case ::mk::kFloat64: { using T = double; return __VA_ARGS__(); }                           \
-      default: throw std::invalid_argument("unsupported dtype code " + std::to_string(dtype)); \
-    }                                                                                            \
-  }()
-#endif  // !MK_NVRTC
 
 // Accumulation type of an element type: fp32 for float and bf16 storage, fp64 for double
 // (an fp64 input accumulated in fp32 would throw away what the caller asked fp64 for).
@@ -104,19 +76,6 @@ __host__ __device__ __forceinline__ std::uint32_t mix32(std::uint32_t x) {
   return x;
 }
 
-#if !MK_NVRTC
-// Host side: the seed folded into the 32-bit stream key, and the integer drop threshold.
-inline std::uint32_t seed_key(std::uint64_t seed) {
-  const std::uint32_t s = mix32(static_cast<std::uint32_t>(seed & 0xFFFFFFFFu) ^ 0x9E3779B9u);
-  return mix32(s ^ static_cast<std::uint32_t>(seed >> 32));
-}
-inline std::uint32_t threshold(double p) {
-  // int(p * 2**32) for p in [0, 1): p * 2^32 is exact in double, the cast truncates (= floor).
-  if (!(p > 0.0)) return 0;
-  const double t = p * 4294967296.0;
-  return t >= 4294967295.0 ? 0xFFFFFFFFu : static_cast<std::uint32_t>(t);
-}
-#endif  // !MK_NVRTC
 
 __host__ __device__ __forceinline__ std::uint32_t row_key(std::uint32_t key, std::uint32_t b, std::uint32_t h,
                                                           std::uint32_t i) {
@@ -163,19 +122,5 @@ __device__ __forceinline__ float2 shfl_xor2(float2 v, int lane_mask) {
   return make_float2(__shfl_xor_sync(kFullMask, v.x, lane_mask), __shfl_xor_sync(kFullMask, v.y, lane_mask));
 #endif
 }
-
-// ------------------------------------------------------------------------------------------------
-// Host-side argument checks (launchers throw std::invalid_argument -> Python ValueError)
-// ------------------------------------------------------------------------------------------------
-#if !MK_NVRTC
-inline void require(bool ok, const std::string& msg) {
-  if (!ok) throw std::invalid_argument(msg);
-}
-
-inline unsigned int grid_1d(std::int64_t blocks, std::int64_t cap = 1 << 20) {
-  if (blocks < 1) blocks = 1;
-  return static_cast<unsigned int>(blocks < cap ? blocks : cap);
-}
-#endif  // !MK_NVRTC
 
 }  // namespace mk

@@ -359,25 +359,4 @@ __global__ void __launch_bounds__(FftCfg<TK>::kMaxThreads)
   }
 }
 
-// Host launchers (fftconv_long.cu), called by the public fftconv launchers above the one-block
-// limit of the arithmetic type (log2n > FftCfg<R>::kMaxLog2). dtype: x's dtype code for fwd / dx
-// (kFloat32, kBFloat16, kFloat64), the arithmetic type's code for the k spectrum and dk
-// (kFloat32 or kFloat64). Spectra, products and ws are complex of the arithmetic type; ws holds
-// ws_rows rows of N such values (rows are processed in chunks of ws_rows).
-void fftconv_long_kernel_spectrum(int dtype, const void* k, void* kf, std::int64_t D, std::int64_t L, int log2n,
-                                  void* ws, std::int64_t ws_rows, void* stream);
-void fftconv_long_fwd(int dtype, const void* x, const void* kf, void* y, std::int64_t B, std::int64_t D,
-                      std::int64_t L, int log2n, void* ws, std::int64_t ws_rows, void* stream);
-void fftconv_long_bwd_dx(int dtype, const void* dy, const void* x, const void* kf, void* dx, void* prod,
-                         std::int64_t B, std::int64_t D, std::int64_t L, int log2n, void* ws, std::int64_t ws_rows,
-                         void* stream);
-void fftconv_long_bwd_dk(int dtype, const void* prod, void* acc, void* dk, std::int64_t nb, std::int64_t D,
-                         std::int64_t L, int log2n, bool accumulate, bool finalize, void* ws, std::int64_t ws_rows,
-                         void* stream);
-// Worst-case dynamic smem over every multi-pass plan of both arithmetic types: column-pass
-// kernels (rows = false) or row-pass kernels (rows = true); for resources.cu.
-std::int64_t fftconv_long_max_smem_bytes(bool rows);
-// Worst-case dynamic smem of the one-block kernels over both arithmetic types (128 KiB either way).
-std::int64_t fftconv_one_block_max_smem_bytes();
-
 }  // namespace mk

@@ -599,7 +599,8 @@ struct EmuSM80_16x8x16_F32BF16BF16F32_TN {
     d3 = acc[1][1];
   }
 };
-// bf16 storage that selects the emulated tensor-core configuration (dtype code 3, D = 64).
+// bf16 storage that selects the emulated tensor-core configuration (D = 64; EMULATOR_KERNELS of
+// ops/attention/cuda_impl.py).
 struct bf16_sm80emu : cutlass::bfloat16_t {
   using cutlass::bfloat16_t::bfloat16_t;
   bf16_sm80emu() = default;

@@ -1,12 +1,10 @@
-"""Every kernel instantiation of the package, as NVRTC name expressions.
+"""Every kernel instantiation of the package, as NVRTC name expressions: the ``KERNELS`` lists of
+the ops' launch descriptions (``ops/<op>/cuda_impl.py``).
 
-* :func:`described_kernels`: the ``KERNELS`` lists of the ops whose CUDA path is a launch
-  description (``ops/<op>/cuda_impl.py``); the emulator build (cuda/build.py) registers them for
-  launch by name and the GPU runtime compiles them with NVRTC on first use.
-* :data:`LAUNCHER_KERNELS`: the instantiations the compiled launchers of the other ops
-  (``*.cu``, through ``megalodon_kernels.cuda._C``) select, as the ``MK_DISPATCH`` /
-  ``flash::dispatch`` switches there give them; listed here so that
-  ``python -m megalodon_kernels.cuda compile`` checks every kernel with NVRTC too.
+The GPU runtime compiles them with NVRTC on first use (``python -m megalodon_kernels.cuda
+compile`` compiles them all ahead of time); the emulator build (cuda/build.py) registers them,
+plus the ops' ``EMULATOR_KERNELS`` (configurations that exist only on the CPU, such as flash
+attention's fp32 tiles), for launch by name.
 """
 from __future__ import annotations
 
@@ -14,39 +12,22 @@ import importlib
 
 from .launch import Kernel
 
-#: the ops whose CUDA path is a launch description (ops/<op>/cuda_impl.py with KERNELS)
-DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden", "fftconv")
-
-_T = ("float", "mk::bf16", "double")  # element types (MK_DISPATCH_FLOAT_BF16_DOUBLE)
+#: the ops with a CUDA backend, each a launch description (ops/<op>/cuda_impl.py with KERNELS)
+DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden", "fftconv", "dropkey_softmax", "attention")
 
 
-def _launcher_kernels() -> list[Kernel]:
-    out = []
-    add = lambda header, names: out.extend(Kernel(header, n) for n in names)  # noqa: E731
-    add("dropkey_softmax.cuh", [f"mk::dropkey_softmax_{d}_kernel<{t}, 8>" for d in ("fwd", "bwd") for t in _T])
-    for e in ("cutlass::bfloat16_t", "cutlass::half_t"):
-        for d in (64, 128, 256):
-            fwd, bwd = f"mk::flash::FwdCfg<{e}, {d}>", f"mk::flash::BwdCfg<{e}, {d}>"
-            add("flash_attention.cuh", [f"mk::flash::flash_fwd_kernel<{fwd}>",
-                                        f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDV>",
-                                        f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDK>",
-                                        f"mk::flash::flash_bwd_q_kernel<{bwd}>"])
-    return out
-
-
-LAUNCHER_KERNELS = _launcher_kernels()
-
-
-def described_kernels() -> list[Kernel]:
-    """[Kernel] over DESCRIBED_OPS, in order, without duplicates."""
+def described_kernels(emulator: bool = False) -> list[Kernel]:
+    """[Kernel] over DESCRIBED_OPS, in order, without duplicates; ``emulator``: with the ops'
+    emulator-only instantiations."""
     out = []
     for op in DESCRIBED_OPS:
-        for k in importlib.import_module(f"megalodon_kernels.ops.{op}.cuda_impl").KERNELS:
+        module = importlib.import_module(f"megalodon_kernels.ops.{op}.cuda_impl")
+        for k in [*module.KERNELS, *(getattr(module, "EMULATOR_KERNELS", []) if emulator else [])]:
             if k not in out:
                 out.append(k)
     return out
 
 
 def all_kernels() -> list[Kernel]:
-    """Every instantiation: the launch descriptions' and the compiled launchers'."""
-    return described_kernels() + LAUNCHER_KERNELS
+    """Every instantiation a GPU can launch."""
+    return described_kernels()

@@ -28,7 +28,7 @@ them). The cache is dropped when the autotune tables are re-read or the registra
 when the chosen backend's ``DEFAULT_CONFIG`` was changed in place. While the tuner forces a
 candidate (``autotune.registry.force``) the cache is neither read nor written. So a backend's
 reasons must depend on the inputs, its module and its DEFAULT_CONFIG only, and on settings fixed
-for the process (``TRITON_INTERPRET``, whether the CUDA extension is available).
+for the process (``TRITON_INTERPRET``, whether the CUDA runtime is available).
 """
 from __future__ import annotations
 

@@ -110,11 +110,13 @@ def order(request, ext):
 
 @pytest.fixture(scope="module")
 def emulated():
-    """Every op's CUDA backend (cuda/backend.py) over the emulator extension, by op name; a test
-    module may override it with the few it needs."""
-    from megalodon_kernels.cuda import backend, build
+    """Every op's CUDA backend (the classes of ops/<op>/cuda_impl.py) over the emulator extension,
+    by op name; a test module may override it with the few it needs."""
+    from megalodon_kernels.cuda import build
     from megalodon_kernels.cuda.launch import EmulatorLauncher
+    from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
     from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+    from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
     from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
     from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
     from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda
@@ -122,14 +124,12 @@ def emulated():
 
     if NO_EMULATOR:
         pytest.skip(NO_EMULATOR)
-    ext = build.load_emulator()
-    get = lambda: ext  # noqa: E731
-    launcher = EmulatorLauncher(ext)
-    by_name = lambda: launcher  # noqa: E731  (the ops with a launch description run it in the emulator)
+    launcher = EmulatorLauncher(build.load_emulator())
+    by_name = lambda: launcher  # noqa: E731  (each op's launch description runs in the emulator)
     return {
-        "attention": backend.AttentionBackend(get, "cpu"),
+        "attention": attention_cuda.AttentionBackend(by_name, "cpu"),
         "cema_kernel": cema_cuda.CemaKernelBackend(by_name, "cpu"),
-        "dropkey_softmax": backend.DropKeySoftmaxBackend(get, "cpu"),
+        "dropkey_softmax": dropkey_cuda.DropKeySoftmaxBackend(by_name, "cpu"),
         "ema_hidden": hidden_cuda.EmaHiddenBackend(by_name, "cpu"),
         "fftconv": fftconv_cuda.FftconvBackend(by_name, "cpu"),
         "rotary": rotary_cuda.RotaryBackend(by_name, "cpu"),
@@ -150,13 +150,13 @@ def _cuda_backend_runs_in_the_emulator(request):
 
 @pytest.fixture
 def use_emulated_cuda(emulated, monkeypatch):
-    """Plug the test module's ``emulated`` backends ({op: cuda/backend.py class over the emulator})
+    """Plug the test module's ``emulated`` backends ({op: its cuda_impl.py class over the emulator})
     into each op's dispatcher as backend "cuda", for the test's duration; returns them."""
     import importlib
 
     for op, impl in emulated.items():
         backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
-        monkeypatch.setitem(backends._modules, "cuda", f"(emulated) megalodon_kernels.cuda.backend.{op}")
+        monkeypatch.setitem(backends._modules, "cuda", f"(emulated) megalodon_kernels.ops.{op}.cuda_impl")
         monkeypatch.setitem(backends._loaded, "cuda", impl)
     return emulated
 
@@ -221,11 +221,3 @@ def _record_launches(mod):
         fn = getattr(mod, name)
         if callable(fn) and not name.startswith(("_", "emulator_")):
             setattr(mod, name, recording(name, fn))
-
-
-@pytest.fixture(scope="module")
-def kernels():
-    """cuda/kernels.py: the tensor API over the launchers."""
-    from megalodon_kernels.cuda import kernels as k
-
-    return k

@@ -658,14 +658,20 @@ def flash_path(attention_cuda, monkeypatch):
 
 @pytest.fixture
 def calls(monkeypatch):
-    """Names of the cuda/kernels.py attention entry points called, in order."""
-    from megalodon_kernels.cuda import kernels as K
+    """Names of the CUDA attention paths' entry points called, in order (the launch descriptions
+    of ops/attention/cuda_impl.py and ops/dropkey_softmax/cuda_impl.py)."""
+    from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
+    from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
 
     seen = []
-    for name in ("attention_flash_fwd", "attention_flash_bwd", "attention_matmul_fwd", "attention_matmul_bwd",
-                 "dropkey_softmax_fwd", "dropkey_softmax_bwd"):
-        fn = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: (seen.append(_name), _fn(*a, **kw))[1])
+    for module, attr, name in ((attention_cuda, "flash_fwd", "attention_flash_fwd"),
+                               (attention_cuda, "flash_bwd", "attention_flash_bwd"),
+                               (attention_cuda, "matmul_fwd", "attention_matmul_fwd"),
+                               (attention_cuda, "matmul_bwd", "attention_matmul_bwd"),
+                               (dropkey_cuda, "softmax_fwd", "dropkey_softmax_fwd"),
+                               (dropkey_cuda, "softmax_bwd", "dropkey_softmax_bwd")):
+        fn = getattr(module, attr)
+        monkeypatch.setattr(module, attr, lambda *a, _fn=fn, _name=name, **kw: (seen.append(_name), _fn(*a, **kw))[1])
     return seen
 
 
@@ -721,11 +727,11 @@ def _lse_reference(q, k, scale):
 
 
 def test_cuda_float64_lse_is_float64(attention_cuda):
-    from megalodon_kernels.cuda import kernels as K
+    from megalodon_kernels.ops.attention.cuda_impl import matmul_fwd
 
     q, k, v, _ = make_qkv(1, 9, 12, 2, 8, 4, F64)
-    o, lse = K.attention_matmul_fwd(attention_cuda.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
-                                    chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0)
+    o, lse = matmul_fwd(attention_cuda.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
+                        chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0)
     assert o.dtype == lse.dtype == F64
     close("lse", lse, _lse_reference(q, k, 0.5), tol("cuda", F64, "fwd"), floor=1.0)
 
@@ -810,11 +816,11 @@ def test_cuda_flash_half_types_wide_heads(flash_path, dtype, dh):
 
 
 def test_cuda_flash_lse_matches_reference(flash_path):
-    from megalodon_kernels.cuda import kernels as K
+    from megalodon_kernels.ops.attention.cuda_impl import flash_fwd
 
     q, k, v, _ = make_qkv(1, 33, 40, 2, 8, 4, F32)
-    o, lse = K.attention_flash_fwd(flash_path.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
-                                   chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0, attn_fn="softmax")
+    o, lse = flash_fwd(flash_path.ext, q.detach(), k.detach(), v.detach(), scale=0.5, causal=True,
+                       chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0, attn_fn="softmax")
     close("lse", lse, _lse_reference(q, k, 0.5), 2e-6, floor=1.0)
 
 
@@ -832,19 +838,14 @@ def test_cuda_flash_empty_lengths(flash_path, L, S):
     check_cuda(1, L, S, 2, 8, 3, F32, chunk_size=2, block_causal=True, dropkey_p=0.5, seed=1)
 
 
-def test_cuda_auto_path_runs_the_flash_kernels_and_matmul_fallback_the_softmax_kernel(attention_cuda, monkeypatch):
-    from megalodon_kernels.cuda import kernels as K
-
-    calls = []
-    for name in ("attention_flash_fwd", "attention_flash_bwd", "attention_matmul_fwd", "attention_matmul_bwd"):
-        fn = getattr(K, name)
-        monkeypatch.setattr(K, name, lambda *a, _fn=fn, _name=name, **kw: (calls.append(_name), _fn(*a, **kw))[1])
+def test_cuda_auto_path_runs_the_flash_kernels_and_matmul_fallback_the_softmax_kernel(attention_cuda, calls):
     check_cuda(1, 9, 9, 1, 8, 4, BF16, against_torch=False, dropkey_p=0.2, seed=2)
     assert calls == ["attention_flash_fwd", "attention_flash_bwd"]
     calls.clear()
     check_cuda(1, 9, 9, 1, 300, 4, F32, against_torch=False)  # head dim 300: matmul path
-    assert calls == ["attention_matmul_fwd", "attention_matmul_bwd"]
-    launched = " ".join(attention_cuda.ext.emulator_launched_kernels())
+    assert calls == ["attention_matmul_fwd", "dropkey_softmax_fwd", "attention_matmul_bwd", "dropkey_softmax_fwd",
+                     "dropkey_softmax_bwd"]
+    launched = " ".join(attention_cuda.ext.ext.emulator_launched_kernels())
     assert all(n in launched for n in ("flash_fwd", "flash_bwd_kv", "flash_bwd_q", "dropkey_softmax"))
 
 
@@ -861,12 +862,12 @@ def test_cuda_flash_property(flash_path, L, S, chunk, causal, block_causal, drop
 
 @pytest.mark.parametrize("mask", ["causal", "blockcausal", "full"])
 def test_cuda_flash_tensor_core_layouts_emulated(flash_path, monkeypatch, mask):
-    # dtype code 3 (emulator only): the kernels with the SM80 TiledMMA (4 warps along M,
+    # mk::flash::bf16_sm80emu (emulator only): the kernels with the SM80 TiledMMA (4 warps along M,
     # m16n8k16 bf16 -> fp32) whose atom is an mma.sync stand-in gathering the PTX fragment
     # layout by warp shuffles: checks the tensor-core thread-value layouts end to end.
-    from megalodon_kernels.cuda import kernels as K
+    from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
 
-    monkeypatch.setitem(K.ATTN_DTYPE_CODES, BF16, 3)
+    monkeypatch.setitem(attention_cuda.FLASH_ELEMENTS, BF16, attention_cuda.EMULATED_MMA_ELEMENT)
     check_cuda(1, 70, 70, 2, 16, 12, BF16, dropkey_p=0.2, seed=21, **MASKS[mask])
     check_cuda(1, 9, 20, 1, 64, 64, BF16, attn_fn="laplace", **MASKS[mask])
 

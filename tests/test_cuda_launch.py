@@ -5,13 +5,18 @@ lookup, smem opt-in, argument packing, driver launch) over a fake driver that re
 cuLaunchKernel would receive, and the emulator (which executes the launch by name and reports the
 C++ parameter types it unpacked). The two records must be equal, launch for launch: the GPU path
 launches exactly what the emulator executed and checked against the references."""
+import ctypes
+
 import pytest
 import torch
 
 from megalodon_kernels.cuda import nvrtc
 from megalodon_kernels.cuda.launch import EmulatorLauncher
 from megalodon_kernels.cuda.runtime import GpuLauncher
+from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
 from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
+from megalodon_kernels.ops.dropkey_rule import seed_key, threshold
+from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
 from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
 from megalodon_kernels.ops.fftconv import cuda_impl as fftconv_cuda
 from megalodon_kernels.ops.rotary import cuda_impl as rotary_cuda, rotation_tables
@@ -179,6 +184,89 @@ def test_fftconv_gpu_launches_equal_the_emulator_launches(tee, dtype, L):
     assert_same_launches(tee)
     if L > 10000:  # the multi-pass plan travels by value as a 16-byte struct
         assert any(arg[0] == "struct16" for r in tee.emulator.records for arg in r[4])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
+@pytest.mark.parametrize("batch_index", [False, True], ids=["own_batch", "batch_index"])
+def test_dropkey_softmax_gpu_launches_equal_the_emulator_launches(tee, dtype, batch_index):
+    # S = 300: several scores per thread (64 threads); batch_index: packed attention's per-row document
+    scores = torch.randn(3, 2, 5, 300).to(dtype)
+    bidx = torch.tensor([4, 0, 4]) if batch_index else None
+    backend = dropkey_cuda.DropKeySoftmaxBackend(lambda: tee, "cpu")
+    y = dropkey_cuda.softmax_fwd(tee, scores, causal=True, dropkey_p=0.3, seed=2**40 + 7, batch_index=bidx)
+    assert torch.isfinite(y.float()).all()
+    assert_same_launches(tee)
+    (name, grid, block, smem, args), = tee.emulator.records
+    assert name == f"mk::dropkey_softmax_fwd_kernel<{dropkey_cuda.L.CPP_TYPES[dtype]}, 8>"
+    assert block == (64, 1, 1) and smem == 0
+    assert [a[0] for a in args] == ["ptr", "ptr", "i64", "i32", "i32", "i32", "bool", "u32", "u32", "ptr"]
+    assert args[7][1] == seed_key(2**40 + 7).to_bytes(4, "little") and args[8][1] == threshold(0.3).to_bytes(4, "little")
+    assert (args[9][1] == bytes(8)) != batch_index  # a null pointer exactly when no batch index is given
+    _reset(tee)
+    dx = backend.dropkey_softmax_bwd(torch.randn_like(y), y, causal=True)
+    assert torch.isfinite(dx.float()).all()
+    assert_same_launches(tee)
+    assert tee.emulator.records[0][0].startswith("mk::dropkey_softmax_bwd_kernel<")
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, torch.float16, F64], ids=str)
+@pytest.mark.parametrize("batch_index", [False, True], ids=["own_batch", "batch_index"])
+def test_attention_matmul_path_gpu_launches_equal_the_emulator_launches(tee, dtype, batch_index):
+    # the matmul path: torch matmuls around the dropkey_softmax kernels (fwd; bwd recomputes P)
+    B, L, S, H = 2, 7, 9, 2
+    q, k, v = torch.randn(B, L, H, 8).to(dtype), torch.randn(B, S, H, 8).to(dtype), torch.randn(B, S, H, 5).to(dtype)
+    kw = dict(scale=0.5, causal=True, chunk_size=4, block_causal=True, dropkey_p=0.3, seed=11,
+              batch_index=torch.tensor([3, 3]) if batch_index else None)
+    o, lse = attention_cuda.matmul_fwd(tee, q, k, v, **kw)
+    assert torch.isfinite(o.float()).all() and o.dtype == dtype
+    assert_same_launches(tee)
+    acc = "double" if dtype == F64 else "float"  # the scores are in the accumulation type
+    assert [r[0] for r in tee.emulator.records] == [f"mk::dropkey_softmax_fwd_kernel<{acc}, 8>"]
+    _reset(tee)
+    grads = attention_cuda.matmul_bwd(tee, torch.randn_like(o), q, k, v, **kw)
+    assert all(torch.isfinite(g.float()).all() for g in grads)
+    assert_same_launches(tee)
+    assert [r[0] for r in tee.emulator.records] == [f"mk::dropkey_softmax_fwd_kernel<{acc}, 8>",
+                                                    f"mk::dropkey_softmax_bwd_kernel<{acc}, 8>"]
+
+
+@pytest.mark.parametrize("dtype", [BF16, torch.float16], ids=str)
+@pytest.mark.parametrize("dh,dv", [(16, 12), (100, 130), (256, 200)], ids=["D64", "D128", "D256"])
+@pytest.mark.parametrize("mode", ["softmax", "laplace", "batch_index"])
+def test_attention_flash_gpu_launches_equal_the_emulator_launches(tee, dtype, dh, dv, mode):
+    # the kernels a GPU has (bf16 / fp16 tensor-core tiles) at every padded head dim; v padded to the dv tile
+    B, L, S, H = 2, 70, 67, 1
+    q, k = torch.randn(B, L, H, dh).to(dtype), torch.randn(B, S, H, dh).to(dtype)
+    v = torch.randn(B, S, H, dv).to(dtype)
+    kw = dict(scale=0.3, causal=True, chunk_size=32, block_causal=True, dropkey_p=0.2, seed=5,
+              attn_fn="laplace" if mode == "laplace" else "softmax",
+              batch_index=torch.tensor([1, 0]) if mode == "batch_index" else None)
+    backend = attention_cuda.AttentionBackend(lambda: tee, "cpu")
+    assert backend.flash_reasons(q, v) == []
+    o, lse = backend.attention_fwd(q, k, v, path="flash", **kw)
+    assert torch.isfinite(o.float()).all()
+    assert_same_launches(tee)
+    D = attention_cuda.flash_head_dim(dh)
+    element = attention_cuda.FLASH_ELEMENTS[dtype]
+    (name, grid, block, smem, args), = tee.emulator.records
+    assert name == f"mk::flash::flash_fwd_kernel<mk::flash::FwdCfg<{element}, {D}>>"
+    ldv = -(-dv // attention_cuda.fwd_dv_tile(D)) * attention_cuda.fwd_dv_tile(D)
+    assert grid == (2, B * H, ldv // attention_cuda.fwd_dv_tile(D)) and block == (128, 1, 1)
+    assert smem == attention_cuda.fwd_smem_bytes(element, D) and [a[0] for a in args] == ["struct128"]
+    _reset(tee)
+    grads = backend.attention_bwd(torch.randn_like(o), q, k, v, o, lse, path="flash", **kw)
+    assert all(torch.isfinite(g.float()).all() for g in grads)
+    assert_same_launches(tee)
+    assert [r[0].split("<")[0] for r in tee.emulator.records] == [
+        "mk::flash::flash_bwd_kv_kernel", "mk::flash::flash_bwd_kv_kernel", "mk::flash::flash_bwd_q_kernel"]
+    assert [r[0].rsplit(", ", 1)[-1] for r in tee.emulator.records[:2]] == ["mk::flash::Grad::kDV>",
+                                                                           "mk::flash::Grad::kDK>"]
+
+
+def test_flash_params_mirror_the_kernels_struct():
+    # mk::flash::Params: 8 pointers, 6 ints, a float, 4 ints, 2 uint32, (4 bytes padding) and a pointer
+    assert ctypes.sizeof(attention_cuda.FlashParams) == 128
+    assert attention_cuda.FlashParams.batch_index.offset == 120 and attention_cuda.FlashParams.thr.offset == 112
 
 
 def test_emulator_refuses_arguments_that_do_not_match_the_signature(ext):

@@ -6,8 +6,7 @@ the compile command.
 By default (and in CI) one instantiation per kernel template of the launch descriptions is compiled
 (the last listed: double, or the widest variant) plus one flash attention kernel, about 45 s from
 scratch on two cores; ``--stress`` compiles every instantiation of every kernel, as ``python -m
-megalodon_kernels.cuda compile`` does (one known failure there: a 4-byte spill of
-``cema_synth_kernel<kSynthCema, double>`` on sm_80 with NVRTC 13.0, see cuda/README.md)."""
+megalodon_kernels.cuda compile`` does."""
 import json
 import os
 import subprocess
@@ -39,14 +38,20 @@ REGISTER_BUDGET = {
     "fft4_col_fwd_kernel": 56, "fft4_col_inv_kernel": 48, "fft4_row_conv_kernel": 64, "fft4_row_dk_kernel": 64,
     "fft4_row_spectrum_kernel": 56, "fft4_twiddle_probe_kernel": 24,
     "fftconv_bwd_dk_kernel": 56, "fftconv_bwd_dx_kernel": 64, "fftconv_fwd_kernel": 64, "fftconv_spectrum_kernel": 48,
-    "flash_fwd_kernel": 208,
+    "dropkey_softmax_bwd_kernel": 64, "dropkey_softmax_fwd_kernel": 64,
+    "flash_fwd_kernel": 208, "flash_bwd_kv_kernel": 255, "flash_bwd_q_kernel": 224,
 }
 
 
 def _dynamic_smem(name: str) -> int:
+    from megalodon_kernels.ops.attention import cuda_impl as attention
     from megalodon_kernels.ops.fftconv import cuda_impl as fftconv
 
     family = _family(name)
+    if family == "flash_fwd_kernel":
+        return max(attention.fwd_smem_bytes(e, D) for e, D in attention.FLASH)
+    if family.startswith("flash_bwd"):
+        return max(attention.bwd_smem_bytes(e, D) for e, D in attention.FLASH)
     if family.startswith("fftconv_"):
         return fftconv.one_block_max_smem_bytes()
     if family.startswith(("fft4_col", "fft4_row")):
@@ -71,7 +76,8 @@ def _instantiations(stress: bool):
 
     if stress:
         return [(k.header, k.name) for k in all_kernels()]
-    return [(k.header, k.name) for k in _bounded(described_kernels())] + [FLASH]
+    # the flash kernels take 5-30 s each under NVRTC: one of them here, all under --stress
+    return [(k.header, k.name) for k in _bounded(described_kernels()) if k.header != FLASH[0]] + [FLASH]
 
 
 @pytest.mark.stress
@@ -102,7 +108,7 @@ def test_nvrtc_compiles_the_kernels_for_sm80_and_sm90_without_a_cuda_toolkit(str
     assert len(out["results"]) == 2 * len(jobs)
     from megalodon_kernels.cuda.instances import described_kernels
 
-    assert {_family(k.name) for k in described_kernels()} | {"flash_fwd_kernel"} == set(REGISTER_BUDGET)
+    assert {_family(k.name) for k in described_kernels()} == set(REGISTER_BUDGET)
     for arch, name, regs, spills, smem, size, origin in out["results"]:
         assert origin == "nvrtc" and size > 1000, name
         assert 0 < regs <= REGISTER_BUDGET.get(_family(name), 255), (arch, name, regs)

@@ -10,9 +10,10 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
+from megalodon_kernels.cuda.launch import EmulatorLauncher
 from megalodon_kernels.ops.dropkey_rule import dropkey_mask, resolve_seed
 from megalodon_kernels.ops.dropkey_softmax import dropkey_softmax
-from megalodon_kernels.ops.dropkey_softmax import torch_impl, triton_impl
+from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dk_cuda, torch_impl, triton_impl
 from megalodon_kernels.reference import attention as ref
 from support import knobs as support_knobs
 from support import as_input, assert_close, to_np, tol
@@ -228,7 +229,12 @@ def test_triton_keep_mask_equals_torch_backend_bitwise():
 
 
 # ---------------------------------------------------------------------------------------------
-# The CUDA kernels themselves (cuda/kernels.py over the emulator), in both fiber orders
+# The CUDA kernels themselves (the launch description over the emulator), in both fiber orders
+
+
+@pytest.fixture
+def launcher(ext):
+    return EmulatorLauncher(ext)
 
 
 def _kernel_reference(x, causal, p, seed):
@@ -247,41 +253,41 @@ def _kernel_reference(x, causal, p, seed):
     ((2, 1, 4, 300), False, 0.2),     # several items per thread
     ((1, 1, 2, 4500), True, 0.1),     # beyond the register cache (8 x 512): streamed pass
 ], ids=["kvcache", "square", "short_S", "wide", "streamed"])
-def test_cuda_kernels(ext, kernels, order, dtype, shape, causal, p):
+def test_cuda_kernels(launcher, order, dtype, shape, causal, p):
     seed = 2**40 + 12345
     x = (torch.randn(shape, generator=torch.Generator().manual_seed(1)) * 3).to(dtype)
-    y = kernels.dropkey_softmax_fwd(ext, x, causal=causal, dropkey_p=p, seed=seed)
+    y = dk_cuda.softmax_fwd(launcher, x, causal=causal, dropkey_p=p, seed=seed)
     want, allowed = _kernel_reference(x, causal, p, seed)
     assert y.dtype == dtype and y.shape == x.shape
     assert_close("y", y, want, tol("cuda", dtype, "fwd"))
     # the keep/drop decisions are bit-identical: exactly the allowed entries are non-zero
     np.testing.assert_array_equal(to_np(y) != 0, (want != 0) & allowed)
     dy = torch.randn(shape, generator=torch.Generator().manual_seed(2)).to(dtype)
-    dx = kernels.dropkey_softmax_bwd(ext, dy, y, causal=causal)
+    dx = dk_cuda.softmax_bwd(launcher, dy, y, causal=causal)
     yr, dyr = to_np(y), to_np(dy)
     assert_close("dx", dx, yr * (dyr - (yr * dyr).sum(-1, keepdims=True)), tol("cuda", dtype, "bwd"))
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2**32 - 1, 2**32 + 7, 2**63 - 1])
 @pytest.mark.parametrize("p", [0.05, 0.5, 0.999])
-def test_cuda_kernel_keep_mask_is_the_package_rule(ext, kernels, seed, p):
+def test_cuda_kernel_keep_mask_is_the_package_rule(launcher, seed, p):
     # zero scores, no causal mask: y > 0 exactly where the rule keeps the logit
     Bf, Hf, L, S = 2, 3, 4, 70
-    y = kernels.dropkey_softmax_fwd(ext, torch.zeros(Bf, Hf, L, S), causal=False, dropkey_p=p, seed=seed)
+    y = dk_cuda.softmax_fwd(launcher, torch.zeros(Bf, Hf, L, S), causal=False, dropkey_p=p, seed=seed)
     keep = dropkey_mask(seed, p, Bf, Hf, L, S)
     np.testing.assert_array_equal((y > 0).numpy(), keep.numpy())
 
 
-def test_cuda_kernel_p0_is_plain_softmax(ext, kernels):
+def test_cuda_kernel_p0_is_plain_softmax(launcher):
     x = torch.randn(2, 2, 6, 6, generator=torch.Generator().manual_seed(3))
-    y = kernels.dropkey_softmax_fwd(ext, x, causal=False, dropkey_p=0.0, seed=5)
+    y = dk_cuda.softmax_fwd(launcher, x, causal=False, dropkey_p=0.0, seed=5)
     assert_close("y", y, torch.softmax(x.double(), -1), 2e-6)
 
 
-def test_cuda_kernel_rank_2_and_5(ext, kernels):
+def test_cuda_kernel_rank_2_and_5(launcher):
     for shape in [(5, 8), (2, 2, 2, 3, 4)]:
         x = torch.randn(shape, generator=torch.Generator().manual_seed(4))
-        y = kernels.dropkey_softmax_fwd(ext, x, causal=True, dropkey_p=0.25, seed=9)
+        y = dk_cuda.softmax_fwd(launcher, x, causal=True, dropkey_p=0.25, seed=9)
         flat = x.reshape(-1, shape[-3] if len(shape) >= 3 else 1, *shape[-2:])
         want, _ = _kernel_reference(flat, True, 0.25, 9)
         assert_close("y", y.reshape(flat.shape), want, 2e-5)

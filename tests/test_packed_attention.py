@@ -240,16 +240,16 @@ def test_bad_input():
 
 
 
-@pytest.mark.parametrize("backend, dtype, launcher", [("cuda", F32, "attention_flash"), ("cuda", F64, "attention_matmul")])
+@pytest.mark.parametrize("backend, dtype, launcher", [("cuda", F32, "flash"), ("cuda", F64, "matmul")])
 def test_cuda_paths_receive_the_document_indices(backend, dtype, launcher, monkeypatch):
     """The packed DropKey reaches the CUDA kernels as their batch index: the flash kernels for
     float32 (emulator) and the matmul + dropkey_softmax path for float64."""
-    from megalodon_kernels.cuda import kernels
+    from megalodon_kernels.ops.attention import cuda_impl
 
     seen = []
     for name in (f"{launcher}_fwd", f"{launcher}_bwd"):
-        inner = getattr(kernels, name)
-        monkeypatch.setattr(kernels, name, lambda *a, _inner=inner, _name=name, **kw: seen.append(
+        inner = getattr(cuda_impl, name)
+        monkeypatch.setattr(cuda_impl, name, lambda *a, _inner=inner, _name=name, **kw: seen.append(
             (_name, kw["batch_index"].tolist())) or _inner(*a, **kw))
     q, k, v, do, cu = packed_inputs([3, 9, 2, 12], dtype)
     run(q, k, v, do, cu_seqlens=cu, dropkey_p=0.3, seed=1, backend=backend)

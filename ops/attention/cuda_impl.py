@@ -1,8 +1,389 @@
-"""CUDA backend of attention (see cuda/backend.py AttentionBackend): through
-megalodon_kernels.cuda._C; when the extension is not built, not_supported_reasons says how to
-build it."""
-from ...cuda.backend import attention as _backend
+"""CUDA backend of attention: its kernels are cuda/flash_attention.cuh (CuTe flash attention,
+forward and the three backward kernels) and cuda/dropkey_softmax.cuh (through
+ops/dropkey_softmax/cuda_impl.py); this file is their whole launch path, two paths (see
+AttentionBackend):
 
+* "flash": the fused kernels, launched with their Params struct by value.
+* "matmul": torch matmuls around the dropkey_softmax kernels.
+
+Both run on a GPU through the NVRTC runtime (cuda/runtime.py) and in the CPU emulator (tests),
+from the same :class:`~megalodon_kernels.cuda.launch.Launch` records.
+"""
+from __future__ import annotations
+
+import ctypes
+
+import torch
+
+from ...cuda import runtime
+from ...cuda.backend import _Backend
+from ...cuda.launch import Kernel, acc_dtype, launch, ptr, struct_arg
+from ..dropkey_rule import seed_key, threshold
+from ..dropkey_softmax import cuda_impl as dropkey_cuda
+
+# ------------------------------------------------------------------------------------------------
+# flash: configurations (FwdCfg / BwdCfg / FwdSmem / BwdSmem of flash_attention.cuh)
+# ------------------------------------------------------------------------------------------------
+
+#: Padded head dims the flash kernels are instantiated for (q/k are zero-padded up to one).
+FLASH_HEAD_DIMS = (64, 128, 256)
+BM = BN = 64  # query / key rows per tile
+#: element type of q/k/v -> the kernels' element type (tensor-core tiles: bf16 and fp16 on a GPU)
+FLASH_ELEMENTS = {torch.bfloat16: "cutlass::bfloat16_t", torch.float16: "cutlass::half_t",
+                  torch.float32: "float"}
+#: emulator only: bf16 through the SM80 TiledMMA with an emulated mma.sync atom (D = 64), so the
+#: tensor-core thread-value layouts are checked on a CPU too
+EMULATED_MMA_ELEMENT = "mk::flash::bf16_sm80emu"
+_ELEMENT_BYTES = {"cutlass::bfloat16_t": 2, "cutlass::half_t": 2, "float": 4, EMULATED_MMA_ELEMENT: 2}
+
+
+def fwd_dv_tile(D: int) -> int:
+    """Columns of v per forward CTA (FwdCfg::DV)."""
+    return 128 if D >= 128 else 64
+
+
+def bwd_dv_tile(D: int) -> int:
+    """Columns of v per backward dv CTA and dP chunk (BwdCfg::DV)."""
+    return 128 if D >= 256 else 64
+
+
+def bwd_threads(D: int) -> int:
+    """BwdCfg::NT: 256 at D = 256 keeps the 64 x D fp32 accumulators at 64 registers per thread."""
+    return 256 if D >= 256 else 128
+
+
+FWD_THREADS = 2 * BM  # a lane pair per query row
+
+
+def _tile_bytes(rows: int, cols: int, esize: int) -> int:
+    return rows * (cols + 16 // esize) * esize  # rows padded by 16 bytes (smem_elems)
+
+
+def fwd_smem_bytes(element: str, D: int) -> int:
+    e, DV = _ELEMENT_BYTES[element], fwd_dv_tile(D)
+    tiles = _tile_bytes(BM, D, e) + _tile_bytes(BN, D, e) + _tile_bytes(BN, DV, e) + _tile_bytes(BM, BN, e)
+    return tiles + BM * (BN + 4) * 4 + 3 * BM * 4  # + fp32 scores, (m, l, alpha) per row
+
+
+def bwd_smem_bytes(element: str, D: int) -> int:
+    e, DV = _ELEMENT_BYTES[element], bwd_dv_tile(D)
+    tiles = (_tile_bytes(BM, D, e) + _tile_bytes(BN, D, e) + _tile_bytes(BM, DV, e) + _tile_bytes(BN, DV, e)
+             + _tile_bytes(BM, BN, e))
+    return tiles + 2 * BM * 4  # + lse, delta of the query block
+
+
+def _flash_kernels(element: str, D: int) -> dict[str, Kernel]:
+    fwd, bwd = f"mk::flash::FwdCfg<{element}, {D}>", f"mk::flash::BwdCfg<{element}, {D}>"
+    names = {"fwd": f"mk::flash::flash_fwd_kernel<{fwd}>",
+             "dv": f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDV>",
+             "dk": f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDK>",
+             "dq": f"mk::flash::flash_bwd_q_kernel<{bwd}>"}
+    return {k: Kernel("flash_attention.cuh", n) for k, n in names.items()}
+
+
+#: (element, D) -> {"fwd", "dv", "dk", "dq": Kernel}: the GPU's (mma.sync tiles) ...
+FLASH = {(e, D): _flash_kernels(e, D) for e in ("cutlass::bfloat16_t", "cutlass::half_t") for D in FLASH_HEAD_DIMS}
+#: ... and the emulator's extra ones (fp32 FMA tiles; fp32 at D = 256 exceeds the smem limit; the
+#: emulated mma.sync at D = 64), which do not compile for a GPU
+EMULATOR_FLASH = {**{("float", D): _flash_kernels("float", D) for D in (64, 128)},
+                  (EMULATED_MMA_ELEMENT, 64): _flash_kernels(EMULATED_MMA_ELEMENT, 64)}
+KERNELS = [k for ks in FLASH.values() for k in ks.values()]  # (the matmul path's: dropkey_softmax's)
+EMULATOR_KERNELS = [k for ks in EMULATOR_FLASH.values() for k in ks.values()]
+
+
+def flash_head_dim(dh: int) -> int | None:
+    """The instantiated head dim q/k are zero-padded to (None: dh > 256)."""
+    return next((d for d in FLASH_HEAD_DIMS if dh <= d), None)
+
+
+def flash_kernels(launcher, dtype: torch.dtype, dh: int) -> dict[str, Kernel] | None:
+    """The flash kernels ``launcher`` has for q's dtype and head dim (None: none)."""
+    D = flash_head_dim(dh)
+    table = {**FLASH, **EMULATOR_FLASH} if getattr(launcher, "EMULATOR", False) else FLASH
+    return table.get((FLASH_ELEMENTS.get(dtype), D))
+
+
+class FlashParams(ctypes.Structure):
+    """mk::flash::Params (flash_attention.cuh), field for field: passed by value to every kernel."""
+
+    _fields_ = [*((name, ctypes.c_void_p) for name in ("q", "k", "v", "o", "dout", "out", "lse", "delta")),
+                *((name, ctypes.c_int) for name in ("B", "H", "L", "S", "ldv", "dv_chunks")),
+                ("scale", ctypes.c_float),
+                *((name, ctypes.c_int) for name in ("causal", "chunk", "block_causal", "laplace")),
+                ("key", ctypes.c_uint32), ("thr", ctypes.c_uint32), ("batch_index", ctypes.c_void_p)]
+
+
+def _params(B, L, S, H, ldv, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+            batch_index) -> FlashParams:
+    chunk = int(chunk_size or 0)
+    if L >= 2**30 or S >= 2**30:
+        raise ValueError(f"the flash kernel handles L and S < 2**30, got L = {L}, S = {S}")
+    if not 0 <= chunk < 2**30:
+        raise ValueError(f"chunk_size must be in [1, 2**30) or None, got {chunk_size}")
+    if block_causal and not chunk:
+        raise ValueError("block_causal needs chunk_size")
+    if not 0.0 <= dropkey_p < 1.0:
+        raise ValueError(f"dropkey_p must be in [0, 1), got {dropkey_p}")
+    return FlashParams(B=B, H=H, L=L, S=S, ldv=ldv, scale=float(scale), causal=bool(causal), chunk=chunk,
+                       block_causal=bool(block_causal), laplace=attn_fn == "laplace", key=seed_key(int(seed)),
+                       thr=threshold(float(dropkey_p)), batch_index=ptr(batch_index) or None)
+
+
+def _batch_index(batch_index, B: int, device) -> torch.Tensor | None:
+    """A DropKey batch index (B,) as the kernels read it (contiguous int64 on ``device``), or None."""
+    if batch_index is None:
+        return None
+    if tuple(batch_index.shape) != (B,):
+        raise ValueError(f"batch_index must have shape ({B},), got {tuple(batch_index.shape)}")
+    return batch_index.to(device=device, dtype=torch.int64).contiguous()
+
+
+def _pad_last(x: torch.Tensor, n: int) -> torch.Tensor:
+    """Contiguous x with the last dim zero-padded to n (zeros change no dot product)."""
+    if x.shape[-1] == n:
+        return x.contiguous()
+    return torch.nn.functional.pad(x, (0, n - x.shape[-1])).contiguous()
+
+
+def _flash_setup(launcher, q, k, v):
+    kernels = flash_kernels(launcher, q.dtype, q.shape[-1])
+    if kernels is None:
+        raise ValueError(f"no flash kernel for {q.dtype} at head dim {q.shape[-1]} (use path='matmul')")
+    D = flash_head_dim(q.shape[-1])
+    tile = fwd_dv_tile(D)
+    ldv = -(-v.shape[-1] // tile) * tile
+    return kernels, D, ldv, _pad_last(q, D), _pad_last(k, D), _pad_last(v, ldv)
+
+
+def flash_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+              batch_index=None):
+    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 or None for Laplace) by the flash kernel.
+    ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
+    B, Lq, H, _ = q.shape
+    S, dv = k.shape[1], v.shape[-1]
+    kernels, D, ldv, qp, kp, vp = _flash_setup(launcher, q, k, v)
+    o = torch.empty(B, Lq, H, ldv, dtype=q.dtype, device=q.device)
+    lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+    bidx = _batch_index(batch_index, B, q.device)
+    prm = _params(B, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+                  dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
+    prm.q, prm.k, prm.v, prm.out, prm.lse = ptr(qp), ptr(kp), ptr(vp), ptr(o), ptr(lse)
+    if B * H * Lq > 0:
+        element = FLASH_ELEMENTS[q.dtype]
+        launch(launcher, kernels["fwd"], (-(-Lq // BM), B * H, ldv // fwd_dv_tile(D)), FWD_THREADS,
+               fwd_smem_bytes(element, D), [struct_arg(prm)], q.device)
+    o = o if ldv == dv else o[..., :dv].contiguous()
+    return o, (None if attn_fn == "laplace" else lse)
+
+
+def flash_bwd(launcher, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+              batch_index=None):
+    """(dq, dk, dv) in the input dtypes by the flash backward kernels (P regenerated from lse):
+    dv per (key block, dv tile), dk per key block, dq per query block; no atomics."""
+    B, Lq, H, dh = q.shape
+    S, dv = k.shape[1], v.shape[-1]
+    kernels, D, ldv, qp, kp, vp = _flash_setup(launcher, q, k, v)
+    dop = _pad_last(do.to(q.dtype), ldv)
+    if attn_fn == "laplace":
+        lse_f = delta = torch.zeros(1, dtype=torch.float32, device=q.device)  # unused by the kernels
+    else:
+        lse_f = lse.to(torch.float32).contiguous()
+        # delta = rowsum(dO * O) in fp32 (B, H, L): one elementwise pass, as the torch backend.
+        delta = (do.to(torch.float32) * o.to(torch.float32)).sum(-1).transpose(1, 2).contiguous()
+    dq = torch.empty(B, Lq, H, D, dtype=q.dtype, device=q.device)
+    dk = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device)
+    dvp = torch.empty(B, S, H, ldv, dtype=q.dtype, device=q.device)
+    bidx = _batch_index(batch_index, B, q.device)
+    prm = _params(B, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+                  dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
+    DV = bwd_dv_tile(D)
+    prm.q, prm.k, prm.v, prm.dout, prm.lse, prm.delta = ptr(qp), ptr(kp), ptr(vp), ptr(dop), ptr(lse_f), ptr(delta)
+    prm.dv_chunks = ldv // DV
+    smem, threads = bwd_smem_bytes(FLASH_ELEMENTS[q.dtype], D), bwd_threads(D)
+
+    def run(kernel, out, blocks, z=1):
+        prm.out = ptr(out)  # the launch copies the struct: each kernel keeps its own output
+        launch(launcher, kernels[kernel], (blocks, B * H, z), threads, smem, [struct_arg(prm)], q.device)
+
+    if B * H > 0:
+        if S > 0:
+            run("dv", dvp, -(-S // BN), ldv // DV)
+            run("dk", dk, -(-S // BN))
+        if Lq > 0:
+            run("dq", dq, -(-Lq // BM))
+    cut = lambda x, n: x if x.shape[-1] == n else x[..., :n].contiguous()  # noqa: E731
+    return cut(dq, dh), cut(dk, dh), cut(dvp, dv)
+
+
+# ------------------------------------------------------------------------------------------------
+# matmul: torch matmuls around the dropkey_softmax kernels
+# ------------------------------------------------------------------------------------------------
+
+def _visible(L: int, S: int, chunk_size, block_causal: bool, device) -> torch.Tensor | None:
+    """(L, S) bool of the chunk / block_causal visibility (None without chunk_size); the causal
+    part is left to the dropkey_softmax kernel. Query i sits at key position i + S - L."""
+    if chunk_size is None:
+        return None
+    pos = torch.arange(L, device=device).view(L, 1) + (S - L)
+    cp = torch.div(pos, chunk_size, rounding_mode="floor")
+    cj = torch.div(torch.arange(S, device=device).view(1, S), chunk_size, rounding_mode="floor")
+    return (cj == cp) | (cj == cp - 1) if block_causal else cj == cp
+
+
+def _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index):
+    """(P (B, H, L, S), s (B, H, L, S)) of the matmul path (scores masked with -inf), both in
+    acc_dtype(q): float64 q/k/v run float64 matmuls and the fp64 dropkey_softmax kernel."""
+    B, L, H, _ = q.shape
+    S = k.shape[1]
+    acc = acc_dtype(q)
+    s = torch.matmul(q.transpose(1, 2).to(acc), k.transpose(1, 2).to(acc).transpose(-1, -2))
+    s.mul_(scale)
+    vis = _visible(L, S, chunk_size, block_causal, q.device)
+    if vis is not None:
+        s.masked_fill_(~vis, float("-inf"))
+    # The kernel's (flat batch, head, row, column) of a (B, H, L, S) tensor are the attention's (b, h, i, j).
+    p = dropkey_cuda.softmax_fwd(launcher, s, causal=causal, dropkey_p=dropkey_p, seed=seed,
+                                  batch_index=batch_index)
+    return p, s
+
+
+def matmul_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+               batch_index=None):
+    """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 (fp64 for float64 q); -inf for rows with no
+    visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
+    B, L, H, _ = q.shape
+    S = k.shape[1]
+    if B * H * L * S == 0:
+        o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
+        return o, torch.full((B, H, L), float("-inf"), dtype=acc_dtype(q), device=q.device)
+    p, s = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
+    o = torch.matmul(p, v.transpose(1, 2).to(p.dtype)).transpose(1, 2).to(q.dtype).contiguous()
+    # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
+    pmax, idx = p.max(dim=-1, keepdim=True)
+    lse = (s.gather(-1, idx) - pmax.log()).squeeze(-1)
+    lse = lse.masked_fill(pmax.squeeze(-1) == 0, float("-inf"))
+    return o, lse
+
+
+def matmul_bwd(launcher, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+               batch_index=None):
+    """(dq, dk, dv) in the input dtypes; P is recomputed by the forward kernel (same DropKey mask)."""
+    B, L, H, _ = q.shape
+    S = k.shape[1]
+    if B * H * L * S == 0:
+        return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    p, _ = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
+    acc = lambda x: x.transpose(1, 2).to(p.dtype)  # noqa: E731  (B, H, T, d) in acc_dtype(q)
+    dot, qt, kt, vt = acc(do), acc(q), acc(k), acc(v)
+    dv = torch.matmul(p.transpose(-1, -2), dot)
+    dp = torch.matmul(dot, vt.transpose(-1, -2)).contiguous()
+    ds = dropkey_cuda.softmax_bwd(launcher, dp, p, causal=causal)  # P (dP - rowsum(P dP)); 0 where P = 0
+    dq = torch.matmul(ds, kt).mul_(scale)
+    dk = torch.matmul(ds.transpose(-1, -2), qt).mul_(scale)
+    back = lambda x, like: x.transpose(1, 2).to(like.dtype).contiguous()  # noqa: E731
+    return back(dq, q), back(dk, k), back(dv, v)
+
+
+class AttentionBackend(_Backend):
+    """attention on the CUDA kernels, two paths.
+
+    * "flash" (cuda/flash_attention.cuh, CuTe): fused forward (online softmax, saved lse) and
+      backward (dv, dk, dq kernels, no atomics), every mask mode, DropKey, Laplace; q/k are
+      zero-padded to head dim 64, 128 or 256 and v to the kernel's dv tile. bf16/fp16 on the GPU
+      (mma.sync), also fp32 in the emulator.
+    * "matmul": scores = scale * q k^T per (b, h) by torch.matmul (cuBLAS on a GPU) in fp32,
+      the chunk / block_causal visibility as -inf, then the fused causal + DropKey + softmax
+      kernel (cuda/dropkey_softmax.cuh; the package's DropKey rule with (b, h, i, j) = the
+      score indices) and P v; the backward recomputes P with that kernel and uses its softmax
+      backward. It materialises the L x S fp32 (fp64) scores and has no Laplace. Used where the flash
+      kernel has no instantiated configuration (fp32 on the GPU, head dim > 256, dv = 0).
+      float64 q/k/v always take this path, in fp64 throughout (float64 matmuls, the fp64
+      dropkey_softmax kernel): the flash kernel's tensor-core tiles have no fp64 configuration,
+      so fp64 with attn_fn="laplace" (flash only) is refused.
+    """
+
+    _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+    #: path: "auto" (flash where it supports the inputs, else matmul), "flash" or "matmul".
+    DEFAULT_CONFIG: dict = {"path": "auto"}
+
+    def flash_reasons(self, q, v) -> list[str]:
+        """Why the flash kernel cannot run these inputs ([] if it can)."""
+        if q.dtype == torch.float64:
+            return ["the flash kernel has no float64 configuration (its mma tensor-core tiles take "
+                    "bfloat16/float16; float64 runs on path='matmul')"]
+        if q.dtype not in FLASH_ELEMENTS:
+            return [f"the flash kernel takes float32/bfloat16/float16, got {q.dtype}"]
+        if flash_head_dim(q.shape[-1]) is None:
+            return [f"the flash kernel handles head dims <= {FLASH_HEAD_DIMS[-1]}, got {q.shape[-1]}"]
+        if v.shape[-1] == 0:
+            return ["the flash kernel needs dv > 0"]
+        if q.shape[0] * q.shape[2] > 65535:  # B * H is the grid's y dimension
+            return [f"the flash kernel handles B * H <= 65535, got {q.shape[0] * q.shape[2]}"]
+        try:
+            kernels = flash_kernels(self.ext, q.dtype, q.shape[-1])
+        except Exception as exc:  # no launcher here (no CuPy / driver / device)
+            return [str(exc)]
+        if kernels is None:
+            return [f"no flash kernel is instantiated for {q.dtype} at head dim {flash_head_dim(q.shape[-1])} "
+                    f"(float32 runs on the matmul path on a GPU)"]
+        return []
+
+    def _path(self, q, v, attn_fn, path):
+        path = path or self.DEFAULT_CONFIG.get("path", "auto")
+        if path not in ("auto", "flash", "matmul"):
+            raise ValueError(f"path must be 'auto', 'flash' or 'matmul', got {path!r}")
+        if path == "auto":
+            path = "matmul" if self.flash_reasons(q, v) else "flash"
+        if path == "flash" and self.flash_reasons(q, v):
+            raise ValueError("; ".join(self.flash_reasons(q, v)) + " (use path='matmul' or backend='torch')")
+        if path == "matmul" and attn_fn != "softmax":
+            raise ValueError(f"attn_fn={attn_fn!r} is not supported by the CUDA matmul path (use backend='torch')")
+        return path
+
+    def not_supported_reasons(self, q, k=None, v=None, *, attn_fn="softmax", **_other_inputs) -> list[str]:
+        named = {n: t for n, t in (("q", q), ("k", k), ("v", v)) if t is not None}
+        reasons = self._available()
+        if any(t.device.type != self.device_type for t in named.values()):
+            bad = next(n for n, t in named.items() if t.device.type != self.device_type)
+            reasons.append(f"needs {self.device_type} tensors, got {bad} on {named[bad].device} (use backend='torch')")
+        if q.dtype not in self._INPUT_DTYPES:
+            reasons.append(f"the CUDA attention takes float32, bfloat16, float16 or float64 q/k/v, got {q.dtype} "
+                           f"(use backend='torch')")
+        if reasons:
+            return reasons
+        path = self.DEFAULT_CONFIG.get("path", "auto")
+        if path == "flash":  # a forced flash path: say why it cannot run here (e.g. float64) up front
+            flash = self.flash_reasons(q, q if v is None else v)
+            if flash:
+                reasons.append(f"path='flash' is configured but {'; '.join(flash)} (use path='auto' or 'matmul', "
+                               f"or backend='torch')")
+            return reasons
+        if attn_fn == "softmax":
+            return reasons
+        flash = self.flash_reasons(q, q if v is None else v) if path != "matmul" else ["path='matmul'"]
+        if flash:
+            reasons.append(f"attn_fn={attn_fn!r} needs the flash kernel ({'; '.join(flash)}); the CUDA matmul + "
+                           f"dropkey_softmax path has no laplace (use backend='torch')")
+        return reasons
+
+    def attention_fwd(self, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                      path=None, batch_index=None, **_config):
+        kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                  seed=seed, batch_index=batch_index)
+        if self._path(q, v, attn_fn, path) == "flash":
+            return flash_fwd(self.ext, q, k, v, attn_fn=attn_fn, **kw)
+        return matmul_fwd(self.ext, q, k, v, **kw)
+
+    def attention_bwd(self, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+                      attn_fn, path=None, batch_index=None, **_config):
+        kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                  seed=seed, batch_index=batch_index)
+        if self._path(q, v, attn_fn, path) == "flash":
+            return flash_bwd(self.ext, do, q, k, v, o, lse, attn_fn=attn_fn, **kw)
+        return matmul_bwd(self.ext, do, q, k, v, **kw)
+
+
+_backend = AttentionBackend(runtime.gpu_launcher)
 DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
 not_supported_reasons = _backend.not_supported_reasons
 attention_fwd = _backend.attention_fwd

@@ -1,7 +1,111 @@
-"""CUDA backend of dropkey_softmax: cuda/dropkey_softmax.cuh (fused causal mask + the package's
-DropKey rule + softmax) through megalodon_kernels.cuda._C (see cuda/backend.py)."""
-from ...cuda.backend import dropkey_softmax as _backend
+"""CUDA backend of dropkey_softmax: the kernels are cuda/dropkey_softmax.cuh (fused bottom-right
+causal mask + the package's DropKey rule + softmax over score rows, and its backward); this file
+is their whole launch path. The attention op's matmul path launches them through the same
+functions (ops/attention/cuda_impl.py).
 
+The launch description below runs on a GPU through the NVRTC runtime (cuda/runtime.py) and in
+the CPU emulator (tests), both from the same :class:`~megalodon_kernels.cuda.launch.Launch` records.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from ...cuda import launch as L
+from ...cuda import runtime
+from ...cuda.backend import _Backend
+from ..dropkey_rule import seed_key, threshold
+
+ITEMS = 8          # kSoftmaxItems: scores per thread held in registers
+MAX_THREADS = 512  # kSoftmaxMaxThreads: the kernels' __launch_bounds__
+#: (scores dtype, "fwd" | "bwd") -> instantiation
+KERNELS_BY_KEY = {(dtype, d): L.Kernel("dropkey_softmax.cuh", f"mk::dropkey_softmax_{d}_kernel<{cpp}, {ITEMS}>")
+                  for d in ("fwd", "bwd") for dtype, cpp in L.CPP_TYPES.items()}
+KERNELS = list(KERNELS_BY_KEY.values())
+
+
+def threads(S: int) -> int:
+    """Threads per row: a power of two >= 32 giving each thread at most ITEMS scores, up to MAX_THREADS."""
+    per, nt = -(-S // ITEMS), 32
+    while nt < per and nt < MAX_THREADS:
+        nt *= 2
+    return nt
+
+
+def _rows(shape) -> tuple[int, int, int, int]:
+    """(flat batch, heads, L, S) of scores (..., [H,] L, S); the kernels see (Bf, Hf, L, S)."""
+    Lq, S = shape[-2:]
+    H = shape[-3] if len(shape) >= 3 else 1
+    Bf = math.prod(shape[:-3])
+    if Lq >= 2**31 or S >= 2**31 or H >= 2**31:
+        raise ValueError(f"dropkey_softmax: L, S and H must be < 2**31, got shape {tuple(shape)}")
+    if Bf > 0xFFFFFFFF:
+        raise ValueError(f"dropkey_softmax: the flat batch size must fit 32 bits (DropKey rule), got {Bf}")
+    return Bf, H, Lq, S
+
+
+def _check_dtype(t: torch.Tensor, name: str) -> None:
+    if t.dtype not in L.CPP_TYPES:
+        raise TypeError(f"the CUDA dropkey_softmax kernels take float32, bfloat16 or float64 {name}, got {t.dtype}")
+
+
+def softmax_fwd(launcher, scores: torch.Tensor, *, causal: bool, dropkey_p: float, seed: int,
+                        batch_index: torch.Tensor | None = None) -> torch.Tensor:
+    """Probabilities in scores' dtype (float64 scores: exp and sums in double).
+
+    ``batch_index`` (Bf,) integer or None: the batch index the DropKey rule hashes for each flat
+    batch (None: the flat batch index itself; packed attention passes each row's document)."""
+    _check_dtype(scores, "scores")
+    if not 0.0 <= dropkey_p < 1.0:
+        raise ValueError(f"dropkey_softmax: dropkey_p must be in [0, 1), got {dropkey_p}")
+    x = scores.contiguous()
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    Bf, H, Lq, S = _rows(x.shape)
+    bidx = None
+    if batch_index is not None:
+        if tuple(batch_index.shape) != (Bf,):
+            raise ValueError(f"batch_index must have shape ({Bf},), got {tuple(batch_index.shape)}")
+        bidx = batch_index.to(device=x.device, dtype=torch.int64).contiguous()
+    rows = Bf * H * Lq
+    if rows == 0 or S == 0:
+        return y
+    L.launch(launcher, KERNELS_BY_KEY[(x.dtype, "fwd")], L.grid_1d(rows), threads(S), 0,
+             [("ptr", L.ptr(x)), ("ptr", L.ptr(y)), ("i64", rows), ("i32", H), ("i32", Lq), ("i32", S),
+              ("bool", bool(causal)), ("u32", seed_key(int(seed))), ("u32", threshold(float(dropkey_p))),
+              ("ptr", L.ptr(bidx))], x.device)
+    return y
+
+
+def softmax_bwd(launcher, dy: torch.Tensor, y: torch.Tensor, *, causal: bool) -> torch.Tensor:
+    """dscores = y (dy - rowsum(y dy)) from the saved output alone (dropped and masked entries have y = 0)."""
+    _check_dtype(y, "y")
+    yc, dyc = y.contiguous(), dy.to(y.dtype).contiguous()
+    dx = torch.empty(yc.shape, dtype=y.dtype, device=y.device)
+    Bf, H, Lq, S = _rows(yc.shape)
+    rows = Bf * H * Lq
+    if rows == 0 or S == 0:
+        return dx
+    L.launch(launcher, KERNELS_BY_KEY[(y.dtype, "bwd")], L.grid_1d(rows), threads(S), 0,
+             [("ptr", L.ptr(yc)), ("ptr", L.ptr(dyc)), ("ptr", L.ptr(dx)), ("i64", rows), ("i32", Lq), ("i32", S),
+              ("bool", bool(causal))], y.device)
+    return dx
+
+
+class DropKeySoftmaxBackend(_Backend):
+    FP64 = True  # double scores: exp and sums in double, the same DropKey decisions
+
+    def not_supported_reasons(self, scores, **_other_inputs) -> list[str]:
+        return self._reasons({"scores": scores}, "scores")
+
+    def dropkey_softmax_fwd(self, scores, *, causal, dropkey_p, seed):
+        return softmax_fwd(self.ext, scores, causal=causal, dropkey_p=dropkey_p, seed=seed)
+
+    def dropkey_softmax_bwd(self, dy, y, *, causal, dropkey_p=0.0, seed=0):
+        return softmax_bwd(self.ext, dy, y, causal=causal)
+
+
+_backend = DropKeySoftmaxBackend(runtime.gpu_launcher)
 DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
 not_supported_reasons = _backend.not_supported_reasons
 dropkey_softmax_fwd = _backend.dropkey_softmax_fwd
