@@ -459,6 +459,26 @@ def test_model_compiled_fullgraph_equals_eager_with_dropkey():
     assert not torch.allclose(other, eager_logits)
 
 
+def test_packed_model_compiled_fullgraph_equals_eager_with_dropkey():
+    """A packed row (cu_seqlens, DropKey on) compiles into one graph whose logits and gradients
+    equal eager; the step is also not the unpacked one (the documents do not see each other)."""
+    model = _model(dropkey_p=0.3).train()
+    tokens = torch.randint(0, 50, (1, 45), generator=torch.Generator().manual_seed(3))
+    cu = torch.tensor([0, 7, 7, 30, 45])
+    explain = torch._dynamo.explain(model)(tokens, cu_seqlens=cu)
+    assert explain.graph_break_count == 0 and explain.graph_count == 1, explain.break_reasons
+    torch._dynamo.reset()
+    packed = lambda m: (lambda t: m(t, cu_seqlens=cu))  # noqa: E731
+    eager_logits, eager_grads = _step(model, tokens, run=packed(model))
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    logits, grads = _step(model, tokens, run=packed(compiled))
+    _close([logits], [eager_logits], 1e-5)
+    assert grads.keys() == eager_grads.keys()
+    _close([grads[n] for n in grads], [eager_grads[n] for n in grads], 1e-4)
+    unpacked, _ = _step(model, tokens)
+    assert not torch.allclose(unpacked, eager_logits, atol=1e-3)
+
+
 def test_model_dynamic_length_recompiles_at_most_once():
     from torch._dynamo.testing import CompileCounterWithBackend
 
