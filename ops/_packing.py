@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import weakref
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 
@@ -98,15 +97,13 @@ class Bucket:
     """Documents run as rows of one length.
 
     size: the row length Lb; docs (nb,) int64: the documents' indices; lengths (nb,) int64;
-    index (nb, Lb) int64: the packed position each row step reads (clamped into the row where the
-    step is padding); valid (nb, Lb) bool: the step holds a document token. The valid steps as
-    flat lists: ``valid_rows``, ``valid_steps`` (their row and step) and ``valid_src`` (their
-    packed position), so gathering and scattering touch only real tokens."""
+    valid (nb, Lb) bool: the step holds a document token. The valid steps as flat lists:
+    ``valid_rows``, ``valid_steps`` (their row and step) and ``valid_src`` (their packed
+    position), so gathering and scattering touch only real tokens."""
 
     size: int
     docs: torch.Tensor
     lengths: torch.Tensor
-    index: torch.Tensor
     valid: torch.Tensor
     valid_rows: torch.Tensor
     valid_steps: torch.Tensor
@@ -128,41 +125,35 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a packed row of length L runs: n documents, their lengths (n,) int64 on the device and
-    on the host, and the buckets (documents of length 0 are in none)."""
+    """How a packed row of length L runs: n documents, their lengths (n,) int64 on the device, and
+    the buckets (documents of length 0 are in none)."""
 
     n: int
     length: int
     lengths: torch.Tensor
-    host_lengths: tuple
     buckets: tuple
-
-    def per_document(self, values: torch.Tensor, bucket: Bucket) -> torch.Tensor:
-        """The rows of a per-document tensor (n, ...) that belong to ``bucket``."""
-        return values.index_select(0, bucket.docs)
 
 
 _CACHE: dict = {}
 
 
-def plan(cu_seqlens: torch.Tensor, length: int, *, align: str = "left",
-         row_length: Callable[[int], int] = next_pow2, key=None) -> Plan:
+def plan(cu_seqlens: torch.Tensor, length: int, *, align: str = "left") -> Plan:
     """Plan a packed call on a row of ``length`` steps (see the module docstring); raises
     ValueError naming cu_seqlens when its values are not 0 first, non-decreasing, ``length``
-    last. ``key`` names ``row_length`` in the cache (functions with one key must agree)."""
+    last."""
     if align not in ("left", "right"):
         raise ValueError(f"align must be 'left' or 'right', got {align!r}")
-    cache_key = (id(cu_seqlens), cu_seqlens._version, length, align, key or row_length)
+    cache_key = (id(cu_seqlens), cu_seqlens._version, length, align)
     hit = _CACHE.get(cache_key)
     if hit is not None and hit[0]() is cu_seqlens:
         return hit[1]
-    result = _make_plan(cu_seqlens, length, align, row_length)
+    result = _make_plan(cu_seqlens, length, align)
     ref = weakref.ref(cu_seqlens, lambda _, k=cache_key: _CACHE.pop(k, None))
     _CACHE[cache_key] = (ref, result)
     return result
 
 
-def _make_plan(cu_seqlens, length, align, row_length) -> Plan:
+def _make_plan(cu_seqlens, length, align) -> Plan:
     cu = [int(v) for v in cu_seqlens.tolist()]  # the one host read of a packed call
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
@@ -177,7 +168,7 @@ def _make_plan(cu_seqlens, length, align, row_length) -> Plan:
     groups: dict = {}
     for d, n in enumerate(lengths):
         if n:  # a row never needs to be longer than the packed row itself
-            groups.setdefault(min(row_length(n), length), []).append(d)
+            groups.setdefault(min(next_pow2(n), length), []).append(d)
     buckets = []
     for size in sorted(groups):
         docs = groups[size]
@@ -185,12 +176,10 @@ def _make_plan(cu_seqlens, length, align, row_length) -> Plan:
         lens = torch.tensor([lengths[d] for d in docs], dtype=torch.int64)
         steps = torch.arange(size, dtype=torch.int64)
         offset = starts[:, None] if align == "left" else (starts + lens - size)[:, None]
-        index = offset + steps
+        index = offset + steps  # the packed position each row step stands for
         valid = (index >= starts[:, None]) & (index < (starts + lens)[:, None])
-        index = index.clamp(0, max(length - 1, 0))
         valid_rows, valid_steps = valid.nonzero(as_tuple=True)
         buckets.append(Bucket(size, torch.tensor(docs, dtype=torch.int64, device=dev), lens.to(dev),
-                              index.to(dev), valid.to(dev), valid_rows.to(dev), valid_steps.to(dev),
+                              valid.to(dev), valid_rows.to(dev), valid_steps.to(dev),
                               index[valid_rows, valid_steps].to(dev)))
-    return Plan(len(lengths), length, torch.tensor(lengths, dtype=torch.int64, device=dev), tuple(lengths),
-                tuple(buckets))
+    return Plan(len(lengths), length, torch.tensor(lengths, dtype=torch.int64, device=dev), tuple(buckets))

@@ -24,13 +24,14 @@ lengths_st = st.lists(st.integers(0, 40), min_size=1, max_size=12).filter(lambda
 def test_every_token_lands_in_exactly_one_row_step(lengths, align):
     L = sum(lengths)
     plan = packing.plan(cu_of(lengths), L, align=align)
-    assert plan.n == len(lengths) and plan.host_lengths == tuple(lengths)
+    assert plan.n == len(lengths) and plan.lengths.tolist() == list(lengths)
     seen = torch.zeros(L, dtype=torch.int64)
     docs = []
     for b in plan.buckets:
         assert b.size == min(packing.next_pow2(max(b.lengths.tolist())), L)
         assert all(b.size == min(packing.next_pow2(n), L) for n in b.lengths.tolist())
-        seen.index_add_(0, b.index[b.valid], torch.ones(int(b.valid.sum()), dtype=torch.int64))
+        assert b.valid_src.shape[0] == int(b.valid.sum())
+        seen.index_add_(0, b.valid_src, torch.ones(b.valid_src.shape[0], dtype=torch.int64))
         docs += b.docs.tolist()
         # the document occupies the first (left) or last (right) `length` steps of its row
         steps = torch.arange(b.size)
