@@ -151,6 +151,15 @@ def _atomic_move(tmp: Path, dst: Path) -> None:
     os.replace(tmp, dst)
 
 
+def _write_generated(path: Path, text: str) -> None:
+    """Write a generated source whose name holds its content's digest: once, atomically (another
+    process may be writing the same file)."""
+    if not path.exists():
+        tmp = path.with_suffix(f".tmp{os.getpid()}")
+        tmp.write_text(text)
+        _atomic_move(tmp, path)
+
+
 class _Lock:
     """An exclusive file lock: concurrent test processes build the same cache safely."""
 
@@ -216,10 +225,7 @@ def registry_sources(gendir: Path) -> list[Path]:
             lines.append("#endif")
         text = "\n".join(lines) + "\n"
         path = gendir / f"registry_{Path(header).stem}{'_' + template if template else ''}-{_digest(text)}.cpp"
-        if not path.exists():
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(text)
-            _atomic_move(tmp, path)
+        _write_generated(path, text)
         out.append(path)
     return out
 
@@ -405,10 +411,7 @@ def nvcc_sources(kernels, gendir: Path | None = None) -> list[Path]:
         lines.append("};")
         text = "\n".join(lines) + "\n"
         path = gendir / f"{template}-{_digest(text)}.cu"
-        if not path.exists():
-            tmp = path.with_suffix(f".tmp{os.getpid()}")
-            tmp.write_text(text)
-            _atomic_move(tmp, path)
+        _write_generated(path, text)
         out.append(path)
     return out
 
