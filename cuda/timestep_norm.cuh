@@ -1,11 +1,14 @@
 // TimestepNorm (docs/math.md, TimestepNorm, also for where and why it deviates from upstream):
 // causal cumulative group norm over time.
 //
-// Forward, per batch b and group g of Dg = D / G features, every unmasked step t is one Welford
+// Forward, per state row s and group g of Dg = D / G features, every unmasked step t is one Welford
 // observation (its group mean gmu_t and population variance gvar_t), merged into the running
-// state (n, mu, M2) that starts at the prior (prev_count, prev_mean, prev_count * prev_var):
-//   1. tsn_moments_kernel   one warp per (b, t, g) row: gmu_t, gvar_t (two passes, fp32)
-//   2. tsn_scan_fwd_kernel  one block per (b, g), thread c owns the time chunk c: a Kahan-
+// state (n, mu, M2) that starts at the prior (prev_count, prev_mean, prev_count * prev_var). A
+// state row is a batch element b (steps b * L + [0, L)), or with packed rows (cu_seqlens, x of
+// one batch element) a document d (steps [cu_seqlens[d], cu_seqlens[d + 1]), its own prior and
+// returned state): only the scan kernels see the difference, the row kernels run over steps.
+//   1. tsn_moments_kernel   one warp per (step, g) row: gmu_t, gvar_t (two passes, fp32)
+//   2. tsn_scan_fwd_kernel  one block per (s, g), thread c owns the time chunk c: a Kahan-
 //      compensated Welford pass gives the chunk summary, a Blelloch exclusive scan over the chunk
 //      summaries (Chan's merge, the prior at the root) gives every chunk its prefix state, and a
 //      second Kahan-Welford pass from that prefix writes cummean_t and cumrstd_t = 1/sqrt(var_t + eps)
@@ -159,6 +162,30 @@ __device__ __forceinline__ void blelloch_exclusive_scan(V* a, V root, Op op) {
   __syncthreads();
 }
 
+// The steps of a scan block's state row s: [start, start + len) of the flattened step axis.
+struct TsnSteps {
+  std::int64_t start;
+  int len;
+};
+__device__ __forceinline__ TsnSteps tsn_steps(const std::int64_t* __restrict__ cu_seqlens, int s, int L) {
+  if (cu_seqlens == nullptr) return {static_cast<std::int64_t>(s) * L, L};
+  const std::int64_t start = cu_seqlens[s];
+  return {start, static_cast<int>(cu_seqlens[s + 1] - start)};
+}
+
+// Time chunks of a state row of len steps: the smallest power of two in [32, blockDim.x] giving
+// chunks of at most about 16 steps. Chosen per row, not from the block size (which the launch
+// takes from L, the longest a row can be): a short document then does the work of an unpacked
+// call of its own length (short chunks, a scan and carry pass over 32 chunks), not one thread
+// walking it serially, and gets that call's result bit for bit, since the chunks past its own
+// are empty (the scan's identity) and leave every merge unchanged. Unpacked, len = L gives
+// blockDim.x itself.
+__device__ __forceinline__ int tsn_chunks(int len) {
+  int n = 32;
+  while (n < static_cast<int>(blockDim.x) && n * 16 < len) n <<= 1;
+  return n;
+}
+
 // ------------------------------------------------------------------------------------------------
 // Forward
 // ------------------------------------------------------------------------------------------------
@@ -196,36 +223,42 @@ struct ChanOp {
   __device__ __forceinline__ Summary<A> operator()(Summary<A> a, Summary<A> b) const { return chan_merge(a, b); }
 };
 
-// One block per (b, g): blockIdx.x = b * G + g; blockDim.x chunks (power of two <= kTsnMaxChunks).
+// One block per (s, g): blockIdx.x = s * G + g; blockDim.x threads (a power of two <=
+// kTsnMaxChunks), the first tsn_chunks(len) of them own a chunk each. cu_seqlens: nullptr, or
+// the (n + 1) document bounds (then s is the document d and the prior/state arrays are per
+// document).
 template <class A>
 __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
-    const pair_t<A>* __restrict__ stats, const bool* __restrict__ pad, const std::int64_t* __restrict__ prev_count,
-    const A* __restrict__ prev_mean, const A* __restrict__ prev_var, A* __restrict__ cummean,
-    A* __restrict__ cumrstd, std::int64_t* __restrict__ count, A* __restrict__ mean_out,
-    A* __restrict__ var_out, int L, int G, int chunk, A eps) {
+    const pair_t<A>* __restrict__ stats, const bool* __restrict__ pad, const std::int64_t* __restrict__ cu_seqlens,
+    const std::int64_t* __restrict__ prev_count, const A* __restrict__ prev_mean, const A* __restrict__ prev_var,
+    A* __restrict__ cummean, A* __restrict__ cumrstd, std::int64_t* __restrict__ count, A* __restrict__ mean_out,
+    A* __restrict__ var_out, int L, int G, A eps) {
   MK_STATIC_SMEM(Summary<A>, s_sum, kTsnMaxChunks);
-  const int bg = blockIdx.x;
-  const int b = bg / G;
-  const int g = bg - b * G;
+  const int sg = blockIdx.x;
+  const int s = sg / G;
+  const int g = sg - s * G;
   const int c = threadIdx.x;
-  const int t0 = imin(L, c * chunk);
-  const int t1 = imin(L, t0 + chunk);
-  const bool* pb = pad + static_cast<std::int64_t>(b) * L;
-  auto at = [&](int t) { return (static_cast<std::int64_t>(b) * L + t) * G + g; };
+  const TsnSteps steps = tsn_steps(cu_seqlens, s, L);
+  const int nch = tsn_chunks(steps.len);
+  const int chunk = static_cast<int>((static_cast<std::int64_t>(steps.len) + nch - 1) / nch);
+  const int t0 = imin(steps.len, c * chunk);
+  const int t1 = imin(steps.len, t0 + chunk);
+  const bool* pb = pad + steps.start;
+  auto at = [&](int t) { return (steps.start + t) * G + g; };
 
   // 1. chunk summary
-  KahanWelford<A> s{0, A(0), A(0), A(0), A(0)};
+  KahanWelford<A> w{0, A(0), A(0), A(0), A(0)};
   for (int t = t0; t < t1; ++t) {
     if (pb[t]) continue;
     const pair_t<A> st = stats[at(t)];
-    kw_observe(s, st.x, st.y);
+    kw_observe(w, st.x, st.y);
   }
-  s_sum[c] = Summary<A>{s.n, s.mu, s.m2};
+  s_sum[c] = Summary<A>{w.n, w.mu, w.m2};
 
   // 2. prefix of every chunk: prior (+) chunks before it
-  const long long n0 = prev_count[b];
-  const A pvar = prev_var[bg];
-  const Summary<A> prior{n0, prev_mean[bg], static_cast<A>(n0) * pvar};
+  const long long n0 = prev_count[s];
+  const A pvar = prev_var[sg];
+  const Summary<A> prior{n0, prev_mean[sg], static_cast<A>(n0) * pvar};
   blelloch_exclusive_scan(s_sum, prior, ChanOp<A>{});
   const Summary<A> pre = s_sum[c];
 
@@ -240,10 +273,10 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
     cummean[at(t)] = r.mu;
     cumrstd[at(t)] = acc_rsqrt(var + eps);
   }
-  if (c == static_cast<int>(blockDim.x) - 1) {  // the last chunk ends with the final state
-    mean_out[bg] = r.mu;
-    var_out[bg] = r.n > 0 ? r.m2 * rcp_count(static_cast<A>(r.n)) : pvar;
-    if (g == 0) count[b] = r.n;
+  if (c == nch - 1) {  // the row's last chunk ends with the final state
+    mean_out[sg] = r.mu;
+    var_out[sg] = r.n > 0 ? r.m2 * rcp_count(static_cast<A>(r.n)) : pvar;
+    if (g == 0) count[s] = r.n;
   }
 }
 
@@ -318,35 +351,38 @@ struct CarryMap {
   A A1, Bc, ou, ov;
 };
 
-// One block per (b, g), blockDim.x chunks. Overwrites grads[row] (gmu, ds, db) with
-// (gmu, dgmu, dgvar) on unmasked steps, writes dprev_mean and dprev_var.
+// One block per (s, g), the chunks of tsn_scan_fwd_kernel. Overwrites grads[row] (gmu, ds, db)
+// with (gmu, dgmu, dgvar) on unmasked steps, writes dprev_mean and dprev_var (per document with
+// cu_seqlens; an empty one passes (dmean, dvar) through).
 template <class A>
 __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
-    A* __restrict__ grads, const bool* __restrict__ pad, const std::int64_t* __restrict__ prev_count,
-    const A* __restrict__ prev_mean, const A* __restrict__ cummean, const A* __restrict__ cumrstd,
-    const A* __restrict__ dmean, const A* __restrict__ dvar, A* __restrict__ dprev_mean,
-    A* __restrict__ dprev_var, int L, int G, int chunk) {
+    A* __restrict__ grads, const bool* __restrict__ pad, const std::int64_t* __restrict__ cu_seqlens,
+    const std::int64_t* __restrict__ prev_count, const A* __restrict__ prev_mean, const A* __restrict__ cummean,
+    const A* __restrict__ cumrstd, const A* __restrict__ dmean, const A* __restrict__ dvar,
+    A* __restrict__ dprev_mean, A* __restrict__ dprev_var, int L, int G) {
   // 128 chunks: 1 KiB + 2 (fp32) or 4 KiB (fp64) + 1 or 2 KiB of static shared memory
   MK_STATIC_SMEM(long long, s_live, kTsnMaxChunks);
   MK_STATIC_SMEM(CarryMap<A>, s_map, kTsnMaxChunks);
   MK_STATIC_SMEM(pair_t<A>, s_carry, kTsnMaxChunks);  // carries (u, v) at the END of each chunk
-  const int bg = blockIdx.x;
-  const int b = bg / G;
-  const int g = bg - b * G;
+  const int sg = blockIdx.x;
+  const int s = sg / G;
+  const int g = sg - s * G;
   const int c = threadIdx.x;
-  const int nch = blockDim.x;
-  const int t0 = imin(L, c * chunk);
-  const int t1 = imin(L, t0 + chunk);
-  const bool* pb = pad + static_cast<std::int64_t>(b) * L;
-  auto at = [&](int t) { return (static_cast<std::int64_t>(b) * L + t) * G + g; };
-  const A pmean = prev_mean[bg];
+  const TsnSteps steps = tsn_steps(cu_seqlens, s, L);
+  const int nch = tsn_chunks(steps.len);
+  const int chunk = static_cast<int>((static_cast<std::int64_t>(steps.len) + nch - 1) / nch);
+  const int t0 = imin(steps.len, c * chunk);
+  const int t1 = imin(steps.len, t0 + chunk);
+  const bool* pb = pad + steps.start;
+  auto at = [&](int t) { return (steps.start + t) * G + g; };
+  const A pmean = prev_mean[sg];
   auto mu_before = [&](int t) { return t == 0 ? pmean : cummean[at(t - 1)]; };
 
   // counts: live steps per chunk, exclusive prefix (+ prev_count) = count entering each chunk
   long long live = 0;
   for (int t = t0; t < t1; ++t) live += pb[t] ? 0 : 1;
   s_live[c] = live;
-  blelloch_exclusive_scan(s_live, static_cast<long long>(prev_count[b]),
+  blelloch_exclusive_scan(s_live, static_cast<long long>(prev_count[s]),
                           [](long long a, long long x) { return a + x; });
   const long long n_end = s_live[c] + live;  // count after the chunk's last step
 
@@ -383,9 +419,9 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
   s_map[c] = F;
   __syncthreads();
 
-  // 2. carries across chunks, from the end of the sequence (nch <= 128 steps, one thread)
+  // 2. carries across chunks, from the end of the row (nch <= 128 steps, one thread)
   if (c == 0) {
-    A u = dmean[bg], v = dvar[bg];
+    A u = dmean[sg], v = dvar[sg];
     for (int k = nch - 1; k >= 0; --k) {
       s_carry[k] = Pair<A>::make(u, v);
       const CarryMap<A> M = s_map[k];
@@ -393,12 +429,14 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
       v = M.A1 * v + M.ov;
       u = nu;
     }
-    dprev_mean[bg] = u;
-    dprev_var[bg] = v;
+    dprev_mean[sg] = u;
+    dprev_var[sg] = v;
   }
   __syncthreads();
 
-  // 3. the chunk again from its true end carries: dgmu_t, dgvar_t
+  // 3. the chunk again from its true end carries: dgmu_t, dgvar_t (the threads past the row's
+  // chunks have no steps and no carries)
+  if (c >= nch) return;  // no barrier below
   A u = s_carry[c].x, v = s_carry[c].y;
   long long n = n_end;
   for (int t = t1 - 1; t >= t0; --t) {

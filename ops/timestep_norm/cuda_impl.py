@@ -3,6 +3,11 @@ launch path (a GPU through the NVRTC runtime, or the CPU emulator: the same Laun
 
 mean/var, the saved statistics, scale/bias/prior and the workspace are in the accumulation type:
 float32, or float64 for float64 x.
+
+Packed rows (``cu_seqlens``, int64 (n + 1,) document bounds the op has validated; x is one batch
+element): the kernels read the bounds themselves, one scan block per (document, group), so a
+packed call is the same launches as an unpacked one; the state in and out (prev_count, prev_mean,
+prev_var, count, mean, var and their gradients) is per document.
 """
 from __future__ import annotations
 
@@ -12,6 +17,8 @@ from ...cuda import launch as L
 from ...cuda import runtime
 from ...cuda.backend import _Backend
 
+#: the backend reads packed rows itself (ops/timestep_norm/__init__.py passes cu_seqlens through)
+PACKED_NATIVE = True
 MAX_CHUNKS = 128   # kTsnMaxChunks: threads (time chunks) of the scan kernels
 ROW_THREADS = 256  # kTsnRowThreads: 8 warps = 8 rows per block in the row kernels
 SLOTS = 64         # kTsnSlots: row slices of the dscale/dbias partial sums (8 x 8)
@@ -36,18 +43,37 @@ def _kernel(name: str, x: torch.Tensor) -> L.Kernel:
     return _k(name, cpp)
 
 
-def _shape(x: torch.Tensor, G: int):
+def _shape(x: torch.Tensor, G: int, cu_seqlens: torch.Tensor | None):
+    """(B, L, D, n, threads): n state rows (batch elements, or documents), threads of the scan
+    blocks (the chunk count of the longest row there can be; each block takes its row's own,
+    tsn_chunks in the header)."""
     if x.dtype not in L.CPP_TYPES:
         raise TypeError(f"the CUDA timestep_norm takes float32, bfloat16 or float64 x, got {x.dtype}")
     B, Lq, D = x.shape
+    n = B if cu_seqlens is None else _documents(cu_seqlens, x)
     if D < 1 or G < 1 or D % G:
         raise ValueError(f"timestep_norm: num_groups must divide D >= 1, got D = {D}, num_groups = {G}")
-    if Lq >= 2**31 or D >= 2**31 or B * G >= 2**31:
-        raise ValueError("timestep_norm: L, D and B * num_groups must be < 2^31")
+    if Lq >= 2**31 or D >= 2**31 or n * G >= 2**31:
+        raise ValueError("timestep_norm: L, D and (batch or documents) * num_groups must be < 2^31")
     chunks = 32  # a power of two in [32, 128], about 16 steps each for short sequences
     while chunks < MAX_CHUNKS and chunks * 16 < Lq:
         chunks *= 2
-    return B, Lq, D, chunks, -(-Lq // chunks)
+    return B, Lq, D, n, chunks
+
+
+def _documents(cu_seqlens: torch.Tensor, x: torch.Tensor) -> int:
+    """The number of documents; their bounds stay on the device (the op validated the values)."""
+    if cu_seqlens.dtype != torch.int64:
+        raise TypeError(f"timestep_norm: the CUDA kernels take int64 cu_seqlens, got {cu_seqlens.dtype}")
+    if cu_seqlens.dim() != 1 or cu_seqlens.shape[0] < 1:
+        raise ValueError(f"timestep_norm: cu_seqlens must be (n + 1,), got shape {tuple(cu_seqlens.shape)}")
+    if cu_seqlens.device != x.device:
+        raise ValueError(f"timestep_norm: cu_seqlens must be on x's device {x.device}, got {cu_seqlens.device}")
+    if not cu_seqlens.is_contiguous():
+        raise ValueError("timestep_norm: the CUDA kernels take a contiguous cu_seqlens")
+    if x.shape[0] != 1:
+        raise ValueError(f"timestep_norm: packed rows (cu_seqlens) take x of batch size 1, got {x.shape[0]}")
+    return cu_seqlens.shape[0] - 1
 
 
 def workspace_elems(B: int, Lq: int, D: int, G: int) -> int:
@@ -64,10 +90,12 @@ def _elem_grid(n: int) -> int:
     return L.grid_1d(-(-n // 256), 1 << 16)
 
 
-def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps):
-    """(y, count, mean, var, saved) like the torch backend."""
+def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+               cu_seqlens=None):
+    """(y, count, mean, var, saved) like the torch backend; count, mean and var per document with
+    ``cu_seqlens``."""
     G = int(num_groups)
-    B, Lq, D, chunks, chunk = _shape(x, G)
+    B, Lq, D, n, chunks = _shape(x, G, cu_seqlens)
     if not eps > 0:
         raise ValueError(f"timestep_norm: eps must be > 0, got {eps}")
     dev, acc, A = x.device, L.acc_dtype(x), L.acc_tag(x)
@@ -77,24 +105,24 @@ def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, paddin
     pm, pv = prev_mean.to(acc).contiguous(), prev_var.to(acc).contiguous()
     mask = padding_mask.to(torch.bool).contiguous()
     y = torch.empty(xc.shape, dtype=x.dtype, device=dev)
-    count = torch.empty(B, dtype=torch.int64, device=dev)
-    mean = torch.empty(B, G, dtype=acc, device=dev)
-    var = torch.empty(B, G, dtype=acc, device=dev)
+    count = torch.empty(n, dtype=torch.int64, device=dev)
+    mean = torch.empty(n, G, dtype=acc, device=dev)
+    var = torch.empty(n, G, dtype=acc, device=dev)
     cummean = torch.empty(B, Lq, G, dtype=acc, device=dev)
     cumrstd = torch.empty(B, Lq, G, dtype=acc, device=dev)
     ws = torch.empty(max(1, workspace_elems(B, Lq, D, G)), dtype=acc, device=dev)
     saved = (xc, scale_f, pc, pm, mask, cummean, cumrstd)
-    if B == 0:
+    if n == 0:
         return y, count, mean, var, saved
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
     p = L.ptr
     if rows > 0:
         L.launch(launcher, _kernel("tsn_moments_kernel", x), _row_grid(rows), ROW_THREADS, 0,
                  [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
-    L.launch(launcher, _kernel("tsn_scan_fwd_kernel", x), B * G, chunks, 0,
-             [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(pc)), ("ptr", p(pm)), ("ptr", p(pv)), ("ptr", p(cummean)),
-              ("ptr", p(cumrstd)), ("ptr", p(count)), ("ptr", p(mean)), ("ptr", p(var)), ("i32", Lq), ("i32", G),
-              ("i32", chunk), (A, float(eps))], dev)
+    L.launch(launcher, _kernel("tsn_scan_fwd_kernel", x), n * G, chunks, 0,
+             [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(pc)), ("ptr", p(pm)), ("ptr", p(pv)),
+              ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(count)), ("ptr", p(mean)), ("ptr", p(var)),
+              ("i32", Lq), ("i32", G), (A, float(eps))], dev)
     if total > 0:
         L.launch(launcher, _kernel("tsn_normalize_kernel", x), _elem_grid(total), 256, 0,
                  [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(scale_f)),
@@ -102,33 +130,34 @@ def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, paddin
     return y, count, mean, var, saved
 
 
-def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups):
-    """(dx (x's dtype), dscale, dbias, dprev_mean, dprev_var) (accumulation type)."""
+def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
+    """(dx (x's dtype), dscale, dbias, dprev_mean, dprev_var) (accumulation type); dprev_* per
+    document with ``cu_seqlens`` (the forward's)."""
     xc, scale_f, pc, pm, mask, cummean, cumrstd = saved
     G = int(num_groups)
-    B, Lq, D, chunks, chunk = _shape(xc, G)
+    B, Lq, D, n, chunks = _shape(xc, G, cu_seqlens)
     dev, acc = xc.device, cummean.dtype
     dyc = (torch.zeros_like(xc) if dy is None else dy.to(xc.dtype)).contiguous()
-    dm = torch.zeros(B, G, dtype=acc, device=dev) if dmean is None else dmean.to(acc).contiguous()
-    dv = torch.zeros(B, G, dtype=acc, device=dev) if dvar is None else dvar.to(acc).contiguous()
+    dm = torch.zeros(n, G, dtype=acc, device=dev) if dmean is None else dmean.to(acc).contiguous()
+    dv = torch.zeros(n, G, dtype=acc, device=dev) if dvar is None else dvar.to(acc).contiguous()
     dx = torch.empty(xc.shape, dtype=xc.dtype, device=dev)
     dscale = torch.empty(D, dtype=acc, device=dev)
     dbias = torch.empty(D, dtype=acc, device=dev)
-    dpm = torch.empty(B, G, dtype=acc, device=dev)
-    dpv = torch.empty(B, G, dtype=acc, device=dev)
+    dpm = torch.empty(n, G, dtype=acc, device=dev)
+    dpv = torch.empty(n, G, dtype=acc, device=dev)
     ws = torch.empty(max(1, workspace_elems(B, Lq, D, G)), dtype=acc, device=dev)
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
     part = ws[3 * rows:]  # the dscale/dbias partial sums follow the per-row gradients
     p = L.ptr
-    if B > 0:
+    if n > 0:
         if rows > 0:
             L.launch(launcher, _kernel("tsn_row_grads_kernel", xc), _row_grid(rows), ROW_THREADS, 0,
                      [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(scale_f)), ("ptr", p(cummean)),
                       ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
-        L.launch(launcher, _kernel("tsn_scan_bwd_kernel", xc), B * G, chunks, 0,
-                 [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(pc)), ("ptr", p(pm)), ("ptr", p(cummean)),
-                  ("ptr", p(cumrstd)), ("ptr", p(dm)), ("ptr", p(dv)), ("ptr", p(dpm)), ("ptr", p(dpv)), ("i32", Lq),
-                  ("i32", G), ("i32", chunk)], dev)
+        L.launch(launcher, _kernel("tsn_scan_bwd_kernel", xc), n * G, chunks, 0,
+                 [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(pc)), ("ptr", p(pm)),
+                  ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(dm)), ("ptr", p(dv)), ("ptr", p(dpm)),
+                  ("ptr", p(dpv)), ("i32", Lq), ("i32", G)], dev)
         if total > 0:
             L.launch(launcher, _kernel("tsn_dx_kernel", xc), _elem_grid(total), 256, 0,
                      [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(cumrstd)), ("ptr", p(ws)),
@@ -143,6 +172,7 @@ def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups):
 
 class TimestepNormBackend(_Backend):
     FP64 = True  # double x: Welford/Kahan state, statistics and side inputs in double
+    PACKED_NATIVE = True  # as the module's: the dispatcher may hold a backend object instead (tests)
 
     def not_supported_reasons(self, x, num_groups=None, **_other_inputs) -> list[str]:
         reasons = self._reasons({"x": x}, "x")
@@ -150,12 +180,13 @@ class TimestepNormBackend(_Backend):
             reasons.append("L must be < 2^31")
         return reasons
 
-    def timestep_norm_fwd(self, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps):
+    def timestep_norm_fwd(self, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+                          cu_seqlens=None):
         return launch_fwd(self.ext, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask,
-                                 num_groups, eps)
+                          num_groups, eps, cu_seqlens)
 
-    def timestep_norm_bwd(self, dy, dmean, dvar, saved, num_groups):
-        return launch_bwd(self.ext, dy, dmean, dvar, saved, num_groups)
+    def timestep_norm_bwd(self, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
+        return launch_bwd(self.ext, dy, dmean, dvar, saved, num_groups, cu_seqlens)
 
 
 _backend = TimestepNormBackend(runtime.gpu_launcher)
