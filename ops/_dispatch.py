@@ -1,7 +1,8 @@
 """Backend selection for every op (docs/design.md, "Backends and dispatch").
 
 Each op owns an :class:`OpBackends` naming the modules that implement it, one per backend
-(``ops/<op>/torch_impl.py``, ``triton_impl.py``, ``cuda_impl.py``). A backend module provides:
+(``ops/<op>/torch_impl.py``, ``triton_impl.py``, ``cuda_impl.py``, and for the ops whose CPU
+kernel is an inherently sequential scan, ``cpu_impl.py``: compiled C++). A backend module provides:
 
 * ``not_supported_reasons(**inputs) -> list[str]``: empty when it can run these inputs, else one
   sentence per obstacle, each with a hint how to fix it;
@@ -46,8 +47,10 @@ from ..autotune import registry as autotune_registry
 logger = logging.getLogger("megalodon_kernels")
 
 ENV_VAR = "MEGALODON_KERNELS_BACKEND"
-#: Every backend name the library knows, in the order ``auto`` tries them.
-PRIORITY = ("cuda", "triton", "torch")
+#: Every backend name the library knows, in the order ``auto`` tries them. "cpu" (compiled C++
+#: with OpenMP, built on first use) comes before "torch": where an op has it, it is the faster CPU
+#: path, and it reports itself unsupported when no compiler is present.
+PRIORITY = ("cuda", "triton", "cpu", "torch")
 _BACKEND_ARGS = ("auto", *PRIORITY)
 #: Resolved choices kept per op; the oldest is dropped beyond this (a model calls a few shapes).
 MAX_CHOICES = 1024

@@ -31,9 +31,10 @@ from dataclasses import dataclass
 import torch
 
 from ._checks import INT_DTYPES
-from ._host_sync import check_on_device
+from ._host_sync import check_on_device, on_host
 
-__all__ = ["Bucket", "Plan", "check_cu_seqlens", "check_per_document", "document_positions", "next_pow2", "plan"]
+__all__ = ["Bucket", "Plan", "cached", "check_cu_seqlens", "check_per_document", "document_bounds", "document_positions", "next_pow2",
+           "plan"]
 
 
 def next_pow2(n: int) -> int:
@@ -137,24 +138,32 @@ class Plan:
 _CACHE: dict = {}
 
 
+def cached(cu_seqlens: torch.Tensor, key, make):
+    """``make()``, computed once per ``cu_seqlens`` tensor (its identity and version) and ``key``:
+    what a packed call derives from the boundaries alone is shared by the forward and backward of
+    every layer. The entry goes when the tensor does."""
+    cache_key = (id(cu_seqlens), cu_seqlens._version, key)
+    hit = _CACHE.get(cache_key)
+    if hit is not None and hit[0]() is cu_seqlens:
+        return hit[1]
+    result = make()
+    ref = weakref.ref(cu_seqlens, lambda _, k=cache_key: _CACHE.pop(k, None))
+    _CACHE[cache_key] = (ref, result)
+    return result
+
+
 def plan(cu_seqlens: torch.Tensor, length: int, *, align: str = "left") -> Plan:
     """Plan a packed call on a row of ``length`` steps (see the module docstring); raises
     ValueError naming cu_seqlens when its values are not 0 first, non-decreasing, ``length``
     last."""
     if align not in ("left", "right"):
         raise ValueError(f"align must be 'left' or 'right', got {align!r}")
-    cache_key = (id(cu_seqlens), cu_seqlens._version, length, align)
-    hit = _CACHE.get(cache_key)
-    if hit is not None and hit[0]() is cu_seqlens:
-        return hit[1]
-    result = _make_plan(cu_seqlens, length, align)
-    ref = weakref.ref(cu_seqlens, lambda _, k=cache_key: _CACHE.pop(k, None))
-    _CACHE[cache_key] = (ref, result)
-    return result
+    return cached(cu_seqlens, ("plan", length, align), lambda: _make_plan(cu_seqlens, length, align))
 
 
-def _make_plan(cu_seqlens, length, align) -> Plan:
-    cu = [int(v) for v in cu_seqlens.tolist()]  # the one host read of a packed call
+def _check_values(cu: list, length: int) -> list:
+    """The documents' lengths of the host list ``cu`` (= cu_seqlens); ValueError naming cu_seqlens
+    unless it is 0 first, non-decreasing, ``length`` last."""
     if cu[0] != 0:
         raise ValueError(f"cu_seqlens must start at 0, got cu_seqlens[0] = {cu[0]}")
     lengths = [b - a for a, b in zip(cu[:-1], cu[1:])]
@@ -164,6 +173,25 @@ def _make_plan(cu_seqlens, length, align) -> Plan:
                          f"cu_seqlens[{bad + 1}] = {cu[bad + 1]}")
     if cu[-1] != length:
         raise ValueError(f"cu_seqlens must end at the packed length L = {length}, got cu_seqlens[-1] = {cu[-1]}")
+    return lengths
+
+
+def document_bounds(cu_seqlens: torch.Tensor, length: int) -> torch.Tensor:
+    """``cu_seqlens`` as the int64 contiguous tensor a kernel that reads document bounds itself
+    takes (no plan, no gathers), its values checked: on the host for CPU tensors (ValueError
+    naming cu_seqlens), on the device otherwise (reported asynchronously, no synchronisation)."""
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    if on_host(cu):
+        _check_values(cu.tolist(), length)
+    else:
+        check_on_device((cu[0] == 0) & (cu[-1] == length) & (cu[1:] >= cu[:-1]).all(),
+                        f"cu_seqlens must start at 0, be non-decreasing and end at the packed length L = {length}")
+    return cu
+
+
+def _make_plan(cu_seqlens, length, align) -> Plan:
+    cu = [int(v) for v in cu_seqlens.tolist()]  # the one host read of a packed call
+    lengths = _check_values(cu, length)
     dev = cu_seqlens.device
     groups: dict = {}
     for d, n in enumerate(lengths):

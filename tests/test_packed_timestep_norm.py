@@ -201,7 +201,8 @@ def test_one_backend_call_per_bucket(backend, monkeypatch):
     with short_chunks(backend):
         y, count, mean, var = run_packed(p, leaves, backend)
         torch.autograd.grad((y.sum() + mean.sum() + var.sum()), list(leaves.values()))
-    want = [(b.docs.numel(), b.size) for b in buckets]
+    # a backend that reads the document bounds itself runs the packed row in one call
+    want = [(1, L)] if getattr(module, "PACKED_NATIVE", False) else [(b.docs.numel(), b.size) for b in buckets]
     assert rows["fwd"] == want and rows["bwd"] == want
 
 

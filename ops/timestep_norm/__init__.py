@@ -34,11 +34,12 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import custom_op, empty_like
 from .._host_sync import check_on_device
-from .._packing import check_cu_seqlens, check_per_document, plan
+from .._packing import check_cu_seqlens, check_per_document, document_bounds, plan
 
 __all__ = ["timestep_norm"]
 
 BACKENDS = OpBackends("timestep_norm", {
+    "cpu": "megalodon_kernels.ops.timestep_norm.cpu_impl",
     "cuda": "megalodon_kernels.ops.timestep_norm.cuda_impl",
     "torch": "megalodon_kernels.ops.timestep_norm.torch_impl",
     "triton": "megalodon_kernels.ops.timestep_norm.triton_impl",
@@ -47,7 +48,7 @@ BACKENDS = OpBackends("timestep_norm", {
 autotune.register(
     "timestep_norm",
     key=lambda x, num_groups: {"D": x.shape[2], "G": num_groups, "L": autotune.pow2_bucket(x.shape[1])},
-    space={"cuda": {}, "torch": {"chunk": [64, 16, 32, 128, 256]},
+    space={"cpu": {}, "cuda": {}, "torch": {"chunk": [64, 16, 32, 128, 256]},
            "triton": {"block_elems": [4096], "num_warps": [8]}},
 )
 
@@ -117,6 +118,12 @@ def _row_inputs(bucket, x, padding_mask):
 def _fwd_packed(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend, cu_seqlens):
     L = x.shape[1]
     acc = acc_dtype(x.dtype)
+    impl = _select(x, num_groups, backend)
+    if getattr(impl.module, "PACKED_NATIVE", False):  # the kernels read the document bounds themselves
+        y, count, mean, var, saved = impl.module.timestep_norm_fwd(
+            x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+            cu_seqlens=document_bounds(cu_seqlens, L), **impl.config)
+        return (y, count.to(torch.int64), mean.to(acc), var.to(acc), *_residuals(impl, saved, mean, acc))
     # every step lies in exactly one document, so the scatters below write all of y and the statistics
     y = x.new_empty(x.shape)
     mu, rstd, gmu = (x.new_empty(1, L, num_groups, dtype=acc) for _ in range(3))
@@ -167,6 +174,11 @@ def _bwd_packed(dy, dmean, dvar, x, scale, prev_count, prev_mean, padding_mask, 
     backward; dx scattered back, dscale/dbias summed over buckets in float64."""
     L, D = x.shape[1:]
     acc = acc_dtype(x.dtype)
+    impl = _select(x, num_groups, backend)  # the forward's choice (cached)
+    if getattr(impl.module, "PACKED_NATIVE", False):
+        saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
+        return impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups,
+                                             cu_seqlens=document_bounds(cu_seqlens, L), **impl.config)
     dx = x.new_empty(x.shape)
     dscale = torch.zeros(D, dtype=torch.float64, device=x.device)
     dbias = torch.zeros(D, dtype=torch.float64, device=x.device)
