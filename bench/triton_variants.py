@@ -160,21 +160,27 @@ def _dropkey_softmax_bytes():
 # ----------------------------------------------------------------------------------- timestep_norm
 
 def _timestep_norm_variants(space):
+    """Unpacked rows and packed rows (cu_seqlens: PACKED, the row length read per document, so L
+    carries no alignment hint there)."""
     variants = []
-    for dt, be, nw in product(DTYPES, space["block_elems"], space["num_warps"]):
+    for dt, be, nw, packed in product(DTYPES, space["block_elems"], space["num_warps"], (False, True)):
         for bd in timestep_norm_impl.BLOCK_D_TIERS:
             T, _ = timestep_norm_impl._tiling(bd, be)
-            c = (("OUT_BF16", dt == "bf16"), ("BLOCK_T", T), ("BLOCK_D", bd))
-            tag = f"{dt} T={T} D={bd} warps={nw}"
+            # packed launches pass the int64 document bounds; unpacked ones cu_ptr=None (a constexpr to the JIT)
+            c = (("PACKED", packed), ("OUT_BF16", dt == "bf16"), ("BLOCK_T", T), ("BLOCK_D", bd)) + \
+                (() if packed else (("cu_ptr", None),))
+            cu = (("cu_ptr", "*i64"),) if packed else ()
+            div16 = frozenset({"D", "Dg"} if packed else {"L", "D", "Dg"})
+            tag = f"{dt} T={T} D={bd} warps={nw}" + (" packed" if packed else "")
             variants.append(Variant(
                 op="timestep_norm", kernel="_timestep_norm_fwd_kernel",
                 fn=timestep_norm_impl._timestep_norm_fwd_kernel,
                 arg_types=(("x_ptr", f"*{dt}"), ("y_ptr", f"*{dt}"), ("scale_ptr", "*fp32"), ("bias_ptr", "*fp32"),
                            ("pad_ptr", "*u8"), ("pc_ptr", "*i64"), ("pm_ptr", "*fp32"), ("pv_ptr", "*fp32"),
                            ("mu_ptr", "*fp32"), ("rstd_ptr", "*fp32"), ("gmu_ptr", "*fp32"), ("k_ptr", "*fp32"),
-                           ("mean_ptr", "*fp32"), ("var_ptr", "*fp32"),
+                           ("mean_ptr", "*fp32"), ("var_ptr", "*fp32"), *cu,
                            ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32"), ("eps", "fp32")),
-                constexprs=c, div16=frozenset({"L", "D", "Dg"}), num_warps=nw, label="fwd " + tag,
+                constexprs=c, div16=div16, num_warps=nw, label="fwd " + tag,
             ))
             variants.append(Variant(
                 op="timestep_norm", kernel="_timestep_norm_bwd_kernel",
@@ -183,9 +189,9 @@ def _timestep_norm_variants(space):
                            ("pad_ptr", "*u8"), ("pc_ptr", "*i64"), ("nend_ptr", "*i64"), ("mu_ptr", "*fp32"),
                            ("rstd_ptr", "*fp32"), ("gmu_ptr", "*fp32"), ("mu0_ptr", "*fp32"), ("k_ptr", "*fp32"),
                            ("dmean_ptr", "*fp32"), ("dvar_ptr", "*fp32"), ("dscale_ptr", "*fp32"),
-                           ("dbias_ptr", "*fp32"), ("dpm_ptr", "*fp32"), ("dpv_ptr", "*fp32"),
+                           ("dbias_ptr", "*fp32"), ("dpm_ptr", "*fp32"), ("dpv_ptr", "*fp32"), *cu,
                            ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32")),
-                constexprs=c, div16=frozenset({"L", "D", "Dg"}), num_warps=nw, label="bwd " + tag,
+                constexprs=c, div16=div16, num_warps=nw, label="bwd " + tag,
             ))
     return variants
 
@@ -194,31 +200,37 @@ def _timestep_norm_bytes():
     """Ideal forward: x, padding mask, prev state, scale, bias read once; y, the saved per-step
     statistics (mu, rstd, gmu: [B, L, G] each), K and (mean, var) written once. Ideal backward:
     x, dy, the saved statistics, the mask and small per-(b, g) inputs read once; dx and the
-    [B, D] dscale / dbias partials and dprev written once."""
-    B, L, D, G = 2, 256, 256, 4
-    x = torch.randn(B, L, D)
-    scale, bias = torch.randn(D), torch.randn(D)
-    pc = torch.full((B,), 3, dtype=torch.int64)
-    pm, pv = torch.randn(B, G), torch.rand(B, G) + 0.5
-    pad = torch.zeros(B, L, dtype=torch.bool)
+    [B, D] dscale / dbias partials and dprev written once. Packed (one row of n documents, one
+    empty): the states and partials are per document, and the n + 1 document bounds are read."""
+    L, D, G = 256, 256, 4
     f = 4
-    stats = 3 * B * L * G * f
+    for B, cu in ((2, None), (1, torch.tensor([0, 37, 37, 150, 256]))):
+        n = B if cu is None else cu.numel() - 1
+        x = torch.randn(B, L, D)
+        scale, bias = torch.randn(D), torch.randn(D)
+        pc = torch.full((n,), 3, dtype=torch.int64)
+        pm, pv = torch.randn(n, G), torch.rand(n, G) + 0.5
+        pad = torch.zeros(B, L, dtype=torch.bool)
+        stats = 3 * B * L * G * f
+        bounds = 0 if cu is None else 8 * cu.numel()
+        shape = f"B={B} L={L} D={D} G={G} fp32" + ("" if cu is None else f" {n} documents")
 
-    def fwd():
-        timestep_norm_impl.timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5)
-        return (2 * x.numel() * f + stats + B * L + 2 * D * f + 8 * B + 2 * B * G * f + 3 * B * G * f)
+        def fwd(x=x, scale=scale, bias=bias, pc=pc, pm=pm, pv=pv, pad=pad, cu=cu, n=n, stats=stats, bounds=bounds):
+            timestep_norm_impl.timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5, cu_seqlens=cu)
+            return (2 * x.numel() * f + stats + B * L + 2 * D * f + 8 * n + 2 * n * G * f + 3 * n * G * f + bounds)
 
-    yield "timestep_norm fwd", f"B={B} L={L} D={D} G={G} fp32", fwd
-    _, _, _, _, saved = timestep_norm_impl.timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5)
-    dy = torch.randn_like(x)
-    dm, dv = torch.randn(B, G), torch.randn(B, G)
+        yield "timestep_norm fwd", shape, fwd
+        _, _, _, _, saved = timestep_norm_impl.timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5,
+                                                                 cu_seqlens=cu)
+        dy = torch.randn_like(x)
+        dm, dv = torch.randn(n, G), torch.randn(n, G)
 
-    def bwd():
-        timestep_norm_impl.timestep_norm_bwd(dy, dm, dv, saved, G)
-        return (3 * x.numel() * f + stats + B * L + D * f + 16 * B + 4 * B * G * f + 2 * B * D * f
-                + 2 * B * G * f)
+        def bwd(x=x, dy=dy, dm=dm, dv=dv, saved=saved, cu=cu, n=n, stats=stats, bounds=bounds):
+            timestep_norm_impl.timestep_norm_bwd(dy, dm, dv, saved, G, cu_seqlens=cu)
+            return (3 * x.numel() * f + stats + B * L + D * f + 16 * n + 4 * n * G * f + 2 * n * D * f
+                    + 2 * n * G * f + bounds)
 
-    yield "timestep_norm bwd", f"B={B} L={L} D={D} G={G} fp32", bwd
+        yield "timestep_norm bwd", shape, bwd
 
 
 # ------------------------------------------------------------------------------------- cema_kernel

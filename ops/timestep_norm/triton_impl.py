@@ -1,4 +1,4 @@
-"""Triton backend of TimestepNorm: one program per (batch, group), time in chunks of T steps.
+"""Triton backend of TimestepNorm: one program per (row, group), time in chunks of T steps.
 
 Forward (one pass over x). A program walks its (b, g) column chunk by chunk. A chunk is a
 [T, BLOCK_D] tile of x (padded rows are never read): per step it takes the group mean and
@@ -18,8 +18,19 @@ with the reverse scan (docs/math.md, TimestepNorm) in the torch backend's scaled
 reverse inclusive sums of the V and U increments come from ``tl.cumsum(..., reverse=True)``,
 the carries from later chunks are float64 scalars (exact chunk-level Jacobian: each step adds
 its term, no rescaling), then dx is written. dscale / dbias: each program sums its features
-over time in a float64 carry, writes a [B, D] partial, and the host sums over B in float64
-(deterministic, no atomics).
+over time in a float64 carry, writes a [B, D] partial, and the host sums over the rows in
+float64 (deterministic, no atomics).
+
+Packed rows (``cu_seqlens``, x of shape (1, L, D) holding n documents): each document is a row
+of its own, read in place (no gathers, no padding, one launch for all documents). The ``PACKED``
+constexpr makes program (d, g) take its first step and length from cu_seqlens[d] and
+cu_seqlens[d + 1] instead of the batch index (b * L, L); every per-step pointer (x, y, dy, dx,
+the mask, mu, rstd, gmu) is offset by that start and the per-row state (prior, returned state,
+K, dmean / dvar, dprev) is indexed by the document, so a document runs exactly as if alone from
+its own prior: its K is the median of its own first chunk, and an empty document (length 0)
+returns its prior state and passes dmean / dvar through. The dscale / dbias partials are per
+document ([n, D]). The host never reads the bounds: the per-document step counts are a running
+count of unpadded steps gathered at cu_seqlens.
 
 Semantics match the torch backend: padded steps output 0, are not counted and leave the state
 alone (NaN/inf in a padded x never reach anything); genuine NaN/inf propagate; prev_count = 0
@@ -37,6 +48,8 @@ from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_r
 #: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
 CONFIG_SPACE = autotune.get("timestep_norm").space["triton"]
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: the kernels read packed rows themselves (``cu_seqlens``): one launch per packed call
+PACKED_NATIVE = True
 #: feature-tile widths: a launch takes the smallest >= Dg = D / G
 BLOCK_D_TIERS = (16, 64, 256, 1024)
 MAX_T = 64
@@ -72,11 +85,12 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fwd_chunk(b_x, live, t0, c_n, c_mu, c_M, mu0k, var0, eps, b_scale, b_bias, p_y, p_mu, p_rstd, p_gmu,
-                   L, D, G, Dg, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
-        """One chunk: b_x [BT, BD] = x - K (0 on padded rows); returns the carry after it."""
+                   steps, D, G, Dg, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr):
+        """One chunk of a row ``steps`` long (pointers at its first step): b_x [BT, BD] = x - K
+        (0 on padded rows); returns the carry after it."""
         o_r = tl.arange(0, BLOCK_T)
         o_t = t0 + o_r
-        m_t = o_t < L
+        m_t = o_t < steps
         o_f = tl.arange(0, BLOCK_D)
         m_f = o_f < Dg
         m_x = live[:, None] & m_f[None, :]
@@ -104,7 +118,7 @@ if HAVE_TRITON:
         tl.store(p_mu + o_t * G, b_mu_out, mask=m_t)
         tl.store(p_rstd + o_t * G, b_rstd, mask=m_t)
         tl.store(p_gmu + o_t * G, b_gmu, mask=m_t)
-        # the last tile row holds the total (rows past L are identities)
+        # the last tile row holds the total (rows past the row's end are identities)
         last = o_r == BLOCK_T - 1
         c_n = tl.sum(tl.where(last, n, 0.0), axis=0)
         c_mu = tl.sum(tl.where(last, b_mu, 0.0), axis=0)
@@ -112,14 +126,25 @@ if HAVE_TRITON:
         return c_n, c_mu, c_M
 
     @triton.jit
+    def _row_span(cu_ptr, r, L, PACKED: tl.constexpr):
+        """(first step, number of steps) of row r: document r of a packed row (from cu_seqlens),
+        or batch row r of a [B, L] layout."""
+        if PACKED:
+            start = tl.load(cu_ptr + r)
+            return start, (tl.load(cu_ptr + r + 1) - start).to(tl.int32)
+        else:
+            return r.to(tl.int64) * L, L
+
+    @triton.jit
     def _timestep_norm_fwd_kernel(
         x_ptr, y_ptr, scale_ptr, bias_ptr, pad_ptr, pc_ptr, pm_ptr, pv_ptr,
-        mu_ptr, rstd_ptr, gmu_ptr, k_ptr, mean_ptr, var_ptr,
+        mu_ptr, rstd_ptr, gmu_ptr, k_ptr, mean_ptr, var_ptr, cu_ptr,
         L, D, G, Dg, eps,
-        OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        PACKED: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        b = tl.program_id(0)  # batch row, or document when PACKED
         g = tl.program_id(1)
+        start, steps = _row_span(cu_ptr, b, L, PACKED)
         o_f = tl.arange(0, BLOCK_D)
         m_f = o_f < Dg
         o_r = tl.arange(0, BLOCK_T)
@@ -128,10 +153,11 @@ if HAVE_TRITON:
         n0 = tl.load(pc_ptr + b).to(tl.float64)
         mu0 = tl.load(pm_ptr + b * G + g)
         var0 = tl.load(pv_ptr + b * G + g)
-        p_x = x_ptr + b.to(tl.int64) * L * D + g * Dg
-        p_s = b.to(tl.int64) * L * G + g  # [B, L, G] saved statistics
+        p_x = x_ptr + start * D + g * Dg
+        p_y = y_ptr + start * D + g * Dg
+        p_s = start * G + g  # [B, L, G] saved statistics
         # chunk 0 is loaded once: it also fixes the shift K from its finite unpadded row means
-        live = (o_r < L) & (tl.load(pad_ptr + b.to(tl.int64) * L + o_r, mask=o_r < L, other=1) == 0)
+        live = (o_r < steps) & (tl.load(pad_ptr + start + o_r, mask=o_r < steps, other=1) == 0)
         b_x = tl.load(p_x + o_r[:, None].to(tl.int64) * D + o_f[None, :], mask=live[:, None] & m_f[None, :],
                       other=0.0).to(tl.float32)  # [BT, BD]
         raw = tl.sum(b_x, axis=1) / Dg
@@ -146,17 +172,17 @@ if HAVE_TRITON:
         c_mu = tl.where(n0 > 0, mu0 - K, 0.0)
         c_M = tl.where(n0 > 0, var0 * n0.to(tl.float32), 0.0)
         c_n, c_mu, c_M = _fwd_chunk(b_x - K, live, 0, c_n, c_mu, c_M, mu0 - K, var0, eps, b_scale, b_bias,
-                                    y_ptr + b.to(tl.int64) * L * D + g * Dg, mu_ptr + p_s, rstd_ptr + p_s,
-                                    gmu_ptr + p_s, L, D, G, Dg, OUT_BF16, BLOCK_T, BLOCK_D)
-        for t0 in range(BLOCK_T, L, BLOCK_T):
+                                    p_y, mu_ptr + p_s, rstd_ptr + p_s, gmu_ptr + p_s, steps, D, G, Dg,
+                                    OUT_BF16, BLOCK_T, BLOCK_D)
+        for t0 in range(BLOCK_T, steps, BLOCK_T):
             o_t = t0 + o_r
-            m_t = o_t < L
-            live = m_t & (tl.load(pad_ptr + b.to(tl.int64) * L + o_t, mask=m_t, other=1) == 0)
+            m_t = o_t < steps
+            live = m_t & (tl.load(pad_ptr + start + o_t, mask=m_t, other=1) == 0)
             b_x = tl.load(p_x + o_t[:, None].to(tl.int64) * D + o_f[None, :], mask=live[:, None] & m_f[None, :],
                           other=0.0).to(tl.float32) - K
             c_n, c_mu, c_M = _fwd_chunk(b_x, live, t0, c_n, c_mu, c_M, mu0 - K, var0, eps, b_scale, b_bias,
-                                        y_ptr + b.to(tl.int64) * L * D + g * Dg, mu_ptr + p_s, rstd_ptr + p_s,
-                                        gmu_ptr + p_s, L, D, G, Dg, OUT_BF16, BLOCK_T, BLOCK_D)
+                                        p_y, mu_ptr + p_s, rstd_ptr + p_s, gmu_ptr + p_s, steps, D, G, Dg,
+                                        OUT_BF16, BLOCK_T, BLOCK_D)
         observed = c_n > n0
         tl.store(k_ptr + b * G + g, K)
         tl.store(mean_ptr + b * G + g, tl.where(observed, c_mu + K, mu0))
@@ -165,12 +191,13 @@ if HAVE_TRITON:
     @triton.jit
     def _timestep_norm_bwd_kernel(
         x_ptr, dy_ptr, dx_ptr, scale_ptr, pad_ptr, pc_ptr, nend_ptr, mu_ptr, rstd_ptr, gmu_ptr, mu0_ptr, k_ptr,
-        dmean_ptr, dvar_ptr, dscale_ptr, dbias_ptr, dpm_ptr, dpv_ptr,
+        dmean_ptr, dvar_ptr, dscale_ptr, dbias_ptr, dpm_ptr, dpv_ptr, cu_ptr,
         L, D, G, Dg,
-        OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
+        PACKED: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
-        b = tl.program_id(0)
+        b = tl.program_id(0)  # batch row, or document when PACKED
         g = tl.program_id(1)
+        start, steps = _row_span(cu_ptr, b, L, PACKED)
         o_f = tl.arange(0, BLOCK_D)
         m_f = o_f < Dg
         o_r = tl.arange(0, BLOCK_T)
@@ -187,14 +214,14 @@ if HAVE_TRITON:
         c_after = n_end * 0.0  # live steps in later chunks
         acc_ds = tl.zeros([BLOCK_D], tl.float64)
         acc_db = tl.zeros([BLOCK_D], tl.float64)
-        p_x = b.to(tl.int64) * L * D + g * Dg
-        p_s = b.to(tl.int64) * L * G + g
-        n_chunks = tl.cdiv(L, BLOCK_T)
+        p_x = start * D + g * Dg
+        p_s = start * G + g
+        n_chunks = tl.cdiv(steps, BLOCK_T)
         for c in range(0, n_chunks):
             t0 = (n_chunks - 1 - c) * BLOCK_T
             o_t = t0 + o_r
-            m_t = o_t < L
-            live = m_t & (tl.load(pad_ptr + b.to(tl.int64) * L + o_t, mask=m_t, other=1) == 0)
+            m_t = o_t < steps
+            live = m_t & (tl.load(pad_ptr + start + o_t, mask=m_t, other=1) == 0)
             m_x = live[:, None] & m_f[None, :]
             p_tile = p_x + o_t[:, None].to(tl.int64) * D + o_f[None, :]
             b_x = tl.where(m_x, tl.load(x_ptr + p_tile, mask=m_x, other=0.0).to(tl.float32) - K, 0.0)
@@ -240,10 +267,23 @@ if HAVE_TRITON:
         tl.store(dpv_ptr + b * G + g, tl.where(nothing, dvar, tl.where(n0 > 0, (n0 * c_V).to(tl.float32), 0.0)))
 
 
+def _steps_seen(padding_mask, cu_seqlens):
+    """Unpadded steps per row: per batch row, or with cu_seqlens per document (from a running
+    count gathered at the document bounds: no host read of cu_seqlens)."""
+    live = ~padding_mask
+    if cu_seqlens is None:
+        return live.sum(1)
+    ends = torch.cat((live.new_zeros(1, dtype=torch.int64), live[0].cumsum(0)))[cu_seqlens]
+    return ends[1:] - ends[:-1]
+
+
 def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
-                      block_elems=4096, num_warps=8):
-    """Returns (y, count, mean, var, saved) with ``saved`` the tensors timestep_norm_bwd needs."""
+                      cu_seqlens=None, block_elems=4096, num_warps=8):
+    """Returns (y, count, mean, var, saved) with ``saved`` the tensors timestep_norm_bwd needs.
+    With ``cu_seqlens`` (int64 (n + 1,), values already checked) x is one packed row of n
+    documents and the states (prev_*, count, mean, var, K) have one row per document."""
     B, L, D = x.shape
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     G = num_groups
     Dg = D // G
     f32 = torch.float32
@@ -253,52 +293,56 @@ def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_m
     mu = torch.empty(B, L, G, dtype=f32, device=dev)
     rstd = torch.empty(B, L, G, dtype=f32, device=dev)
     gmu = torch.empty(B, L, G, dtype=f32, device=dev)
-    K = torch.empty(B, G, dtype=f32, device=dev)
-    mean = torch.empty(B, G, dtype=f32, device=dev)
-    var = torch.empty(B, G, dtype=f32, device=dev)
+    K = torch.empty(n, G, dtype=f32, device=dev)
+    mean = torch.empty(n, G, dtype=f32, device=dev)
+    var = torch.empty(n, G, dtype=f32, device=dev)
     pm = prev_mean.to(f32).contiguous()
     pv = prev_var.to(f32).contiguous()
     pc = prev_count.to(torch.int64).contiguous()
     pad = padding_mask.contiguous().view(torch.uint8)
     T, BD = _tiling(Dg, block_elems)
-    if B * G:
-        _timestep_norm_fwd_kernel[(B, G)](
+    if n * G:
+        _timestep_norm_fwd_kernel[(n, G)](
             x, y, scale.to(f32).contiguous(), bias.to(f32).contiguous(), pad, pc, pm, pv,
-            mu, rstd, gmu, K, mean, var, L, D, G, Dg, float(eps),
-            OUT_BF16=x.dtype == torch.bfloat16, BLOCK_T=T, BLOCK_D=BD, num_warps=num_warps,
+            mu, rstd, gmu, K, mean, var, cu_seqlens, L, D, G, Dg, float(eps),
+            PACKED=cu_seqlens is not None, OUT_BF16=x.dtype == torch.bfloat16, BLOCK_T=T, BLOCK_D=BD,
+            num_warps=num_warps,
         )
-    count = pc + (~padding_mask).sum(1)
+    count = pc + _steps_seen(padding_mask, cu_seqlens)
     saved = (x, scale, mu, rstd, gmu, padding_mask, prev_count, pm - K, K)
     return y, count, mean, var, saved
 
 
-def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, block_elems=4096, num_warps=8):
-    """Returns (dx, dscale, dbias, dprev_mean, dprev_var), all float32."""
+def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, cu_seqlens=None, block_elems=4096, num_warps=8):
+    """Returns (dx, dscale, dbias, dprev_mean, dprev_var), all float32; ``cu_seqlens`` as in the
+    forward (dmean, dvar and the gradients of the prior state: one row per document)."""
     x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0, K = saved
     B, L, D = x.shape
+    n = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
     G = num_groups
     Dg = D // G
     f32 = torch.float32
     dev = x.device
     dy = dy.contiguous()
     dx = torch.empty_like(x)
-    dscale_p = torch.empty(B, D, dtype=f32, device=dev)
-    dbias_p = torch.empty(B, D, dtype=f32, device=dev)
-    dpm = torch.empty(B, G, dtype=f32, device=dev)
-    dpv = torch.empty(B, G, dtype=f32, device=dev)
+    dscale_p = torch.empty(n, D, dtype=f32, device=dev)
+    dbias_p = torch.empty(n, D, dtype=f32, device=dev)
+    dpm = torch.empty(n, G, dtype=f32, device=dev)
+    dpv = torch.empty(n, G, dtype=f32, device=dev)
     pc = prev_count.to(torch.int64).contiguous()
-    n_end = pc + (~padding_mask).sum(1)
-    dmean = torch.zeros(B, G, dtype=f32, device=dev) if dmean is None else dmean.to(f32).contiguous()
-    dvar = torch.zeros(B, G, dtype=f32, device=dev) if dvar is None else dvar.to(f32).contiguous()
+    n_end = pc + _steps_seen(padding_mask, cu_seqlens)
+    dmean = torch.zeros(n, G, dtype=f32, device=dev) if dmean is None else dmean.to(f32).contiguous()
+    dvar = torch.zeros(n, G, dtype=f32, device=dev) if dvar is None else dvar.to(f32).contiguous()
     T, BD = _tiling(Dg, block_elems)
-    if B * G:
-        _timestep_norm_bwd_kernel[(B, G)](
+    if n * G:
+        _timestep_norm_bwd_kernel[(n, G)](
             x, dy, dx, scale.to(f32).contiguous(), padding_mask.contiguous().view(torch.uint8), pc, n_end,
-            mu, rstd, gmu, mu0.contiguous(), K, dmean, dvar, dscale_p, dbias_p, dpm, dpv,
+            mu, rstd, gmu, mu0.contiguous(), K, dmean, dvar, dscale_p, dbias_p, dpm, dpv, cu_seqlens,
             L, D, G, Dg,
-            OUT_BF16=x.dtype == torch.bfloat16, BLOCK_T=T, BLOCK_D=BD, num_warps=num_warps,
+            PACKED=cu_seqlens is not None, OUT_BF16=x.dtype == torch.bfloat16, BLOCK_T=T, BLOCK_D=BD,
+            num_warps=num_warps,
         )
-    # deterministic reduction of the per-batch partials
+    # deterministic reduction of the per-row (per-document) partials
     dscale = dscale_p.to(torch.float64).sum(0).to(f32)
     dbias = dbias_p.to(torch.float64).sum(0).to(f32)
     return dx, dscale, dbias, dpm, dpv
