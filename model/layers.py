@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from megalodon_kernels import ops
+from megalodon_kernels.ops._layout import transpose_contiguous
 
 from .cache import LayerState
 from .config import MegalodonConfig
@@ -327,7 +328,7 @@ class MegalodonAttention(nn.Module):
         if on_carry is not None:
             on_carry(count, mean, var, h)
         # One copy to (B, L, D) rows here saves one in each of the three linears reading mx below.
-        out_cema = y.transpose(1, 2).contiguous()
+        out_cema = transpose_contiguous(y, 1, 2)
         # 4. RMSNorm
         mx = self._dropout(self.rmsnorm(out_cema), self.hidden_dropout)
         # 5-6. shared z -> normalised per head -> q, k by scale/offset

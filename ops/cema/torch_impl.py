@@ -13,6 +13,7 @@ recomputing it), and ema_hidden's c(B D N) sums V, W.
 """
 from __future__ import annotations
 
+from .._layout import contiguous
 from .._vandermonde import power_table
 from ..cema_kernel.torch_impl import cema_kernel_bwd, cema_kernel_fwd
 from ..ema_hidden.torch_impl import ema_hidden_bwd, ema_hidden_fwd
@@ -29,6 +30,7 @@ def not_supported_reasons(**inputs) -> list[str]:
 def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, power_block, direct_max_len):
     """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W))."""
     L = x.shape[-1]
+    x = contiguous(x)  # once for every stage below (the model passes a transposed (B, L, D) view)
     table = power_table(log_q, L, power_block)                            # shared by every stage
     k, b = cema_kernel_fwd(p, log_q, gamma, L, hx, power_block=power_block, table=table)
     cd = compute_dtype(x.dtype, k.dtype)
@@ -47,6 +49,8 @@ def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, power_block
     need_x, need_p, need_lq, need_gamma, need_omega, need_hx = needs
     k, V, W = saved
     L = x.shape[-1]
+    x = contiguous(x)
+    dy = None if dy is None else contiguous(dy)
     cd = compute_dtype(x.dtype, k.dtype)
     dx = dp = dlq = dgamma = domega = dhx = None
     table = power_table(log_q, L, power_block)

@@ -18,6 +18,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from .._layout import contiguous
+
 #: Lengths up to this use the O(L^2) Toeplitz matmul; above it the O(L log L) FFT path. Measured
 #: fwd+bwd crossover on a 1-thread x86 CPU (B=8, D=256): direct wins at L=16, FFT from L=32 on.
 DEFAULT_CONFIG: dict = {"direct_max_len": 16}
@@ -55,7 +57,7 @@ def fftconv_fwd(x, k, out_dtype=None, *, direct_max_len):
     cd = compute_dtype(x.dtype, k.dtype)
     out_dtype = out_dtype or x.dtype
     L = x.shape[-1]
-    xc, kc = x.to(cd), k.to(cd)
+    xc, kc = contiguous(x.to(cd)), k.to(cd)  # a transposed view would be transposed by the FFT's padding copy, untiled
     if L <= direct_max_len:
         y = torch.matmul(xc.transpose(0, 1), _toeplitz(kc).transpose(-1, -2))   # [D, B, L]
         return y.transpose(0, 1).to(out_dtype)
@@ -68,7 +70,7 @@ def fftconv_bwd(dy, x, k, need_x=True, need_k=True, *, direct_max_len):
     """-> (dx r(B D L) or None, dk r(D L) or None), both in the compute dtype."""
     cd = compute_dtype(x.dtype, k.dtype)
     L = x.shape[-1]
-    dyc = dy.to(cd).contiguous()  # an expanded (stride-0) upstream gradient slows bmm and FFT
+    dyc = contiguous(dy.to(cd))  # an expanded (stride-0) or transposed upstream gradient slows bmm and FFT
     dx = dk = None
     if L <= direct_max_len:
         dyt = dyc.transpose(0, 1)                                                  # [D, B, L]
@@ -82,6 +84,6 @@ def fftconv_bwd(dy, x, k, need_x=True, need_k=True, *, direct_max_len):
     if need_x:
         dx = torch.fft.irfft(DY * torch.fft.rfft(k.to(cd), n=n).conj(), n=n)[..., :L]
     if need_k:
-        cross = (DY * torch.fft.rfft(x.to(cd), n=n).conj()).sum(0)                 # [D, n/2+1]
+        cross = (DY * torch.fft.rfft(contiguous(x.to(cd)), n=n).conj()).sum(0)     # [D, n/2+1]
         dk = torch.fft.irfft(cross, n=n)[..., :L]
     return dx, dk
