@@ -3,14 +3,13 @@
 the emulator), fp32/bf16/fp64: y, the returned (count, mean, var) per document, and the gradients
 of x, scale, bias, prev_mean and prev_var, from y and from (mean, var) separately. Documents have
 their own level and spread, so a statistic leaking across a boundary fails the comparison (checked
-below). Also: one backend call per bucket, not per document; bad input."""
+below). Also: one backend call per packed call, not per document; bad input."""
 import contextlib
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
-from megalodon_kernels.ops import _packing
 from megalodon_kernels.ops.timestep_norm import BACKENDS, timestep_norm
 from support import assert_close, backend_module, err_ratio, knobs, to_np, tol
 
@@ -180,18 +179,16 @@ def test_whole_row_statistics_would_fail_the_comparison(backend):
 
 
 # ---------------------------------------------------------------------------------------------
-# launches scale with the buckets, not the documents
+# one backend call per packed call, whatever the number of documents
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
-def test_one_backend_call_per_bucket(backend, monkeypatch):
+def test_one_backend_call_per_packed_call(backend, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(0, 6, (48,), generator=gen).tolist()  # 48 documents, some empty
     p = documents(lengths, 4, 1, seed=3, pad=True, prior=True)
     leaves = leaves_of(p, F32)
     L = p["x"].shape[1]
-    buckets = _packing.plan(p["cu_seqlens"], L).buckets
-    assert len(buckets) <= 4 and sum(b.docs.numel() for b in buckets) == sum(n > 0 for n in lengths)
     module = BACKENDS.select(backend, {"x": p["x"].float(), "num_groups": 1}, device=p["x"].device, dtype=F32).module
     rows = {"fwd": [], "bwd": []}
     for kind in rows:
@@ -201,9 +198,8 @@ def test_one_backend_call_per_bucket(backend, monkeypatch):
     with short_chunks(backend):
         y, count, mean, var = run_packed(p, leaves, backend)
         torch.autograd.grad((y.sum() + mean.sum() + var.sum()), list(leaves.values()))
-    # a backend that reads the document bounds itself runs the packed row in one call
-    want = [(1, L)] if getattr(module, "PACKED_NATIVE", False) else [(b.docs.numel(), b.size) for b in buckets]
-    assert rows["fwd"] == want and rows["bwd"] == want
+    # every backend reads the document bounds itself: the packed row is one call, forward and backward
+    assert rows["fwd"] == [(1, L)] and rows["bwd"] == [(1, L)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -17,10 +17,10 @@ them.
 Numerics: the backends never form cumsum(x) and cumsum(x^2); statistics come from an
 associative (Chan) Welford merge in fp32 (fp64 for fp64 inputs) - see ``torch_impl``.
 
-Packed rows (``cu_seqlens``): each document runs as a row of its own, left-aligned in a bucket of
-equal-length rows (``ops/_packing.py``), with the steps after its end marked padded; a padded step
-already leaves the state alone, so a row's returned state is its document's state at its last
-step. One backend call per bucket, forward and backward.
+Packed rows (``cu_seqlens``): the backends read the document bounds themselves (the scans restart
+at every document start, each from the document's own prior), so a packed call is one backend
+call, forward and backward, over the packed row: no gathered rows, no padding (docs/math.md,
+TimestepNorm, Packed sequences).
 """
 from __future__ import annotations
 
@@ -34,7 +34,7 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import custom_op, empty_like
 from .._host_sync import check_on_device
-from .._packing import check_cu_seqlens, check_per_document, document_bounds, plan
+from .._packing import check_cu_seqlens, check_per_document, document_bounds
 
 __all__ = ["timestep_norm"]
 
@@ -99,50 +99,17 @@ def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor,
     gmu and K are zeros there). count, mean, var and K have one row per batch element, or with
     ``cu_seqlens`` one per document."""
     check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
-    if cu_seqlens is not None:
-        return _fwd_packed(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend,
-                           cu_seqlens)
     impl = _select(x, num_groups, backend)
     y, count, mean, var, saved = impl.module.timestep_norm_fwd(
-        x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, **impl.config)
+        x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+        **_packed(cu_seqlens, x), **impl.config)
     acc = acc_dtype(x.dtype)
     return (y, count.to(torch.int64), mean.to(acc), var.to(acc), *_residuals(impl, saved, mean, acc))
 
 
-def _row_inputs(bucket, x, padding_mask):
-    """A bucket's document rows of x and their padding mask: the user's mask, and every step past
-    the document's end."""
-    return bucket.rows(x, 1), bucket.rows(padding_mask, 1) | ~bucket.valid
-
-
-def _fwd_packed(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend, cu_seqlens):
-    L = x.shape[1]
-    acc = acc_dtype(x.dtype)
-    impl = _select(x, num_groups, backend)
-    if getattr(impl.module, "PACKED_NATIVE", False):  # the kernels read the document bounds themselves
-        y, count, mean, var, saved = impl.module.timestep_norm_fwd(
-            x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
-            cu_seqlens=document_bounds(cu_seqlens, L), **impl.config)
-        return (y, count.to(torch.int64), mean.to(acc), var.to(acc), *_residuals(impl, saved, mean, acc))
-    # every step lies in exactly one document, so the scatters below write all of y and the statistics
-    y = x.new_empty(x.shape)
-    mu, rstd, gmu = (x.new_empty(1, L, num_groups, dtype=acc) for _ in range(3))
-    # an empty document is in no bucket: its state stays the initial one
-    count = prev_count.to(torch.int64).clone()
-    mean, var = prev_mean.to(acc).clone(), prev_var.to(acc).clone()
-    K = mean.new_zeros(mean.shape)
-    for bucket in plan(cu_seqlens, L).buckets:
-        xb, maskb = _row_inputs(bucket, x, padding_mask)
-        state = [t.index_select(0, bucket.docs) for t in (prev_count, prev_mean, prev_var)]
-        impl = _select(xb, num_groups, backend)  # per bucket: each row length gets its own tuned choice
-        yb, countb, meanb, varb, saved = impl.module.timestep_norm_fwd(
-            xb, scale, bias, *state, maskb, num_groups, eps, **impl.config)
-        mub, rstdb, gmub, Kb = _residuals(impl, saved, meanb, acc)
-        for rows, out in ((yb, y), (mub, mu), (rstdb, rstd), (gmub, gmu)):
-            bucket.put(rows, out, 1)
-        for rows, out in ((countb, count), (meanb, mean), (varb, var), (Kb, K)):
-            out.index_copy_(0, bucket.docs, rows.to(out.dtype))
-    return y, count, mean, var, mu, rstd, gmu, K
+def _packed(cu_seqlens, x) -> dict:
+    """The backends' packed-row argument: the document bounds, checked, as int64 (none unpacked)."""
+    return {} if cu_seqlens is None else {"cu_seqlens": document_bounds(cu_seqlens, x.shape[1])}
 
 
 def _bwd_fake(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, mu, rstd, gmu, K,
@@ -158,47 +125,11 @@ def timestep_norm_bwd_op(dy: Tensor, dmean: Tensor, dvar: Tensor, x: Tensor, sca
                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> the gradients of (x, scale, bias, prev_mean, prev_var), each in its input's dtype."""
     acc = acc_dtype(x.dtype)
-    if cu_seqlens is not None:
-        grads = _bwd_packed(dy, dmean, dvar, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K,
-                            num_groups, backend, cu_seqlens)
-    else:
-        impl = _select(x, num_groups, backend)
-        saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
-        grads = impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, **impl.config)
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))
-
-
-def _bwd_packed(dy, dmean, dvar, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, num_groups, backend,
-                cu_seqlens):
-    """The forward's buckets again (the plan is cached): each bucket's rows through the backend's
-    backward; dx scattered back, dscale/dbias summed over buckets in float64."""
-    L, D = x.shape[1:]
-    acc = acc_dtype(x.dtype)
     impl = _select(x, num_groups, backend)  # the forward's choice (cached)
-    if getattr(impl.module, "PACKED_NATIVE", False):
-        saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
-        return impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups,
-                                             cu_seqlens=document_bounds(cu_seqlens, L), **impl.config)
-    dx = x.new_empty(x.shape)
-    dscale = torch.zeros(D, dtype=torch.float64, device=x.device)
-    dbias = torch.zeros(D, dtype=torch.float64, device=x.device)
-    # an empty document's returned state IS its initial state: the gradient passes straight through
-    dprev_mean, dprev_var = dmean.to(acc).clone(), dvar.to(acc).clone()
-    for bucket in plan(cu_seqlens, L).buckets:
-        xb, maskb = _row_inputs(bucket, x, padding_mask)
-        mub, rstdb, gmub, dyb = (bucket.rows(t, 1) for t in (mu, rstd, gmu, dy))
-        countb, meanb, Kb, dmeanb, dvarb = (t.index_select(0, bucket.docs)
-                                            for t in (prev_count, prev_mean, K, dmean, dvar))
-        impl = _select(xb, num_groups, backend)  # the forward's choice for these rows (cached)
-        saved = _saved(impl, xb, scale, countb, meanb, maskb, mub, rstdb, gmub, Kb, acc)
-        dxb, dscaleb, dbiasb, dpmb, dpvb = impl.module.timestep_norm_bwd(dyb, dmeanb, dvarb, saved, num_groups,
-                                                                         **impl.config)
-        bucket.put(dxb, dx, 1)
-        dscale += dscaleb.to(torch.float64)
-        dbias += dbiasb.to(torch.float64)
-        dprev_mean.index_copy_(0, bucket.docs, dpmb.to(acc))
-        dprev_var.index_copy_(0, bucket.docs, dpvb.to(acc))
-    return dx, dscale, dbias, dprev_mean, dprev_var
+    saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
+    grads = impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, **_packed(cu_seqlens, x),
+                                          **impl.config)
+    return tuple(g.to(t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))
 
 
 def _setup(ctx, inputs, output):
