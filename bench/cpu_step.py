@@ -1,10 +1,15 @@
-"""Eager CPU training step of the bench model: wall time and the profiler's non-GEMM share.
+"""CPU training step of the bench model, eager or compiled: wall time and the profiler's non-GEMM share.
 
 The bench model: vocab 1000, model_dim 256, 2 layers, 1 head, z_dim 64, value_dim 512, FFN 640,
 cema_ndim 16, chunk 256, 32 TimestepNorm groups, fp32, no dropout; one step = forward,
 cross-entropy, backward over B=2 sequences of L=4096 tokens (the optimizer is left out).
 
-    python bench/cpu_step.py [--B 2 --L 4096] [--steps 3] [--threads N] [--top 25] [--out bench/results/cpu_step.md]
+    python bench/cpu_step.py [--B 2 --L 4096] [--steps 3] [--threads N] [--top 25] [--compile]
+                             [--out bench/results/cpu_step.md]
+
+``--compile`` runs the step through ``torch.compile(model, fullgraph=True)`` (inductor; the
+library's ops stay opaque custom-op nodes, the elementwise glue around them is fused); the first
+warm-up step compiles and its time is reported apart.
 
 Measures, after two warm-up steps:
 
@@ -112,15 +117,20 @@ def main():
     ap.add_argument("--timed", type=int, default=3, help="unprofiled timed steps")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     load_before = machine_load()
     torch.manual_seed(0)
     model = Megalodon(bench_config()).train()
+    if args.compile:
+        model = torch.compile(model, fullgraph=True)
     tokens = torch.randint(0, VOCAB, (args.B, args.L + 1))
-    for _ in range(2):
-        train_step(model, tokens)
+    t0 = time.perf_counter()
+    train_step(model, tokens)
+    first_step = time.perf_counter() - t0
+    train_step(model, tokens)
     profiled_step(model, tokens)  # the profiler's own first-use cost stays out of the measured steps
 
     walls, cpus, faults = [], [], []
@@ -148,9 +158,10 @@ def main():
     except OSError:
         commit = "?"
     cmd = (f"python bench/cpu_step.py --B {args.B} --L {args.L} --steps {args.steps} --timed {args.timed} "
-           f"--threads {args.threads}")
+           f"--threads {args.threads}" + (" --compile" if args.compile else ""))
+    mode = "Compiled (torch.compile, fullgraph)" if args.compile else "Eager"
     lines = [
-        "# Eager CPU training step: time and non-GEMM share",
+        f"# {mode} CPU training step: time and non-GEMM share",
         "",
         f"`{cmd}`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, "
         f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads.",
@@ -163,6 +174,7 @@ def main():
         "cross-entropy + backward. non-GEMM share = 1 - (self CPU time of "
         + ", ".join(f"`{n}`" for n in sorted(GEMM_OPS)) + ") / (self CPU time of all ops), torch profiler.",
         "",
+        f"- first step (warm-up{', includes compiling' if args.compile else ''}): {first_step:.1f} s",
         f"- wall time per step (unprofiled): median {statistics.median(walls) * 1e3:.0f} ms "
         f"(min {min(walls) * 1e3:.0f}, max {max(walls) * 1e3:.0f}) over {len(walls)} steps",
         f"- CPU time per step of this process (median): user {statistics.median(u for u, _ in cpus) * 1e3:.0f} ms, "
