@@ -85,7 +85,29 @@ def keep_mask(
         return torch.ones(torch.broadcast_shapes(b_idx.shape, h_idx.shape, i_idx.shape, j_idx.shape),
                           dtype=torch.bool, device=b_idx.device)
     rows = mix32(head_keys(seed, b_idx, h_idx) ^ i_idx)
-    return mix32(rows ^ j_idx) >= thr
+    # The logit-sized part in int32: half the bytes of int64 per pass, ~2x faster on the CPU.
+    # An int32 holds the uint32 hash in two's complement; flipping the sign bit maps unsigned
+    # order to signed order, so u >= thr <=> (u ^ 2^31) >= thr - 2^31 as signed.
+    u = _mix32_int32(_as_int32(rows) ^ _as_int32(j_idx))
+    return u.bitwise_xor_(_INT32_MIN) >= thr + _INT32_MIN
+
+
+_INT32_MIN = -(2**31)
+
+
+def _as_int32(v: torch.Tensor) -> torch.Tensor:
+    """int64 values in [0, 2**32) as int32 with the same 32 bits."""
+    return (v - ((v >> 31) << 32)).to(torch.int32)
+
+
+def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
+    """mix32 on the int32 image of uint32 values (in place on x). Products wrap modulo 2**32 as
+    uint32 ones do; shifts are arithmetic on int32, so each is masked to the logical shift's bits."""
+    x.bitwise_xor_((x >> 16) & 0xFFFF)
+    x.mul_(MIX_M1)
+    x.bitwise_xor_((x >> 15) & 0x1FFFF)
+    x.mul_(MIX_M2)
+    return x.bitwise_xor_((x >> 15) & 0x1FFFF)
 
 
 def dropkey_mask(seed: int, p: float, batch: int, heads: int, rows: int, cols: int,
