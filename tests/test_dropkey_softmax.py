@@ -175,6 +175,22 @@ def test_mix32_tensor_path_equals_the_integer_rule_and_leaves_its_input():
     assert mix32(x[::2]).tolist() == [mix32(w) for w in words[::2]]  # strided views too
 
 
+@pytest.mark.parametrize("p", [0.1, 0.5, 0.97, 1 - 2**-33], ids=str)
+def test_keep_mask_equals_the_integer_rule(p):
+    # keep_mask hashes the logit-sized part in int32; against the rule on Python ints, with
+    # indices whose hash words cover both halves of the uint32 range
+    from megalodon_kernels.ops.dropkey_rule import head_keys, keep_mask, mix32, threshold
+    seed, thr = 2**40 + 7, threshold(p)
+    b, h = torch.tensor([0, 3]).view(-1, 1, 1, 1), torch.tensor([1, 2**31 + 5]).view(1, -1, 1, 1)
+    i = torch.tensor([0, 1, 2**20, 2**31 - 1, 2**32 - 1]).view(1, 1, -1, 1)
+    j = torch.cat((torch.arange(40), torch.tensor([2**31, 2**32 - 1]))).view(1, 1, 1, -1)
+    got = keep_mask(seed, p, b, h, i, j)
+    keys = head_keys(seed, b, h)
+    want = [[[[mix32(mix32(int(keys[bb, hh, 0, 0]) ^ int(ii)) ^ int(jj)) >= thr for jj in j.flatten()]
+              for ii in i.flatten()] for hh in range(2)] for bb in range(2)]
+    assert got.tolist() == want
+
+
 def test_reproducible_and_seed_sensitive():
     x = torch.randn(2, 3, 20, 24, dtype=torch.float64, requires_grad=True)
     dy = torch.randn(2, 3, 20, 24, dtype=torch.float64)
