@@ -17,8 +17,6 @@ from ...cuda import launch as L
 from ...cuda import runtime
 from ...cuda.backend import _Backend
 
-#: the backend reads packed rows itself (ops/timestep_norm/__init__.py passes cu_seqlens through)
-PACKED_NATIVE = True
 MAX_CHUNKS = 128   # kTsnMaxChunks: threads (time chunks) of the scan kernels
 ROW_THREADS = 256  # kTsnRowThreads: 8 warps = 8 rows per block in the row kernels
 SLOTS = 64         # kTsnSlots: row slices of the dscale/dbias partial sums (8 x 8)
@@ -172,7 +170,6 @@ def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
 
 class TimestepNormBackend(_Backend):
     FP64 = True  # double x: Welford/Kahan state, statistics and side inputs in double
-    PACKED_NATIVE = True  # as the module's: the dispatcher may hold a backend object instead (tests)
 
     def not_supported_reasons(self, x, num_groups=None, **_other_inputs) -> list[str]:
         reasons = self._reasons({"x": x}, "x")

@@ -49,9 +49,6 @@ from .._checks import acc_dtype
 from .._host_sync import any_or_device
 from .._packing import cached
 
-#: Packed rows (cu_seqlens) run natively: one call, states per document (``_Documents``).
-PACKED_NATIVE = True
-
 #: chunk: the time-chunk length T of the two-level scans (forward Welford scan and backward
 #: reverse sums). Any T >= 1 gives the same result up to rounding.
 DEFAULT_CONFIG: dict = {"chunk": 64}

@@ -48,8 +48,6 @@ from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_r
 #: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
 CONFIG_SPACE = autotune.get("timestep_norm").space["triton"]
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
-#: the kernels read packed rows themselves (``cu_seqlens``): one launch per packed call
-PACKED_NATIVE = True
 #: feature-tile widths: a launch takes the smallest >= Dg = D / G
 BLOCK_D_TIERS = (16, 64, 256, 1024)
 MAX_T = 64
