@@ -99,8 +99,8 @@ class Bucket:
 
     size: the row length Lb; docs (nb,) int64: the documents' indices; lengths (nb,) int64;
     valid (nb, Lb) bool: the step holds a document token. The valid steps as flat lists:
-    ``valid_rows``, ``valid_steps`` (their row and step) and ``valid_src`` (their packed
-    position), so gathering and scattering touch only real tokens."""
+    ``valid_rows``, ``valid_steps`` (their row and step), ``valid_flat`` (row * Lb + step) and
+    ``valid_src`` (their packed position), so gathering and scattering touch only real tokens."""
 
     size: int
     docs: torch.Tensor
@@ -109,18 +109,31 @@ class Bucket:
     valid_rows: torch.Tensor
     valid_steps: torch.Tensor
     valid_src: torch.Tensor
+    valid_flat: torch.Tensor  # valid_rows * size + valid_steps
 
     def rows(self, t: torch.Tensor, dim: int) -> torch.Tensor:
         """Gather the packed tensor t (batch 1, time at ``dim``) into contiguous rows
         (nb, ..., Lb, ...), zeros at padded steps."""
+        nb = self.docs.shape[0]
+        if dim == t.dim() - 1:
+            # time last (fftconv, cema: (1, D, L)): gather and scatter along the contiguous last
+            # dimension, never across it (an index on the time axis of a (D, L) view would read
+            # one element per cache line)
+            flat = t.new_zeros((*t.shape[1:-1], nb * self.size))
+            flat.index_copy_(-1, self.valid_flat, t[0].index_select(-1, self.valid_src))
+            return flat.view(*t.shape[1:-1], nb, self.size).movedim(-2, 0).contiguous()
         shape = list(t.shape)
-        shape[0], shape[dim] = self.docs.shape[0], self.size
+        shape[0], shape[dim] = nb, self.size
         out = t.new_zeros(shape)
         out.movedim(dim, 1)[self.valid_rows, self.valid_steps] = t[0].movedim(dim - 1, 0)[self.valid_src]
         return out
 
     def put(self, rows: torch.Tensor, out: torch.Tensor, dim: int) -> None:
         """Write the valid steps of rows (nb, ..., Lb, ...) into the packed tensor out (batch 1)."""
+        if dim == rows.dim() - 1:
+            flat = rows.movedim(0, -2).reshape(*rows.shape[1:-1], -1)  # (..., nb * Lb)
+            out[0].index_copy_(-1, self.valid_src, flat.index_select(-1, self.valid_flat).to(out.dtype))
+            return
         out[0].movedim(dim - 1, 0)[self.valid_src] = rows.movedim(dim, 1)[self.valid_rows, self.valid_steps].to(out.dtype)
 
 
@@ -209,5 +222,5 @@ def _make_plan(cu_seqlens, length, align) -> Plan:
         valid_rows, valid_steps = valid.nonzero(as_tuple=True)
         buckets.append(Bucket(size, torch.tensor(docs, dtype=torch.int64, device=dev), lens.to(dev),
                               valid.to(dev), valid_rows.to(dev), valid_steps.to(dev),
-                              index[valid_rows, valid_steps].to(dev)))
+                              index[valid_rows, valid_steps].to(dev), (valid_rows * size + valid_steps).to(dev)))
     return Plan(len(lengths), length, torch.tensor(lengths, dtype=torch.int64, device=dev), tuple(buckets))
