@@ -507,7 +507,8 @@ def _attention_launches(dh, dv, BLOCK_M, BLOCK_N, exact=False):
 
 def _attention_variants(space):
     """Every kernel x config x dtype x (DROP, LAPLACE) x tiling for the head dims in
-    ATTENTION_HEAD_DIMS (identical specialisations are listed once)."""
+    ATTENTION_HEAD_DIMS, unpacked and packed (cu_seqlens: PACKED, the row lengths read per
+    document, so L and S carry no alignment hint there); identical specialisations are listed once."""
     impl = attention_impl
     variants, seen = [], set()
     for dt, bm0, bn0, nw, ns_f, ns_b, mr in product(DTYPES, space["BLOCK_M"], space["BLOCK_N"],
@@ -518,32 +519,40 @@ def _attention_variants(space):
             if impl._exact(dt) and dh > impl.MAX_EXACT_HEAD_DIM:
                 continue  # refused on the GPU by not_supported_reasons: never launched there
             launches, (bm, bdv) = _attention_launches(dh, dv, bm0, bn0, exact=impl._exact(dt))
-            key = ("delta", dt, bm, bdv, nw, ns_b, mr)
-            if key not in seen:
-                seen.add(key)
-                variants.append(Variant(
-                    op="attention", kernel="_attn_bwd_delta_kernel", fn=impl._attn_bwd_delta_kernel,
-                    arg_types=(("o_ptr", f"*{dt}"), ("do_ptr", f"*{dt}"), ("delta_ptr", "*fp32"), ("L", "i32"),
-                               ("H", "i32"), ("DV", "i32")),
-                    constexprs=(("BLOCK_M", bm), ("BLOCK_DV", bdv)), div16=frozenset({"L", "DV"}),
-                    num_warps=nw, num_stages=ns_b, maxnreg=mr,
-                    label=f"bwd delta {dt} m={bm} dv={bdv} warps={nw} maxnreg={mr}"))
-            for (name, fn, ptrs, extra, tiles), drop, lap in product(launches, (False, True), (False, True)):
-                consts = (("OUT_BF16", dt == "bf16"), ("DROP", drop), ("LAPLACE", lap), ("PREC", prec)) + extra + tiles
-                fwd = name == "_attn_fwd_kernel"
-                ns, cap = (ns_f, None) if fwd else (ns_b, mr)
-                key = (name, dt, consts, nw, ns, cap)
-                if key in seen:
-                    continue
-                seen.add(key)
-                types = tuple((n, f"*{dt}") for n in ptrs) + (
-                    ("lse_ptr", "*fp32"), ("delta_ptr", "*fp32"), ("bidx_ptr", "*i64"))
-                tag = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts[1:])
-                variants.append(Variant(
-                    op="attention", kernel=name, fn=fn, arg_types=types + _ATTENTION_SCALARS, constexprs=consts,
-                    div16=frozenset({"L", "S", "DH", "DV"}), num_warps=nw, num_stages=ns, maxnreg=cap,
-                    label=f"{name} {dt} (dh={dh} dv={dv}) {tag} warps={nw} stages={ns}"
-                          + ("" if fwd else f" maxnreg={cap}")))
+            for packed in (False, True):
+                # packed launches pass the int64 document bounds; unpacked ones cu_ptr=None (a constexpr to the JIT)
+                cu = (("cu_ptr", "*i64"),) if packed else ()
+                cu_none = () if packed else (("cu_ptr", None),)
+                lengths = () if packed else ("L", "S")
+                suffix = " packed" if packed else ""
+                key = ("delta", dt, bm, bdv, nw, ns_b, mr, packed)
+                if key not in seen:
+                    seen.add(key)
+                    variants.append(Variant(
+                        op="attention", kernel="_attn_bwd_delta_kernel", fn=impl._attn_bwd_delta_kernel,
+                        arg_types=(("o_ptr", f"*{dt}"), ("do_ptr", f"*{dt}"), ("delta_ptr", "*fp32"), *cu,
+                                   ("L", "i32"), ("H", "i32"), ("DV", "i32")),
+                        constexprs=(("PACKED", packed), ("BLOCK_M", bm), ("BLOCK_DV", bdv)) + cu_none,
+                        div16=frozenset({*lengths[:1], "DV"}), num_warps=nw, num_stages=ns_b, maxnreg=mr,
+                        label=f"bwd delta {dt} m={bm} dv={bdv} warps={nw} maxnreg={mr}{suffix}"))
+                for (name, fn, ptrs, extra, tiles), drop, lap in product(launches, (False, True), (False, True)):
+                    consts = (("OUT_BF16", dt == "bf16"), ("DROP", drop), ("LAPLACE", lap), ("PREC", prec)) + extra \
+                        + tiles
+                    fwd = name == "_attn_fwd_kernel"
+                    ns, cap = (ns_f, None) if fwd else (ns_b, mr)
+                    key = (name, dt, consts, nw, ns, cap, packed)
+                    if key in seen:
+                        continue
+                    seen.add(key)
+                    types = tuple((n, f"*{dt}") for n in ptrs) + (
+                        ("lse_ptr", "*fp32"), ("delta_ptr", "*fp32"), ("bidx_ptr", "*i64")) + cu
+                    tag = " ".join(f"{k}={int(v) if isinstance(v, bool) else v}" for k, v in consts[1:])
+                    variants.append(Variant(
+                        op="attention", kernel=name, fn=fn, arg_types=types + _ATTENTION_SCALARS,
+                        constexprs=consts + (("PACKED", packed),) + cu_none,
+                        div16=frozenset({*lengths, "DH", "DV"}), num_warps=nw, num_stages=ns, maxnreg=cap,
+                        label=f"{name} {dt} (dh={dh} dv={dv}) {tag} warps={nw} stages={ns}"
+                              + ("" if fwd else f" maxnreg={cap}") + suffix))
     return variants
 
 

@@ -139,13 +139,14 @@ class Bucket:
 
 @dataclass(frozen=True)
 class Plan:
-    """How a packed row of length L runs: n documents, their lengths (n,) int64 on the device, and
-    the buckets (documents of length 0 are in none)."""
+    """How a packed row of length L runs: n documents, their lengths (n,) int64 on the device, the
+    buckets (documents of length 0 are in none) and the longest length (a host int)."""
 
     n: int
     length: int
     lengths: torch.Tensor
     buckets: tuple
+    longest: int  # the longest document's length (0 without documents)
 
 
 _CACHE: dict = {}
@@ -223,4 +224,5 @@ def _make_plan(cu_seqlens, length, align) -> Plan:
         buckets.append(Bucket(size, torch.tensor(docs, dtype=torch.int64, device=dev), lens.to(dev),
                               valid.to(dev), valid_rows.to(dev), valid_steps.to(dev),
                               index[valid_rows, valid_steps].to(dev), (valid_rows * size + valid_steps).to(dev)))
-    return Plan(len(lengths), length, torch.tensor(lengths, dtype=torch.int64, device=dev), tuple(buckets))
+    return Plan(len(lengths), length, torch.tensor(lengths, dtype=torch.int64, device=dev), tuple(buckets),
+                max(lengths, default=0))

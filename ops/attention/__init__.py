@@ -10,11 +10,13 @@ The DropKey mask is a pure function of (seed, b, h, i, j) (``ops/dropkey_rule.py
 forward returns the seed it used (an int64 CPU tensor) and the backward regenerates the identical
 mask from it.
 
-Packed rows (``cu_seqlens``) run as document rows (``ops/_packing.py``): each bucket of documents
-is gathered into a zero-padded batch with every document at the start of its row, so a row's
-chunks start at its document's start and the causal mask hides the padding (it comes after every
-valid query); one backend call per bucket, then the valid rows are scattered back. The backends
-take ``batch_index`` (the document of each row) so DropKey hashes b = the document's index.
+Packed rows (``cu_seqlens``): a backend that reads the document bounds itself (``PACKED_NATIVE``:
+Triton, FlashAttention-varlen style, one program row per document) runs the packed row in one
+call. The others run it as document rows (``ops/_packing.py``): each bucket of documents is
+gathered into a zero-padded batch with every document at the start of its row, so a row's chunks
+start at its document's start and the causal mask hides the padding (it comes after every valid
+query); one backend call per bucket, then the valid rows are scattered back. Either way DropKey
+hashes b = the document's index (the bucketed backends take ``batch_index``).
 """
 from __future__ import annotations
 
@@ -28,7 +30,7 @@ from .._checks import REAL_DTYPES, acc_dtype, check_choice, check_float, check_i
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import absent, custom_op, empty_like
-from .._packing import check_cu_seqlens, plan
+from .._packing import check_cu_seqlens, document_bounds, plan
 from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
 __all__ = ["attention", "ATTN_FNS"]
@@ -68,10 +70,21 @@ def _document_rows(cu_seqlens, L, dropkey_p):
         yield bucket, ({"batch_index": bucket.docs} if dropkey_p > 0.0 else {})
 
 
+def _native(cu_seqlens, L) -> dict:
+    """The packed-row arguments of a backend whose kernels read the document bounds themselves
+    (``PACKED_NATIVE``): the checked bounds and the longest document (its query grid)."""
+    return {"cu_seqlens": document_bounds(cu_seqlens, L), "max_seqlen": plan(cu_seqlens, L).longest}
+
+
 def _packed_fwd(q, k, v, cu_seqlens, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend):
     """(o r(1 L H dv), lse r(1 H L) or None for laplace) of a packed call: one backend call per
     bucket of document rows (the backend chosen for the rows' shapes), valid rows scattered back."""
     L, H = q.shape[1], q.shape[2]
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    if getattr(impl.module, "PACKED_NATIVE", False):
+        return impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
+                                         block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
+                                         **_native(cu_seqlens, L), **impl.config)
     o = q.new_empty(1, L, H, v.shape[-1])
     lse = q.new_empty(1, H, L, dtype=acc_dtype(q.dtype)) if attn_fn == "softmax" else None
     for bucket, extra in _document_rows(cu_seqlens, L, dropkey_p):
@@ -92,6 +105,11 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
     (and lse = 0), so their dS is 0 and they add nothing to dk / dv; the causal mask keeps the
     padded keys out of every valid row."""
     L = q.shape[1]
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)  # the forward's choice
+    if getattr(impl.module, "PACKED_NATIVE", False):
+        return impl.module.attention_bwd(do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size,
+                                         block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
+                                         **_native(cu_seqlens, L), **impl.config)
     dq, dk, dv = (empty_like(t) for t in (q, k, v))
     for bucket, extra in _document_rows(cu_seqlens, L, dropkey_p):
         dor, qr, kr, vr, orr = (bucket.rows(t, 1) for t in (do, q, k, v, o))

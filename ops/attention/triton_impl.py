@@ -119,6 +119,26 @@ if HAVE_TRITON:
         return tl.load(bidx_ptr + b).to(tl.int64) * H + h
 
     @triton.jit
+    def _rows(cu_ptr, b, L, S, PACKED: tl.constexpr):
+        """(first query step, query length, first key step, key length) of row b: batch row b of
+        (B, L) queries and (B, S) keys, or document b of a packed row (its own queries and keys)."""
+        if PACKED:
+            start = tl.load(cu_ptr + b)
+            n = (tl.load(cu_ptr + b + 1) - start).to(tl.int32)
+            return start, n, start, n
+        else:
+            return b.to(tl.int64) * L, L, b.to(tl.int64) * S, S
+
+    @triton.jit
+    def _stats_row(b, h, H, L, row_q, PACKED: tl.constexpr):
+        """Offset of the per-query statistics (lse, delta) of (row b, head h) in their (B, H, L)
+        array; packed, the (1, H, L) array at the document's start."""
+        if PACKED:
+            return h.to(tl.int64) * L + row_q
+        else:
+            return (b * H + h).to(tl.int64) * L
+
+    @triton.jit
     def _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
         """Keys [lo, hi) that query rows [i0, i0 + BLOCK_M) can see at all; lo aligned down to BLOCK_N."""
         p0 = i0 + shift
@@ -167,39 +187,41 @@ if HAVE_TRITON:
 
     @triton.jit
     def _attn_fwd_kernel(
-        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bidx_ptr,
+        q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bidx_ptr, cu_ptr,
         L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
+        PACKED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         pid_m, bh, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
-        i0 = pid_m * BLOCK_M
+        row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
+        i0 = pid_m * BLOCK_M  # past the row's end (a short document of a packed row): masked to nothing
         o_i = i0 + tl.arange(0, BLOCK_M)
-        m_i = o_i < L
+        m_i = o_i < Lq
         o_dh = tl.arange(0, BLOCK_DH)
         m_dh = o_dh < DH
         o_dv = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)
         m_dv = o_dv < DV
         rq, rv = H * DH, H * DV  # row strides of (B, T, H, d)
-        p_q = q_ptr + (b.to(tl.int64) * L * rq + h * DH) + o_i[:, None].to(tl.int64) * rq + o_dh[None, :]
+        p_q = q_ptr + (row_q * rq + h * DH) + o_i[:, None].to(tl.int64) * rq + o_dh[None, :]
         b_q = tl.load(p_q, mask=m_i[:, None] & m_dh[None, :], other=0.0).to(tl.float32)  # [BM, BDH]
-        k_base = k_ptr + (b.to(tl.int64) * S * rq + h * DH)
-        v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
+        k_base = k_ptr + (row_k * rq + h * DH)
+        v_base = v_ptr + (row_k * rv + h * DV)
         if DROP:
             row_key = dropkey_row_keys(seed_k, _rule_bh(bidx_ptr, b, h, H), H, o_i)
             thr = thr_i.to(tl.uint32, bitcast=True)
-        lo, hi = _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
+        lo, hi = _key_range(i0, Lq, Sk, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
         b_m = tl.full([BLOCK_M], float("-inf"), tl.float32)
         b_l = tl.zeros([BLOCK_M], tl.float32)
         b_acc = tl.zeros([BLOCK_M, BLOCK_DV], tl.float32)
         for j0 in range(lo, hi, BLOCK_N):
             o_j = j0 + tl.arange(0, BLOCK_N)
-            m_j = o_j < S
+            m_j = o_j < Sk
             b_kt = tl.load(k_base + o_j[None, :].to(tl.int64) * rq + o_dh[:, None],
                            mask=m_j[None, :] & m_dh[:, None], other=0.0).to(tl.float32)  # [BDH, BN]
             b_s = tl.dot(b_q, b_kt, input_precision=PREC) * scale  # [BM, BN]
-            ok = _allowed(o_i[:, None], o_j[None, :], L, S, shift, causal, chunk, bc)
+            ok = _allowed(o_i[:, None], o_j[None, :], Lq, Sk, shift, causal, chunk, bc)
             if DROP:
                 ok = ok & _keep(row_key[:, None], o_j[None, :], thr)
             b_v = tl.load(v_base + o_j[:, None].to(tl.int64) * rv + o_dv[None, :],
@@ -220,20 +242,22 @@ if HAVE_TRITON:
             has = b_l > 0.0  # a row with no visible kept key outputs 0 and has lse = -inf
             b_acc = b_acc * tl.where(has, 1.0 / tl.where(has, b_l, 1.0), 0.0)[:, None]
             lse = tl.where(has, b_m + tl.log(tl.where(has, b_l, 1.0)), float("-inf"))
-            n_lse = tl.where(pid_d == 0, L, 0)  # one dv tile writes lse (all compute the same)
-            tl.store(lse_ptr + bh.to(tl.int64) * L + o_i, lse, mask=o_i < n_lse)
-        p_o = o_ptr + (b.to(tl.int64) * L * rv + h * DV) + o_i[:, None].to(tl.int64) * rv + o_dv[None, :]
+            n_lse = tl.where(pid_d == 0, Lq, 0)  # one dv tile writes lse (all compute the same)
+            tl.store(lse_ptr + _stats_row(b, h, H, L, row_q, PACKED) + o_i, lse, mask=o_i < n_lse)
+        p_o = o_ptr + (row_q * rv + h * DV) + o_i[:, None].to(tl.int64) * rv + o_dv[None, :]
         store_rounded(p_o, b_acc, m_i[:, None] & m_dv[None, :], OUT_BF16)
 
     @triton.jit
-    def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, L, H, DV, BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
+    def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_ptr, L, H, DV, PACKED: tl.constexpr,
+                               BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
         """delta[b, h, i] = sum_d dO * O (fp32), the softmax backward's row term."""
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
+        row_q, Lq, _, _ = _rows(cu_ptr, b, L, L, PACKED)
         o_i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-        m_i = o_i < L
+        m_i = o_i < Lq
         rv = H * DV
-        base = (b.to(tl.int64) * L * rv + h * DV) + o_i[:, None].to(tl.int64) * rv
+        base = (row_q * rv + h * DV) + o_i[:, None].to(tl.int64) * rv
         b_d = tl.zeros([BLOCK_M], tl.float32)
         for d0 in range(0, DV, BLOCK_DV):
             o_d = d0 + tl.arange(0, BLOCK_DV)
@@ -241,32 +265,34 @@ if HAVE_TRITON:
             b_o = tl.load(o_ptr + base + o_d[None, :], mask=msk, other=0.0).to(tl.float32)
             b_g = tl.load(do_ptr + base + o_d[None, :], mask=msk, other=0.0).to(tl.float32)
             b_d += tl.sum(b_o * b_g, axis=1)
-        tl.store(delta_ptr + bh.to(tl.int64) * L + o_i, b_d, mask=m_i)
+        tl.store(delta_ptr + _stats_row(b, h, H, L, row_q, PACKED) + o_i, b_d, mask=m_i)
 
     @triton.jit
     def _attn_bwd_dkdv_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bidx_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bidx_ptr, cu_ptr,
         L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
-        COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ONE_DV: tl.constexpr,
+        PACKED: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ONE_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         """One program: BLOCK_N keys of one (b, h) [and one dv tile]; scores held transposed
         ([BN, BM]) so dV = P^T dO and dK = dS^T q are plain dots."""
         pid_n, bh, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
+        row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
         j0 = pid_n * BLOCK_N
         o_j = j0 + tl.arange(0, BLOCK_N)
-        m_j = o_j < S
+        m_j = o_j < Sk
         o_dh = tl.arange(0, BLOCK_DH)
         m_dh = o_dh < DH
         o_dv = pid_d * BLOCK_DV + tl.arange(0, BLOCK_DV)  # this program's dv tile (dV output)
         m_dv = o_dv < DV
         rq, rv = H * DH, H * DV
-        q_base = q_ptr + (b.to(tl.int64) * L * rq + h * DH)
-        do_base = do_ptr + (b.to(tl.int64) * L * rv + h * DV)
-        v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
-        b_k = tl.load(k_ptr + (b.to(tl.int64) * S * rq + h * DH) + o_j[:, None].to(tl.int64) * rq + o_dh[None, :],
+        q_base = q_ptr + (row_q * rq + h * DH)
+        do_base = do_ptr + (row_q * rv + h * DV)
+        v_base = v_ptr + (row_k * rv + h * DV)
+        stats = _stats_row(b, h, H, L, row_q, PACKED)
+        b_k = tl.load(k_ptr + (row_k * rq + h * DH) + o_j[:, None].to(tl.int64) * rq + o_dh[None, :],
                       mask=m_j[:, None] & m_dh[None, :], other=0.0).to(tl.float32)  # [BN, BDH]
         if COMPUTE_DK and ONE_DV:
             b_v = tl.load(v_base + o_j[:, None].to(tl.int64) * rv + o_dv[None, :],
@@ -276,21 +302,21 @@ if HAVE_TRITON:
             rule_bh = _rule_bh(bidx_ptr, b, h, H)
         b_dk = tl.zeros([BLOCK_N, BLOCK_DH], tl.float32)
         b_dv = tl.zeros([BLOCK_N, BLOCK_DV], tl.float32)
-        lo, hi = _query_range(j0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
+        lo, hi = _query_range(j0, Lq, Sk, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
         for i0 in range(lo, hi, BLOCK_M):
             o_i = i0 + tl.arange(0, BLOCK_M)
-            m_i = o_i < L
+            m_i = o_i < Lq
             b_qt = tl.load(q_base + o_i[None, :].to(tl.int64) * rq + o_dh[:, None],
                            mask=m_i[None, :] & m_dh[:, None], other=0.0).to(tl.float32)  # [BDH, BM]
             b_st = tl.dot(b_k, b_qt, input_precision=PREC) * scale  # [BN, BM] scores, transposed
-            ok = _allowed(o_i[None, :], o_j[:, None], L, S, shift, causal, chunk, bc)
+            ok = _allowed(o_i[None, :], o_j[:, None], Lq, Sk, shift, causal, chunk, bc)
             if DROP:
                 ok = ok & _keep(dropkey_row_keys(seed_k, rule_bh, H, o_i)[None, :], o_j[:, None], thr)
             if LAPLACE:
                 b_pt = tl.where(ok, _laplace(b_st), 0.0)
                 b_gt = tl.where(ok, _laplace_grad(b_st), 0.0)
             else:
-                lse = tl.load(lse_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+                lse = tl.load(lse_ptr + stats + o_i, mask=m_i, other=0.0)
                 lse = tl.where(lse == float("-inf"), float("inf"), lse)  # empty row: P = exp(-inf) = 0
                 b_pt = tl.where(ok, tl.exp(b_st - lse[None, :]), 0.0)
             if COMPUTE_DV or ONE_DV:
@@ -314,40 +340,41 @@ if HAVE_TRITON:
                 if LAPLACE:
                     b_dst = b_dpt * b_gt
                 else:
-                    delta = tl.load(delta_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+                    delta = tl.load(delta_ptr + stats + o_i, mask=m_i, other=0.0)
                     b_dst = b_pt * (b_dpt - delta[None, :])
                 b_dk += tl.dot(b_dst, tl.trans(b_qt), input_precision=PREC)  # dS^T q (scaled on store)
         if COMPUTE_DK:
-            p_dk = dk_ptr + (b.to(tl.int64) * S * rq + h * DH) + o_j[:, None].to(tl.int64) * rq + o_dh[None, :]
+            p_dk = dk_ptr + (row_k * rq + h * DH) + o_j[:, None].to(tl.int64) * rq + o_dh[None, :]
             store_rounded(p_dk, b_dk * scale, m_j[:, None] & m_dh[None, :], OUT_BF16)
         if COMPUTE_DV:
-            p_dv = dv_ptr + (b.to(tl.int64) * S * rv + h * DV) + o_j[:, None].to(tl.int64) * rv + o_dv[None, :]
+            p_dv = dv_ptr + (row_k * rv + h * DV) + o_j[:, None].to(tl.int64) * rv + o_dv[None, :]
             store_rounded(p_dv, b_dv, m_j[:, None] & m_dv[None, :], OUT_BF16)
 
     @triton.jit
     def _attn_bwd_dq_kernel(
-        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, bidx_ptr,
+        q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, bidx_ptr, cu_ptr,
         L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
-        ONE_DV: tl.constexpr,
+        PACKED: tl.constexpr, ONE_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         """One program: BLOCK_M queries of one (b, h); dQ = scale dS K over their visible key blocks."""
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
+        row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
         i0 = pid_m * BLOCK_M
         o_i = i0 + tl.arange(0, BLOCK_M)
-        m_i = o_i < L
+        m_i = o_i < Lq
         o_dh = tl.arange(0, BLOCK_DH)
         m_dh = o_dh < DH
         o_dv = tl.arange(0, BLOCK_DV)
         m_dv = o_dv < DV
         rq, rv = H * DH, H * DV
-        q_off = (b.to(tl.int64) * L * rq + h * DH) + o_i[:, None].to(tl.int64) * rq + o_dh[None, :]
+        q_off = (row_q * rq + h * DH) + o_i[:, None].to(tl.int64) * rq + o_dh[None, :]
         b_q = tl.load(q_ptr + q_off, mask=m_i[:, None] & m_dh[None, :], other=0.0).to(tl.float32)
-        k_base = k_ptr + (b.to(tl.int64) * S * rq + h * DH)
-        v_base = v_ptr + (b.to(tl.int64) * S * rv + h * DV)
-        do_base = do_ptr + (b.to(tl.int64) * L * rv + h * DV)
+        k_base = k_ptr + (row_k * rq + h * DH)
+        v_base = v_ptr + (row_k * rv + h * DV)
+        do_base = do_ptr + (row_q * rv + h * DV)
         if ONE_DV:
             b_do = tl.load(do_base + o_i[:, None].to(tl.int64) * rv + o_dv[None, :],
                            mask=m_i[:, None] & m_dv[None, :], other=0.0).to(tl.float32)  # [BM, BDV]
@@ -355,18 +382,19 @@ if HAVE_TRITON:
             row_key = dropkey_row_keys(seed_k, _rule_bh(bidx_ptr, b, h, H), H, o_i)
             thr = thr_i.to(tl.uint32, bitcast=True)
         if not LAPLACE:
-            lse = tl.load(lse_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+            stats = _stats_row(b, h, H, L, row_q, PACKED)
+            lse = tl.load(lse_ptr + stats + o_i, mask=m_i, other=0.0)
             lse = tl.where(lse == float("-inf"), float("inf"), lse)
-            delta = tl.load(delta_ptr + bh.to(tl.int64) * L + o_i, mask=m_i, other=0.0)
+            delta = tl.load(delta_ptr + stats + o_i, mask=m_i, other=0.0)
         b_dq = tl.zeros([BLOCK_M, BLOCK_DH], tl.float32)
-        lo, hi = _key_range(i0, L, S, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
+        lo, hi = _key_range(i0, Lq, Sk, shift, causal, chunk, bc, BLOCK_M, BLOCK_N)
         for j0 in range(lo, hi, BLOCK_N):
             o_j = j0 + tl.arange(0, BLOCK_N)
-            m_j = o_j < S
+            m_j = o_j < Sk
             b_kt = tl.load(k_base + o_j[None, :].to(tl.int64) * rq + o_dh[:, None],
                            mask=m_j[None, :] & m_dh[:, None], other=0.0).to(tl.float32)  # [BDH, BN]
             b_s = tl.dot(b_q, b_kt, input_precision=PREC) * scale  # [BM, BN]
-            ok = _allowed(o_i[:, None], o_j[None, :], L, S, shift, causal, chunk, bc)
+            ok = _allowed(o_i[:, None], o_j[None, :], Lq, Sk, shift, causal, chunk, bc)
             if DROP:
                 ok = ok & _keep(row_key[:, None], o_j[None, :], thr)
             if ONE_DV:
@@ -465,13 +493,30 @@ def _rule_batch_index(batch_index, B, device):
     return batch_index.to(device=device, dtype=torch.int64).contiguous()
 
 
+def _row_grid(q, k, cu_seqlens, max_seqlen):
+    """(rows, query span, key span) of the launch grids: the batch rows and their lengths, or the
+    documents of a packed row and the longest one (a program past its document's end stores
+    nothing)."""
+    if cu_seqlens is None:
+        return q.shape[0], q.shape[1], k.shape[1]
+    if max_seqlen is None:
+        raise ValueError("a packed Triton attention call needs max_seqlen, the longest document's length")
+    return cu_seqlens.shape[0] - 1, max_seqlen, max_seqlen
+
+
+#: Packed rows (cu_seqlens, max_seqlen) run natively: one program row per document.
+PACKED_NATIVE = True
+
+
 def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
                   BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255,
-                  batch_index=None):
+                  batch_index=None, cu_seqlens=None, max_seqlen=None):
     """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32, or None for laplace).
 
     ``batch_index`` (B,) int64 or None: the batch index b of each row in the DropKey rule
-    (packed document rows pass their documents' indices; None: b is the row itself)."""
+    (None: b is the row itself). ``cu_seqlens`` (n + 1,) int64 with values already checked, and
+    ``max_seqlen`` (host int): q, k, v are one packed row (B = 1, S = L) of n documents, each
+    attending within itself with DropKey's b = its index."""
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, L, H, dh = q.shape
     S, dv = k.shape[1], v.shape[-1]
@@ -479,14 +524,18 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     lse = torch.empty((B, H, L), dtype=torch.float32, device=q.device) if attn_fn == "softmax" else None
     if o.numel() == 0 and (lse is None or lse.numel() == 0):
         return o, lse
+    rows, span, _ = _row_grid(q, k, cu_seqlens, max_seqlen)
+    if rows * span == 0:
+        return o, lse
     t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact=_exact(q.dtype))
     (bm, bn), bdh, bdv = t["fwd"], t["BLOCK_DH"], t["BLOCK_DV"]
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
-    grid = (triton.cdiv(L, bm), B * H, max(1, triton.cdiv(dv, bdv)))
+    grid = (triton.cdiv(span, bm), rows * H, max(1, triton.cdiv(dv, bdv)))
     _attn_fwd_kernel[grid](
-        q, k, v, o, lse if lse is not None else o, _rule_batch_index(batch_index, B, q.device), L, S, H, dh, dv,
-        *args,
+        q, k, v, o, lse if lse is not None else o, _rule_batch_index(batch_index, rows, q.device),
+        cu_seqlens, L, S, H, dh, dv, *args,
         OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=attn_fn == "laplace", PREC=_prec(q.dtype),
+        PACKED=cu_seqlens is not None,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages,
     )
     return o, lse
@@ -494,46 +543,50 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
 
 def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
                   BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255,
-                  batch_index=None):
-    """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile."""
+                  batch_index=None, cu_seqlens=None, max_seqlen=None):
+    """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile
+    (``batch_index``, ``cu_seqlens``, ``max_seqlen``: as for attention_fwd)."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, L, H, dh = q.shape
     S, dv = k.shape[1], v.shape[-1]
     dq, dk, dvv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
-    if B * H == 0 or (L == 0 and S == 0):
+    rows, span_q, span_k = _row_grid(q, k, cu_seqlens, max_seqlen)
+    if rows * H == 0 or (span_q == 0 and span_k == 0):
         return dq, dk, dvv
     t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact=_exact(q.dtype))
     bdh, bdv, one = t["BLOCK_DH"], t["BLOCK_DV"], t["ONE_DV"]
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
     laplace = attn_fn == "laplace"
     flags = dict(OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=laplace, PREC=_prec(q.dtype),
-                 BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
+                 PACKED=cu_seqlens is not None, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps,
+                 num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
     bm_q, bn_q = t["dq"]
     bm_k, bn_k = t["dkdv"]
     delta = None
-    if not laplace and L > 0:
+    if not laplace and span_q > 0:
         delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-        _attn_bwd_delta_kernel[(triton.cdiv(L, bm_q), B * H)](o.contiguous(), do, delta, L, H, dv, BLOCK_M=bm_q,
-                                                              BLOCK_DV=bdv, num_warps=num_warps,
-                                                              num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
+        _attn_bwd_delta_kernel[(triton.cdiv(span_q, bm_q), rows * H)](
+            o.contiguous(), do, delta, cu_seqlens, L, H, dv, PACKED=cu_seqlens is not None, BLOCK_M=bm_q,
+            BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
     # Softmax needs lse/delta pointers; Laplace passes q as a never-read placeholder.
     lse_p = lse if lse is not None else q
     delta_p = delta if delta is not None else q
     ptrs = (q, k, v, do, lse_p, delta_p)
-    bidx = _rule_batch_index(batch_index, B, q.device)
-    if S > 0:
-        nb = triton.cdiv(S, bn_k)
+    bidx = _rule_batch_index(batch_index, rows, q.device)
+    if span_k > 0:
+        nb = triton.cdiv(span_k, bn_k)
         kv = dict(BLOCK_M=bm_k, BLOCK_N=bn_k, **flags)
         if one:  # dk and dv together, one dv tile
-            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, bidx, L, S, H, dh, dv, *args,
-                                                  COMPUTE_DK=True, COMPUTE_DV=True, ONE_DV=True, **kv)
+            _attn_bwd_dkdv_kernel[(nb, rows * H, 1)](*ptrs, dk, dvv, bidx, cu_seqlens, L, S, H, dh, dv, *args,
+                                                     COMPUTE_DK=True, COMPUTE_DV=True, ONE_DV=True, **kv)
         else:  # dk with dP summed over dv tiles in-kernel, then dv: one program per (key block, dv tile)
-            _attn_bwd_dkdv_kernel[(nb, B * H, 1)](*ptrs, dk, dvv, bidx, L, S, H, dh, dv, *args,
-                                                  COMPUTE_DK=True, COMPUTE_DV=False, ONE_DV=False, **kv)
-            _attn_bwd_dkdv_kernel[(nb, B * H, triton.cdiv(dv, bdv))](*ptrs, dk, dvv, bidx, L, S, H, dh, dv, *args,
-                                                                     COMPUTE_DK=False, COMPUTE_DV=True,
-                                                                     ONE_DV=False, **kv)
-    if L > 0:
-        _attn_bwd_dq_kernel[(triton.cdiv(L, bm_q), B * H)](*ptrs, dq, bidx, L, S, H, dh, dv, *args, ONE_DV=one,
-                                                           BLOCK_M=bm_q, BLOCK_N=bn_q, **flags)
+            _attn_bwd_dkdv_kernel[(nb, rows * H, 1)](*ptrs, dk, dvv, bidx, cu_seqlens, L, S, H, dh, dv, *args,
+                                                     COMPUTE_DK=True, COMPUTE_DV=False, ONE_DV=False, **kv)
+            _attn_bwd_dkdv_kernel[(nb, rows * H, triton.cdiv(dv, bdv))](
+                *ptrs, dk, dvv, bidx, cu_seqlens, L, S, H, dh, dv, *args, COMPUTE_DK=False, COMPUTE_DV=True,
+                ONE_DV=False, **kv)
+    if span_q > 0:
+        _attn_bwd_dq_kernel[(triton.cdiv(span_q, bm_q), rows * H)](*ptrs, dq, bidx, cu_seqlens, L, S, H, dh, dv,
+                                                                   *args, ONE_DV=one, BLOCK_M=bm_q, BLOCK_N=bn_q,
+                                                                   **flags)
     return dq, dk, dvv
