@@ -39,5 +39,7 @@ setup(
         # Kernel sources ship with the package: NVRTC compiles them at run time, the CPU emulator
         # extension builds from them on demand.
         "megalodon_kernels.cuda": ["*.cuh", "*.cpp", "*.md", "emu/*", "cute_host/*"],
+        # The compiled CPU backend's source: g++ builds it on first use.
+        "megalodon_kernels.ops.timestep_norm": ["*.cpp"],
     },
 )

@@ -35,7 +35,7 @@ from megalodon_kernels.bench import roofline
 from megalodon_kernels.bench.baselines import BASELINES
 from megalodon_kernels.bench.shapes import BENCH_SETS, DEFAULT_SET, dtype_name, shape
 
-LIBRARY_BACKENDS = ("cuda", "triton", "torch")
+LIBRARY_BACKENDS = ("cuda", "triton", "cpu", "torch")
 MODES = ("fwd", "bwd", "fwd+bwd")
 
 

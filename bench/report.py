@@ -22,7 +22,7 @@ from collections import defaultdict
 
 OP_ORDER = ("cema_kernel", "ema_hidden", "fftconv", "cema", "timestep_norm", "attention", "dropkey_softmax", "rotary")
 MODES = ("fwd", "bwd", "fwd+bwd")
-LIBRARY = ("cuda", "triton", "torch")
+LIBRARY = ("cuda", "triton", "cpu", "torch")
 
 
 def load(path: str):

@@ -13,7 +13,7 @@ def make(s, dtype, device):
     x = (torch.randn(B, L, D, device=device) + 3).to(dtype).requires_grad_()
     scale = torch.randn(D, device=device, dtype=dtype, requires_grad=True)
     bias = torch.randn(D, device=device, dtype=dtype, requires_grad=True)
-    call = {b: (lambda b=b: ops.timestep_norm(x, scale, bias, G, backend=b)[0]) for b in ("torch", "triton", "cuda")}
+    call = {b: (lambda b=b: ops.timestep_norm(x, scale, bias, G, backend=b)[0]) for b in ("torch", "triton", "cuda", "cpu")}
     call["cumsum_norm"] = lambda: baselines.cumsum_norm(x, scale, bias, G)
     return Case({"x": x, "num_groups": G}, call, [x, scale, bias])
 

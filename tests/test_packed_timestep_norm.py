@@ -1,7 +1,8 @@
 """TimestepNorm on packed rows (``cu_seqlens``): a packed call equals each document run on its own
 (batch 1) from its own initial state, on every backend (torch, Triton in the interpreter, CUDA in
-the emulator), fp32/bf16/fp64: y, the returned (count, mean, var) per document, and the gradients
-of x, scale, bias, prev_mean and prev_var, from y and from (mean, var) separately. Documents have
+the emulator, the compiled CPU kernel), fp32/bf16/fp64: y, the returned (count, mean, var) per
+document, and the gradients of x, scale, bias, prev_mean and prev_var, from y and from (mean, var)
+separately. Documents have
 their own level and spread, so a statistic leaking across a boundary fails the comparison (checked
 below). Also: one backend call per packed call, not per document; bad input."""
 import contextlib
@@ -23,12 +24,13 @@ BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b, d in [
     ("torch", F32), ("torch", BF16), ("torch", F64),
     ("triton", F32), ("triton", BF16),
     ("cuda", F32), ("cuda", BF16), ("cuda", F64),
+    ("cpu", F32), ("cpu", BF16), ("cpu", F64),
 ]]
 
 #: short time chunks, so that documents of a few dozen steps span one, several or a fraction of one
 #: (torch: chunk T; Triton: T = block_elems / 16 for group sizes <= 16; CUDA: always 32 or more
 #: chunks, one or two steps each at these lengths)
-SHORT_CHUNKS = {"torch": {"chunk": 8}, "triton": {"block_elems": 128}, "cuda": {}}
+SHORT_CHUNKS = {"torch": {"chunk": 8}, "triton": {"block_elems": 128}, "cuda": {}, "cpu": {}}
 
 
 def acc_of(dtype):
@@ -155,7 +157,7 @@ def test_packed_equals_separate(backend, dtype, row):
 LENGTH = st.one_of(st.just(0), st.integers(1, 4), st.integers(5, 40))
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda", "cpu"])
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(lengths=st.lists(LENGTH, min_size=1, max_size=6), Dg=st.sampled_from([1, 3, 8]), G=st.sampled_from([1, 2]),
        pad=st.booleans(), prior=st.booleans(), fp64=st.booleans(), int32=st.booleans(), seed=st.integers(0, 2**31))
@@ -166,7 +168,7 @@ def test_property(backend, lengths, Dg, G, pad, prior, fp64, int32, seed):
         compare(p, dtype, backend, seed)
 
 
-@pytest.mark.parametrize("backend", ["torch", "cuda"])
+@pytest.mark.parametrize("backend", ["torch", "cuda", "cpu"])
 def test_whole_row_statistics_would_fail_the_comparison(backend):
     """The comparison has teeth: the same row run unpacked (statistics running across document
     boundaries) is far outside the tolerance of packed == separate."""
@@ -182,7 +184,7 @@ def test_whole_row_statistics_would_fail_the_comparison(backend):
 # one backend call per packed call, whatever the number of documents
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda", "cpu"])
 def test_one_backend_call_per_packed_call(backend, monkeypatch):
     gen = torch.Generator().manual_seed(3)
     lengths = torch.randint(0, 6, (48,), generator=gen).tolist()  # 48 documents, some empty

@@ -25,10 +25,11 @@ BACKEND_DTYPES = [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b, d in [
     ("torch", F32), ("torch", BF16), ("torch", F64),
     ("triton", F32), ("triton", BF16),
     ("cuda", F32), ("cuda", BF16), ("cuda", F64),
+    ("cpu", F32), ("cpu", BF16), ("cpu", F64),
 ]]
 
 
-ALL = ("torch", "triton", "cuda")
+ALL = ("torch", "triton", "cuda", "cpu")
 
 
 def case(B, L, D, G, seed, *, pad="none", prior=True, center=0.0, contiguous=True, fresh_first=False,
@@ -40,7 +41,7 @@ def case(B, L, D, G, seed, *, pad="none", prior=True, center=0.0, contiguous=Tru
 
 # Triton runs in the interpreter at a few seconds per case: it takes the cases sized for it (D = 30,
 # D = 6, D = 100 with 5 chunks, the large mean), the other backends take every case.
-NO_TRITON = ("torch", "cuda")
+NO_TRITON = ("torch", "cuda", "cpu")
 CASES = [
     *(case(3, L, 60, 4, L, pad="mixed", backends=NO_TRITON, id=f"L{L}-D60-G4-mixed") for L in (1, 31, 33, 63, 129)),
     # D = 30: Dg = 15 or 30 (Triton tile 16 / 32, up to 3 chunks)
@@ -57,7 +58,7 @@ CASES = [
       for pad in ("left", "middle", "random", "all", "mixed")),
     case(3, 45, 20, 5, 11, pad="mixed", contiguous=False, backends=NO_TRITON, id="strided-L45-D20-G5-mixed"),
     # the CUDA kernels' accuracy under a large common mean: test_cuda_kernels_streaming_and_large_common_mean
-    case(2, 40, 24, 2, 5, pad="random", center=1e3, contiguous=False, backends=("torch", "triton"),
+    case(2, 40, 24, 2, 5, pad="random", center=1e3, contiguous=False, backends=("torch", "triton", "cpu"),
          id="strided-mean1e3-L40-D24-G2"),
     case(2, 45, 8, 2, 13, pad="mixed", center=1.0, id="L45-D8-G2-mixed"),
 ]
@@ -121,7 +122,7 @@ def test_matches_reference(c, backend, dtype):
     run(p, dtype, gen=gen, contiguous=c["contiguous"], backend=backend)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda", "cpu"])
 def test_leading_padded_chunks_no_prior_gradients_finite(backend):
     # Upstream produced NaN prev grads when whole leading chunks are padded and prev_count = 0
     # (docs/math.md, TimestepNorm). Here: 3 whole torch chunks padded (with NaN in x), then data.
@@ -319,7 +320,7 @@ def test_partial_outputs_used(what):
         assert_close(f"{what} grad {k}", g, w, tol("torch", torch.float64, "bwd"))
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "cpu"])
 def test_nonfinite_inputs_propagate_like_torch(backend):
     x = torch.randn(2, 20, 8)
     x[0, 5, 3] = float("inf")
@@ -332,7 +333,7 @@ def test_nonfinite_inputs_propagate_like_torch(backend):
         assert torch.equal(torch.isinf(u), torch.isinf(v))
 
 
-@pytest.mark.parametrize("backend", ["triton", "cuda"])
+@pytest.mark.parametrize("backend", ["triton", "cuda", "cpu"])
 def test_streaming_equals_one_call(backend):
     p, gen = problem(2, 150, 16, 2, seed=11, pad="random", prior=True)
     args = dict(prev_count=p["prev_count"], prev_mean=p["prev_mean"].float(), prev_var=p["prev_var"].float())
@@ -346,7 +347,7 @@ def test_streaming_equals_one_call(backend):
     assert_close("var streamed", v2, to_np(var), 1e-5)
 
 
-@pytest.mark.parametrize("backend", ["triton"])
+@pytest.mark.parametrize("backend", ["triton", "cpu"])
 def test_empty_segment_passes_state_through_like_torch(backend):
     x = torch.randn(2, 0, 8, requires_grad=True)
     pm = torch.randn(2, 2, requires_grad=True)
@@ -357,6 +358,17 @@ def test_empty_segment_passes_state_through_like_torch(backend):
         outs[be] = (y, n, m, v, *torch.autograd.grad(m.sum() + 2 * v.sum(), [pm, pv]))
     for a, b in zip(outs[backend], outs["torch"]):
         assert torch.equal(a, b)
+
+
+def test_cpu_backend_without_a_compiler_says_so_and_auto_falls_back(monkeypatch, tmp_path):
+    from megalodon_kernels.ops.timestep_norm import BACKENDS, cpu_impl
+    monkeypatch.setattr(cpu_impl, "CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MEGALODON_KERNELS_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setattr(cpu_impl, "_library", cpu_impl._library.__wrapped__)  # no remembered library
+    x = torch.randn(1, 4, 8)
+    why = cpu_impl.not_supported_reasons(x)
+    assert len(why) == 1 and "could not be built" in why[0] and "backend='torch'" in why[0]
+    assert BACKENDS.select("auto", {"x": x, "num_groups": 2}, device=x.device, dtype=x.dtype).name == "torch"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,0 +1,152 @@
+"""Compiled CPU backend of TimestepNorm ("cpu"): C++ with OpenMP, built with g++ on first use.
+
+TimestepNorm's statistics are a sequential recurrence over time, so on a CPU the natural kernel is
+one streaming pass per (row, group) with O(1) state: cpu_kernel.cpp runs it (Welford/Chan merges
+in double with Kahan compensation, relative to the torch backend's shift K), and the backward's
+reverse scan likewise, one OpenMP task per (row, group). The torch backend instead builds every
+prefix with a log-depth parallel scan, many passes over [L, G] and x-sized temporaries.
+
+A row is a batch row or, with ``cu_seqlens``, a document of the packed row (its start and length
+are passed to the kernel): packed rows cost what one row of their total length costs.
+
+The library is compiled once per source, compiler and flags into the user cache directory
+(``MEGALODON_KERNELS_CACHE``, default ~/.cache/megalodon_kernels, subdirectory ``cpu``), under a
+file lock and an atomic rename; without a working compiler ``not_supported_reasons`` says so and
+``auto`` falls back to the torch backend. x is computed in float32 (float64 for float64 x;
+bfloat16/float16 are converted), statistics in double; saved residuals are in the accumulation dtype.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from ...cuda.build import _Lock, _atomic_move, _digest, _run, _tool_version
+from .._checks import acc_dtype
+
+DEFAULT_CONFIG: dict = {}
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+CXX = os.environ.get("CXX", "g++")
+# No -march=native: the cached library must run on any x86-64 the cache directory is shared with.
+FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC"]
+
+_P = ctypes.c_void_p
+_I = ctypes.c_int64
+_FWD_ARGS = [_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, ctypes.c_double, _P, _P, _P, _P, _P, _P, _P, _P]
+_BWD_ARGS = [_P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+
+
+def _cache_dir() -> Path:
+    base = os.environ.get("MEGALODON_KERNELS_CACHE")
+    path = (Path(base) if base else Path.home() / ".cache" / "megalodon_kernels") / "cpu"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    """The loaded library, or the exception that prevented building or loading it."""
+    try:
+        source = SOURCE.read_bytes()
+        key = _digest(source, _tool_version(CXX), *FLAGS)
+        out = _cache_dir() / f"timestep_norm_{key}.so"
+        if not out.exists():
+            with _Lock(out.with_suffix(".lock")):
+                if not out.exists():
+                    tmp = out.with_suffix(f".tmp{os.getpid()}.so")
+                    _run([CXX, *FLAGS, "-o", str(tmp), str(SOURCE)], "building the CPU TimestepNorm kernel")
+                    _atomic_move(tmp, out)
+        lib = ctypes.CDLL(str(out))
+        for tag in ("f32", "f64"):
+            getattr(lib, f"mk_tsn_fwd_{tag}").argtypes = _FWD_ARGS
+            getattr(lib, f"mk_tsn_bwd_{tag}").argtypes = _BWD_ARGS
+        lib.mk_tsn_set_threads.argtypes = [ctypes.c_int]
+        return lib
+    except Exception as exc:  # no compiler, a failed build, an unloadable library
+        return exc
+
+
+def not_supported_reasons(x, num_groups=None) -> list[str]:
+    why = []
+    if x.device.type != "cpu":
+        why.append(f"x is on {x.device}: the cpu backend runs on CPU tensors")
+    lib = _library()
+    if isinstance(lib, Exception):
+        why.append(f"the C++ kernel could not be built with {CXX} ({type(lib).__name__}: "
+                   f"{str(lib).splitlines()[0] if str(lib) else ''}); use backend='torch'")
+    return why
+
+
+def _ptr(t: torch.Tensor):
+    return ctypes.c_void_p(t.data_ptr())
+
+
+def _rows(B: int, L: int, cu_seqlens):
+    """(starts, lengths) int64 of the kernel's rows: the batch rows, or the packed row's documents."""
+    if cu_seqlens is None:
+        return torch.arange(B, dtype=torch.int64) * L, torch.full((B,), L, dtype=torch.int64)
+    cu = cu_seqlens.to(torch.int64).contiguous()
+    return cu[:-1].contiguous(), (cu[1:] - cu[:-1]).contiguous()
+
+
+def _kernel(kind: str, work: torch.dtype):
+    lib = _library()
+    if isinstance(lib, Exception):
+        raise RuntimeError(f"the cpu TimestepNorm kernel is unavailable: {lib}")
+    lib.mk_tsn_set_threads(torch.get_num_threads())
+    return getattr(lib, f"mk_tsn_{kind}_{'f64' if work == torch.float64 else 'f32'}")
+
+
+def _f64(t: torch.Tensor) -> torch.Tensor:
+    return t.to(torch.float64).contiguous()
+
+
+def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+                      cu_seqlens=None):
+    """Returns (y, count, mean, var, saved), ``saved`` in the torch backend's layout (x, scale, mu,
+    rstd, gmu, padding_mask, prev_count, prev_mean - K, K); mu and gmu are relative to K."""
+    B, L, D = x.shape
+    G = num_groups
+    acc = acc_dtype(x.dtype)
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc = x.to(work).contiguous()
+    starts, lengths = _rows(B, L, cu_seqlens)
+    rows = starts.shape[0]
+    y = torch.empty_like(xc)
+    mu, rstd, gmu = (torch.empty(B, L, G, dtype=torch.float64) for _ in range(3))
+    K, mean, var = (torch.empty(rows, G, dtype=torch.float64) for _ in range(3))
+    count = torch.empty(rows, dtype=torch.int64)
+    pad = padding_mask.contiguous().view(torch.uint8)
+    # every converted input is held by a name until the call returns (a pointer alone keeps nothing alive)
+    sc, bi, pc, pm, pv = _f64(scale), _f64(bias), prev_count.to(torch.int64).contiguous(), _f64(prev_mean), _f64(prev_var)
+    _kernel("fwd", work)(
+        _ptr(xc), _ptr(pad), rows, _ptr(starts), _ptr(lengths), D, G, _ptr(sc), _ptr(bi), _ptr(pc), _ptr(pm),
+        _ptr(pv), float(eps), _ptr(y), _ptr(mu), _ptr(rstd), _ptr(gmu), _ptr(K), _ptr(count), _ptr(mean), _ptr(var))
+    K = K.to(acc)
+    saved = (x, scale, mu.to(acc), rstd.to(acc), gmu.to(acc), padding_mask, prev_count, prev_mean.to(acc) - K, K)
+    return y.to(x.dtype), count, mean.to(acc), var.to(acc), saved
+
+
+def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
+    """Returns (dx, dscale, dbias, dprev_mean, dprev_var)."""
+    x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0, K = saved
+    B, L, D = x.shape
+    G = num_groups
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    xc, dyc = x.to(work).contiguous(), dy.to(work).contiguous()
+    starts, lengths = _rows(B, L, cu_seqlens)
+    rows = starts.shape[0]
+    dx = torch.empty_like(xc)
+    dscale, dbias = (torch.empty(rows, D, dtype=torch.float64) for _ in range(2))
+    dprev_mean, dprev_var = (torch.empty(rows, G, dtype=torch.float64) for _ in range(2))
+    pad = padding_mask.contiguous().view(torch.uint8)
+    ins = [_f64(t) for t in (scale, mu, rstd, gmu, mu0, K)] + [prev_count.to(torch.int64).contiguous()] + \
+        [_f64(t) for t in (dmean, dvar)]  # held until the call returns
+    _kernel("bwd", work)(
+        _ptr(xc), _ptr(dyc), _ptr(pad), rows, _ptr(starts), _ptr(lengths), D, G, *map(_ptr, ins),
+        _ptr(dx), _ptr(dscale), _ptr(dbias), _ptr(dprev_mean), _ptr(dprev_var))
+    return dx, dscale.sum(0), dbias.sum(0), dprev_mean, dprev_var
