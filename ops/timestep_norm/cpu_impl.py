@@ -31,8 +31,20 @@ DEFAULT_CONFIG: dict = {}
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 CXX = os.environ.get("CXX", "g++")
-# No -march=native: the cached library must run on any x86-64 the cache directory is shared with.
-FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC"]
+
+
+def _vector_flags() -> list[str]:
+    """AVX2 + FMA code (x86-64-v3) when this CPU has them: 4 doubles per instruction instead of
+    SSE2's 2. The flags are part of the cache key, so a cache directory shared with an older CPU
+    holds a separate build (never -march=native, whose meaning the key could not see)."""
+    try:
+        flags = set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return []
+    return ["-march=x86-64-v3"] if {"avx2", "fma", "bmi2"} <= flags else []
+
+
+FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC", *_vector_flags()]
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64

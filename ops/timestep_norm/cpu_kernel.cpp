@@ -1,14 +1,20 @@
-// TimestepNorm on the CPU: one sequential pass per (row, group), OpenMP over the (row, group) pairs.
+// TimestepNorm on the CPU: one sequential pass over time per (row, block of groups), OpenMP over
+// those tasks.
 //
 // A row is a batch row, or a document of a packed row: it starts at step `start[r]` of the
 // (steps, D) array and has `len[r]` steps. Statistics are kept in double relative to a shift K per
 // (row, group) (the lower median of the finite unpadded step means, as the torch backend's), so
-// x - mu keeps the precision of the data's spread when the mean is large. Every running sum is
+// x - mu keeps the precision of the data's spread when the mean is large. The running sums are
 // Kahan-compensated. The math is docs/math.md, TimestepNorm; the backward is the torch backend's
 // scaled-carry reverse scan (ops/timestep_norm/torch_impl.py), one step at a time.
 //
-// Per-step statistics (mu relative to K, rstd, gmu relative to K) are written as double (rows of G
-// per step); the caller rounds them to the op's accumulation dtype.
+// Layout of the work: a task owns up to kBlock consecutive groups of one row, so each step reads
+// a contiguous run of features, and the per-group updates are loops over the block's groups that
+// the compiler vectorises; the step count is shared by the groups of a row, so each step costs one
+// division, not one per group.
+//
+// Per-step statistics (mu relative to K, rstd, gmu relative to K) are written as double (G per
+// step); the caller rounds them to the op's accumulation dtype.
 #include <omp.h>
 
 #include <algorithm>
@@ -18,49 +24,25 @@
 
 namespace {
 
-struct Kahan {  // s - c is the running sum (c: the rounding error of the last additions)
-  double s = 0.0, c = 0.0;
-  double value() const { return s - c; }
-  void add(double v) {
-    double y = v - c;
-    double t = s + y;
-    c = (t - s) - y;
-    s = t;
-  }
+constexpr int64_t kBlock = 16;  // groups per task
+
+// Kahan summation on arrays of the block's groups: the sum is s - c.
+inline void kahan_add(double& s, double& c, double v) {
+  const double y = v - c;
+  const double t = s + y;
+  c = (t - s) - y;
+  s = t;
+}
+
+struct Task {
+  int64_t r, g0, ng;  // row, first group, number of groups
 };
 
-template <typename T>
-double group_mean(const T* xr, int64_t dg, double K) {
-  double m = 0.0;
-  for (int64_t i = 0; i < dg; ++i) m += double(xr[i]) - K;
-  return m / double(dg);
-}
-
-template <typename T>
-double group_var(const T* xr, int64_t dg, double K, double gm) {  // two-pass: deviations from gm
-  double v = 0.0;
-  for (int64_t i = 0; i < dg; ++i) {
-    double d = double(xr[i]) - K - gm;
-    v += d * d;
-  }
-  return v / double(dg);
-}
-
-// The lower median of the finite unpadded step means of (row, group), 0 when there is none.
-template <typename T>
-double shift_of(const T* x, const uint8_t* pad, int64_t start, int64_t len, int64_t D, int64_t g, int64_t dg,
-                std::vector<double>& buf) {
-  buf.clear();
-  for (int64_t t = 0; t < len; ++t) {
-    int64_t s = start + t;
-    if (pad[s]) continue;
-    double m = group_mean(x + s * D + g * dg, dg, 0.0);
-    if (std::isfinite(m)) buf.push_back(m);
-  }
-  if (buf.empty()) return 0.0;
-  auto mid = buf.begin() + (buf.size() - 1) / 2;
-  std::nth_element(buf.begin(), mid, buf.end());
-  return *mid;
+std::vector<Task> tasks(int64_t rows, int64_t G) {
+  std::vector<Task> out;
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t g = 0; g < G; g += kBlock) out.push_back({r, g, std::min(kBlock, G - g)});
+  return out;
 }
 
 template <typename T>
@@ -69,133 +51,198 @@ void forward(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start,
              const double* prev_var, double eps, T* y, double* mu, double* rstd, double* gmu, double* shift,
              int64_t* count, double* mean_out, double* var_out) {
   const int64_t dg = D / G;
+  const std::vector<Task> work = tasks(rows, G);
 #pragma omp parallel
   {
     std::vector<double> buf;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t rg = 0; rg < rows * G; ++rg) {
-      const int64_t r = rg / G, g = rg % G;
-      const int64_t s0 = start[r], n_steps = len[r];
-      // K as the op's residual holds it (T: x's compute type = the accumulation dtype), so that the
-      // backward subtracts the same value
-      const double K = double(T(shift_of(x, pad, s0, n_steps, D, g, dg, buf)));
-      const int64_t n0 = prev_count[r];
-      const double var0 = prev_var[rg];
-      // An unseen prior (n0 = 0) is the empty summary; its mean and variance are ignored.
-      int64_t n = n0;
-      Kahan mean, m2;
-      if (n0 > 0) {
-        mean.s = prev_mean[rg] - K;
-        m2.s = var0 * double(n0);
-      }
-      const double* sc = scale + g * dg;
-      const double* bi = bias + g * dg;
+    for (size_t w = 0; w < work.size(); ++w) {
+      const Task tk = work[w];
+      const int64_t s0 = start[tk.r], n_steps = len[tk.r], ng = tk.ng, f0 = tk.g0 * dg;
+      double K[kBlock], mean[kBlock], cm[kBlock], m2[kBlock], c2[kBlock], var0[kBlock];
+      // Pass 1: each step's group mean (gmu) and population variance (into rstd, overwritten
+      // below), two-pass inside the step; then K per group from the finite unpadded means.
       for (int64_t t = 0; t < n_steps; ++t) {
         const int64_t s = s0 + t;
-        const T* xr = x + s * D + g * dg;
-        T* yr = y + s * D + g * dg;
-        double gm = 0.0;
-        if (!pad[s]) {
-          gm = group_mean(xr, dg, K);
-          const double gv = group_var(xr, dg, K, gm);
-          const double d = gm - mean.value();
-          ++n;
-          mean.add(d / double(n));           // Chan's merge of (n - 1, mean, M2) with (1, gm, gv)
-          m2.add(gv + d * d * double(n - 1) / double(n));
+        if (pad[s]) continue;
+        const T* xr = x + s * D + f0;
+        for (int64_t j = 0; j < ng; ++j) {
+          double m = 0.0, v = 0.0;
+          for (int64_t i = 0; i < dg; ++i) m += double(xr[j * dg + i]);
+          m /= double(dg);
+          for (int64_t i = 0; i < dg; ++i) {
+            const double d = double(xr[j * dg + i]) - m;
+            v += d * d;
+          }
+          gmu[s * G + tk.g0 + j] = m;
+          rstd[s * G + tk.g0 + j] = v / double(dg);
         }
-        const double m = mean.value();
-        const double var = n > 0 ? m2.value() / double(n) : var0;  // before any observation: the prior
-        const double rs = 1.0 / std::sqrt(var + eps);
-        mu[s * G + g] = m;
-        rstd[s * G + g] = rs;
-        gmu[s * G + g] = gm;
+      }
+      for (int64_t j = 0; j < ng; ++j) {
+        buf.clear();
+        for (int64_t t = 0; t < n_steps; ++t) {
+          const int64_t s = s0 + t;
+          if (!pad[s] && std::isfinite(gmu[s * G + tk.g0 + j])) buf.push_back(gmu[s * G + tk.g0 + j]);
+        }
+        double k = 0.0;
+        if (!buf.empty()) {
+          auto mid = buf.begin() + (buf.size() - 1) / 2;
+          std::nth_element(buf.begin(), mid, buf.end());
+          k = *mid;
+        }
+        // K as the op's residual holds it (T = the accumulation type), so the backward subtracts
+        // the same value
+        K[j] = double(T(k));
+      }
+      // Pass 2: the running merge, y. An unseen prior (n0 = 0) is the empty summary.
+      const int64_t n0 = prev_count[tk.r];
+      for (int64_t j = 0; j < ng; ++j) {
+        const int64_t rg = tk.r * G + tk.g0 + j;
+        var0[j] = prev_var[rg];
+        mean[j] = n0 > 0 ? prev_mean[rg] - K[j] : 0.0;
+        m2[j] = n0 > 0 ? var0[j] * double(n0) : 0.0;
+        cm[j] = c2[j] = 0.0;
+      }
+      int64_t n = n0;
+      for (int64_t t = 0; t < n_steps; ++t) {
+        const int64_t s = s0 + t;
+        const T* xr = x + s * D + f0;
+        T* yr = y + s * D + f0;
+        double* mu_s = mu + s * G + tk.g0;
+        double* rs_s = rstd + s * G + tk.g0;
+        double* gm_s = gmu + s * G + tk.g0;
         if (pad[s]) {
-          for (int64_t i = 0; i < dg; ++i) yr[i] = T(0);
-        } else {
-          for (int64_t i = 0; i < dg; ++i) yr[i] = T((double(xr[i]) - K - m) * rs * sc[i] + bi[i]);
+          for (int64_t j = 0; j < ng; ++j) {
+            mu_s[j] = mean[j] - cm[j];
+            const double var = n > 0 ? (m2[j] - c2[j]) / double(n) : var0[j];
+            rs_s[j] = 1.0 / std::sqrt(var + eps);
+            gm_s[j] = 0.0;
+          }
+          for (int64_t f = 0; f < ng * dg; ++f) yr[f] = T(0);
+          continue;
+        }
+        ++n;
+        const double inv_n = 1.0 / double(n), w_old = double(n - 1) * inv_n;
+        for (int64_t j = 0; j < ng; ++j) {  // Chan's merge of (n - 1, mean, M2) with (1, gm, gv)
+          const double gm = gm_s[j] - K[j], gv = rs_s[j];
+          const double d = gm - (mean[j] - cm[j]);
+          kahan_add(mean[j], cm[j], d * inv_n);
+          kahan_add(m2[j], c2[j], gv + d * d * w_old);
+          mu_s[j] = mean[j] - cm[j];
+          rs_s[j] = 1.0 / std::sqrt((m2[j] - c2[j]) * inv_n + eps);
+          gm_s[j] = gm;
+        }
+        for (int64_t j = 0; j < ng; ++j) {
+          const double a = rs_s[j], c = K[j] + mu_s[j];
+          const double* sc = scale + f0 + j * dg;
+          const double* bi = bias + f0 + j * dg;
+          const T* xj = xr + j * dg;
+          T* yj = yr + j * dg;
+          for (int64_t i = 0; i < dg; ++i) yj[i] = T((double(xj[i]) - c) * a * sc[i] + bi[i]);
         }
       }
       const bool observed = n > n0;
-      shift[rg] = K;
-      if (g == 0) count[r] = n;
-      mean_out[rg] = observed ? mean.value() + K : prev_mean[rg];
-      var_out[rg] = observed ? m2.value() / double(n) : var0;
+      if (tk.g0 == 0) count[tk.r] = n;
+      for (int64_t j = 0; j < ng; ++j) {
+        const int64_t rg = tk.r * G + tk.g0 + j;
+        shift[rg] = K[j];
+        mean_out[rg] = observed ? mean[j] - cm[j] + K[j] : prev_mean[rg];
+        var_out[rg] = observed ? (m2[j] - c2[j]) / double(n) : var0[j];
+      }
     }
   }
 }
 
-// Reverse scan of (row, group) in the scaled-carry form (ops/timestep_norm/torch_impl.py):
+// Reverse scan in the scaled-carry form (ops/timestep_norm/torch_impl.py):
 //   V_t = dvar / n_L - sum_{s >= t} w_s 0.5 r_s^3 ds_s / n_s
 //   U_t = dmean / n_L - sum_{s >= t} w_s [r_s db_s + 2 V_s (gmu_s - mu_{s-1})] / n_s
 //   dx = r (dy scale - db / (n Dg)) + [U_{t+1} + 2 V (gmu - mu)] / Dg + 2 V (x - gmu) / Dg
-// dscale / dbias: one partial row of D per row (its groups own disjoint features), summed by the caller.
+// dscale / dbias: one partial row of D per row (its tasks own disjoint features), summed by the caller.
 template <typename T>
 void backward(const T* x, const T* dy, const uint8_t* pad, int64_t rows, const int64_t* start, const int64_t* len,
               int64_t D, int64_t G, const double* scale, const double* mu, const double* rstd, const double* gmu,
               const double* mu0, const double* shift, const int64_t* prev_count, const double* dmean,
               const double* dvar, T* dx, double* dscale, double* dbias, double* dprev_mean, double* dprev_var) {
   const int64_t dg = D / G;
+  const std::vector<Task> work = tasks(rows, G);
 #pragma omp parallel for schedule(dynamic, 1)
-  for (int64_t rg = 0; rg < rows * G; ++rg) {
-    const int64_t r = rg / G, g = rg % G;
-    const int64_t s0 = start[r], n_steps = len[r];
-    const double K = shift[rg];
-    const double* sc = scale + g * dg;
-    double* dsc = dscale + r * D + g * dg;
-    double* dbi = dbias + r * D + g * dg;
-    for (int64_t i = 0; i < dg; ++i) dsc[i] = dbi[i] = 0.0;
-    const int64_t n0 = prev_count[r];
+  for (size_t w = 0; w < work.size(); ++w) {
+    const Task tk = work[w];
+    const int64_t s0 = start[tk.r], n_steps = len[tk.r], ng = tk.ng, f0 = tk.g0 * dg;
+    double* dsc = dscale + tk.r * D + f0;
+    double* dbi = dbias + tk.r * D + f0;
+    for (int64_t f = 0; f < ng * dg; ++f) dsc[f] = dbi[f] = 0.0;
+    const int64_t n0 = prev_count[tk.r];
     int64_t live = 0;
     for (int64_t t = 0; t < n_steps; ++t) live += !pad[s0 + t];
     const int64_t n_end = n0 + live;
     const double inv_end = 1.0 / double(std::max<int64_t>(n_end, 1));
-    Kahan U, V;  // U_{t+1}, V_{t+1} while step t is processed
-    U.s = dmean[rg] * inv_end;
-    V.s = dvar[rg] * inv_end;
+    double K[kBlock], U[kBlock], cu[kBlock], V[kBlock], cv[kBlock], ds[kBlock], db[kBlock];
+    for (int64_t j = 0; j < ng; ++j) {  // U_{t+1}, V_{t+1} while step t is processed
+      const int64_t rg = tk.r * G + tk.g0 + j;
+      K[j] = shift[rg];
+      U[j] = dmean[rg] * inv_end;
+      V[j] = dvar[rg] * inv_end;
+      cu[j] = cv[j] = 0.0;
+    }
     int64_t n = n_end;  // count after the step being processed
     for (int64_t t = n_steps - 1; t >= 0; --t) {
       const int64_t s = s0 + t;
-      const T* xr = x + s * D + g * dg;
-      const T* dyr = dy + s * D + g * dg;
-      T* dxr = dx + s * D + g * dg;
+      const T* xr = x + s * D + f0;
+      const T* dyr = dy + s * D + f0;
+      T* dxr = dx + s * D + f0;
       if (pad[s]) {
-        for (int64_t i = 0; i < dg; ++i) dxr[i] = T(0);
+        for (int64_t f = 0; f < ng * dg; ++f) dxr[f] = T(0);
         continue;
       }
-      const double m = mu[s * G + g], rs = rstd[s * G + g], gm = gmu[s * G + g];
-      double ds = 0.0, db = 0.0;
-      for (int64_t i = 0; i < dg; ++i) {
-        const double xc = double(xr[i]) - K - m, d = double(dyr[i]);
-        ds += d * xc * sc[i];
-        db += d * sc[i];
-        dsc[i] += d * xc * rs;
-        dbi[i] += d;
+      const double* mu_s = mu + s * G + tk.g0;
+      const double* rs_s = rstd + s * G + tk.g0;
+      const double* gm_s = gmu + s * G + tk.g0;
+      // mu_{t-1}: the carried mean entering step t (a padded step carries it unchanged; the row's
+      // first step sees the prior's); the cross term exists only after an observation
+      const double* mu_prev = t > 0 ? mu + (s - 1) * G + tk.g0 : mu0 + tk.r * G + tk.g0;
+      for (int64_t j = 0; j < ng; ++j) {
+        const double c = K[j] + mu_s[j], rs = rs_s[j];
+        const double* sc = scale + f0 + j * dg;
+        double a = 0.0, b = 0.0;
+        for (int64_t i = 0; i < dg; ++i) {
+          const int64_t f = j * dg + i;
+          const double xc = double(xr[f]) - c, d = double(dyr[f]);
+          a += d * xc * sc[i];
+          b += d * sc[i];
+          dsc[f] += d * xc * rs;
+          dbi[f] += d;
+        }
+        ds[j] = a;
+        db[j] = b;
       }
-      const double inv_n = 1.0 / double(n);
-      V.add(-0.5 * rs * rs * rs * ds * inv_n);  // V_t
-      const double v = V.value(), u_next = U.value();
-      // mu_{t-1}: the carried mean entering step t (a padded step carries the mean unchanged;
-      // the row's first step sees the prior's); the term exists only after an observation
-      const double m_prev = t > 0 ? mu[(s - 1) * G + g] : mu0[rg];
-      const double cross = n - 1 > 0 ? 2.0 * v * (gm - m_prev) * inv_n : 0.0;
-      U.add(-(rs * db * inv_n + cross));  // U_t
-      const double rest = (u_next + 2.0 * v * (gm - m)) / double(dg);
-      const double two_v = 2.0 * v / double(dg), db_n = db * inv_n / double(dg);
-      for (int64_t i = 0; i < dg; ++i) {
-        const double xv = double(xr[i]) - K;
-        dxr[i] = T(rs * (double(dyr[i]) * sc[i] - db_n) + rest + two_v * (xv - gm));
+      const double inv_n = 1.0 / double(n), seen_before = n > 1 ? 1.0 : 0.0;
+      for (int64_t j = 0; j < ng; ++j) {
+        const double rs = rs_s[j], gm = gm_s[j];
+        kahan_add(V[j], cv[j], -0.5 * rs * rs * rs * ds[j] * inv_n);  // V_t
+        const double v = V[j] - cv[j], u_next = U[j] - cu[j];
+        kahan_add(U[j], cu[j], -(rs * db[j] * inv_n + seen_before * 2.0 * v * (gm - mu_prev[j]) * inv_n));  // U_t
+        const double rest = (u_next + 2.0 * v * (gm - mu_s[j])) / double(dg);
+        const double two_v = 2.0 * v / double(dg), db_n = db[j] * inv_n / double(dg);
+        const double* sc = scale + f0 + j * dg;
+        for (int64_t i = 0; i < dg; ++i) {
+          const int64_t f = j * dg + i;
+          dxr[f] = T(rs * (double(dyr[f]) * sc[i] - db_n) + rest + two_v * (double(xr[f]) - K[j] - gm));
+        }
       }
       --n;
     }
-    // Nothing observed: mean / var ARE the prior's, gradients pass straight through.
-    if (live == 0) {
-      dprev_mean[rg] = dmean[rg];
-      dprev_var[rg] = dvar[rg];
-    } else if (n0 > 0) {
-      dprev_mean[rg] = double(n0) * U.value();
-      dprev_var[rg] = double(n0) * V.value();
-    } else {
-      dprev_mean[rg] = dprev_var[rg] = 0.0;
+    for (int64_t j = 0; j < ng; ++j) {
+      const int64_t rg = tk.r * G + tk.g0 + j;
+      if (live == 0) {  // nothing observed: mean / var ARE the prior's, gradients pass straight through
+        dprev_mean[rg] = dmean[rg];
+        dprev_var[rg] = dvar[rg];
+      } else if (n0 > 0) {
+        dprev_mean[rg] = double(n0) * (U[j] - cu[j]);
+        dprev_var[rg] = double(n0) * (V[j] - cv[j]);
+      } else {
+        dprev_mean[rg] = dprev_var[rg] = 0.0;
+      }
     }
   }
 }
