@@ -265,20 +265,22 @@ def row_padding_factor(lengths, T: int) -> float:
 
 
 # ------------------------------------------------------------------------------------- bytes
-def bytes_rows(seed: int = 0):
+def bytes_rows(seed: int = 0, ops=("fftconv", "cema", "timestep_norm", "attention"), D: int = 16, G: int = 2):
     """[(op, direction, packed (total, unique) kernel bytes / ideal, unpacked (total, unique) /
     ideal)] at a small shape in the Triton interpreter (TRITON_INTERPRET=1): "total" counts every
-    access, "unique" distinct addresses (bench/triton_bytes.py)."""
+    access, "unique" distinct addresses (bench/triton_bytes.py). D, G: the feature width and
+    TimestepNorm's groups (at D = 16 its saved per-step statistics, 3 G / (2 D) of x, are a large
+    part of its traffic; the ideal leaves them out)."""
     from megalodon_kernels.bench.roofline import ideal
     from megalodon_kernels.bench.triton_bytes import count_bytes
     import dataclasses
 
-    s = dataclasses.replace(BENCH_SETS["cpu"], D=16, N=4, G=2, H=1, dz=16, dv=16, chunk=32)
+    s = dataclasses.replace(BENCH_SETS["cpu"], D=D, N=4, G=G, H=1, dz=16, dv=16, chunk=32)
     lengths = document_lengths(DocSet(16, 4, 256), seed)
     T = sum(lengths)
     shape = {"B": 1, "L": T, "D": s.D, "N": s.N, "G": s.G, "H": s.H, "dh": s.dz, "dv": s.dv, "chunk": s.chunk}
     rows = []
-    for op in ("fftconv", "cema", "timestep_norm", "attention"):
+    for op in ops:
         cases = op_cases(op, lengths, s, "triton", torch.device("cpu"), seed=seed)
         ratios = {}
         for layout in ("packed", "unpacked"):
@@ -320,6 +322,8 @@ def main(argv=None) -> int:
                     help="torch threads (0: torch's default); 1 by default, since on a shared CPU more threads "
                          "than free cores make every call several times slower and the ratios meaningless")
     ap.add_argument("--bytes", action="store_true", help="Triton kernel bytes / ideal of packed calls instead of times")
+    ap.add_argument("--bytes-width", nargs=2, type=int, default=(16, 2), metavar=("D", "G"),
+                    help="--bytes: feature width and TimestepNorm groups (default 16 2)")
     ap.add_argument("--out", default=None, help="also write the markdown table to this file")
     a = ap.parse_args(argv)
     if a.threads:
@@ -333,7 +337,7 @@ def main(argv=None) -> int:
     if a.bytes:
         if os.environ.get("TRITON_INTERPRET") != "1":
             ap.error("--bytes needs TRITON_INTERPRET=1 set in the environment")
-        lengths, s, rows = bytes_rows(a.seed)
+        lengths, s, rows = bytes_rows(a.seed, [op for op in a.ops if op != "model"], *a.bytes_width)
         T = sum(lengths)
         emit(f"Triton kernel bytes / ideal, interpreter counter: {len(lengths)} documents of {min(lengths)}..{max(lengths)} "
              f"tokens, T = {T}, D={s.D} N={s.N} G={s.G} H={s.H} dz={s.dz} dv={s.dv} chunk={s.chunk}, float32; "
