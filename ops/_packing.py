@@ -2,7 +2,9 @@
 (docs/design.md, Packed sequences).
 
 A packed call must equal each document run on its own from an empty (or its own initial) state.
-The stateful ops get there by running a packed row as *document rows*: the documents are grouped
+Kernels that read the document bounds themselves take them from :func:`document_bounds`
+(TimestepNorm on every backend, attention on Triton). The other ops run a packed row as
+*document rows*: the documents are grouped
 into buckets of equal row length (by default the next power of two of their length), each bucket
 is gathered into a zero-padded batch (nb, ..., row_length, ...) and runs through the op's ordinary
 batched kernels in one launch, and the valid positions are scattered back. So:
