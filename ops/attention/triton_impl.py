@@ -196,7 +196,10 @@ if HAVE_TRITON:
         pid_m, bh, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
         b, h = bh // H, bh % H
         row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
-        i0 = pid_m * BLOCK_M  # past the row's end (a short document of a packed row): masked to nothing
+        i0 = pid_m * BLOCK_M
+        if PACKED:
+            if i0 >= Lq:  # the grid spans the longest document: past a shorter one's end, no work
+                return
         o_i = i0 + tl.arange(0, BLOCK_M)
         m_i = o_i < Lq
         o_dh = tl.arange(0, BLOCK_DH)
@@ -254,6 +257,9 @@ if HAVE_TRITON:
         pid_m, bh = tl.program_id(0), tl.program_id(1)
         b, h = bh // H, bh % H
         row_q, Lq, _, _ = _rows(cu_ptr, b, L, L, PACKED)
+        if PACKED:
+            if pid_m * BLOCK_M >= Lq:
+                return
         o_i = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
         m_i = o_i < Lq
         rv = H * DV
@@ -281,6 +287,9 @@ if HAVE_TRITON:
         b, h = bh // H, bh % H
         row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
         j0 = pid_n * BLOCK_N
+        if PACKED:
+            if j0 >= Sk:
+                return
         o_j = j0 + tl.arange(0, BLOCK_N)
         m_j = o_j < Sk
         o_dh = tl.arange(0, BLOCK_DH)
@@ -363,6 +372,9 @@ if HAVE_TRITON:
         b, h = bh // H, bh % H
         row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
         i0 = pid_m * BLOCK_M
+        if PACKED:
+            if i0 >= Lq:
+                return
         o_i = i0 + tl.arange(0, BLOCK_M)
         m_i = o_i < Lq
         o_dh = tl.arange(0, BLOCK_DH)
@@ -495,8 +507,8 @@ def _rule_batch_index(batch_index, B, device):
 
 def _row_grid(q, k, cu_seqlens, max_seqlen):
     """(rows, query span, key span) of the launch grids: the batch rows and their lengths, or the
-    documents of a packed row and the longest one (a program past its document's end stores
-    nothing)."""
+    documents of a packed row and the longest one (a program past its document's end
+    returns at once)."""
     if cu_seqlens is None:
         return q.shape[0], q.shape[1], k.shape[1]
     if max_seqlen is None:
