@@ -34,8 +34,11 @@ NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 
 # direct_max_len forcing each convolution path; Triton's workspace path needs L > 2048 whatever the
 # knob, and work_bc = 4096 (one column tile per pass) keeps the interpreter fast there.
-PATHS = {"direct": {"torch": dict(direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
-         "fft": {"torch": dict(direct_max_len=0), "triton": dict(direct_max_len=0)}}
+# chunk = 0 selects the torch backend's convolution forms; "chunked" is its chunked form (torch alone),
+# with chunks small enough that the cases below span several of them.
+PATHS = {"direct": {"torch": dict(chunk=0, direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
+         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0)},
+         "chunked": {"torch": dict(chunk=8)}}
 
 
 def _dt(d):
@@ -93,6 +96,11 @@ CASES = [
     *(case(2, 3, 4, 40, F64, F64, f"L40-{u}_only-float64", use=(u,)) for u in ("y", "h")),
     *(case(2, 2, 4, 70, BF16, F32, f"L70-{u}_only-x_bfloat16", seed=2, use=(u,)) for u in ("y", "h")),
     case(3, 2, 5, 97, BF16, F32, "L97-strided-odd_batch-x_bfloat16", contiguous=False, seed=3),
+    # the chunked form's two-level scan (150 chunks of 2 > its block of 64), and a chunk that
+    # does not divide L
+    *(case(2, 3, 4, 300, x, c, f"chunked-two_level_scan-x_{_dt(x)}", path="chunked", knobs={"torch": dict(chunk=2)},
+           seed=5) for x, c in ((F32, F32), (F64, F64))),
+    case(2, 3, 4, 150, F32, F32, "chunked-chunk7", path="chunked", knobs={"torch": dict(chunk=7)}, seed=6),
     # Triton: the three-level convolution (N = 8192) with the fused bias / skip epilogue
     case(3, 1, 4, 2049, F32, F32, "L2049", seed=4, knobs={"triton": dict(work_bc=4096)}),
 ]
@@ -100,6 +108,8 @@ CASES = [
 
 def runs_on(backend, c: Case) -> bool:
     if c.only is not None and backend not in c.only:
+        return False
+    if backend not in PATHS[c.path]:
         return False
     if backend == "triton":
         return c.xdtype in (F32, BF16) and c.cdtype == F32
@@ -152,11 +162,12 @@ def test_matches_reference(backend, c):
 
 @given(B=st.integers(1, 3), D=st.integers(1, 5), N=st.integers(1, 6), L=st.integers(1, 140),
        dtypes=st.sampled_from(DTYPES), with_hx=st.booleans(), return_state=st.booleans(), contiguous=st.booleans(),
-       power_block=st.sampled_from([1, 6, 64]), direct_max_len=st.sampled_from([0, 16, 1000]),
-       seed=st.integers(0, 2**31))
-def test_property_torch(B, D, N, L, dtypes, with_hx, return_state, contiguous, power_block, direct_max_len, seed):
+       chunk=st.sampled_from([0, 1, 7, 64]), power_block=st.sampled_from([1, 6, 64]),
+       direct_max_len=st.sampled_from([0, 16, 1000]), seed=st.integers(0, 2**31))
+def test_property_torch(B, D, N, L, dtypes, with_hx, return_state, contiguous, chunk, power_block, direct_max_len,
+                        seed):
     check_cema("torch", B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed,
-               config={"power_block": power_block, "direct_max_len": direct_max_len})
+               config={"chunk": chunk, "power_block": power_block, "direct_max_len": direct_max_len})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -189,11 +200,12 @@ def test_streaming(backend, xdtype, cdtype):
         assert_close(f"streamed h (split {L1})", h2, to_np(h), tol(backend, cdtype, "fwd"))
 
 
-def test_gradcheck_torch():
+@pytest.mark.parametrize("chunk", [0, 2], ids=["fft", "chunked"])
+def test_gradcheck_torch(chunk):
     gen = torch.Generator().manual_seed(5)
     ins = _inputs(gen, 2, 2, 3, 6, F64, F64, True, True)
     # fast_mode (random projections of the Jacobian): the full Jacobian takes seconds here
-    with knobs(cema_torch, power_block=4, direct_max_len=0):
+    with knobs(cema_torch, chunk=chunk, power_block=4, direct_max_len=0):
         assert torch.autograd.gradcheck(lambda *a: cema(*a, return_state=True), tuple(ins[n] for n in NAMES),
                                         fast_mode=True)
 
