@@ -5,7 +5,13 @@ cema_ndim 16, chunk 256, 32 TimestepNorm groups, fp32, no dropout; one step = fo
 cross-entropy, backward over B=2 sequences of L=4096 tokens (the optimizer is left out).
 
     python bench/cpu_step.py [--B 2 --L 4096] [--steps 3] [--threads N] [--top 25] [--compile]
-                             [--out bench/results/cpu_step.md]
+                             [--loss fused|naive] [--out bench/results/cpu_step.md]
+
+``--loss fused`` (the default) takes the loss from ``model(tokens, labels=targets)``: the output
+projection and the cross-entropy fused block by block (model/loss.py), so the (B L, V) logits,
+their log-softmax and the zero-filled logits gradient are never formed. ``--loss naive`` is the
+unfused path, ``F.cross_entropy(model(tokens), targets)``, for comparison; both give the same
+loss and gradients.
 
 ``--compile`` runs the step through ``torch.compile(model, fullgraph=True)`` (inductor; the
 library's ops stay opaque custom-op nodes, the elementwise glue around them is fused); the first
@@ -17,8 +23,8 @@ Measures, after two warm-up steps:
   and minor page faults (getrusage), which a busy shared machine disturbs less than wall time;
 * the torch profiler's SELF CPU time of every op in each of ``--steps`` profiled steps. The
   GEMM share is the self time of the dense-matmul ops in ``GEMM_OPS`` (the BLAS kernels
-  ``aten::mm``/``bmm``/``addmm``/``baddbmm``/``addbmm`` and the ``matmul``/``linear`` wrappers
-  around them, whose own self time is their dispatch); everything else (elementwise ops,
+  ``aten::mm``/``bmm``/``addmm``/``baddbmm``/``addbmm`` and their in-place forms, and the
+  ``matmul``/``linear`` wrappers around them, whose own self time is their dispatch); everything else (elementwise ops,
   reductions, copies, fills, FFTs, custom-op bodies, autograd bookkeeping) is non-GEMM.
   non-GEMM share = (total self time - GEMM self time) / total self time, per step; the
   reported value is the median over the profiled steps. Python time between ops is in no op's
@@ -46,9 +52,10 @@ from torch.profiler import ProfilerActivity, profile
 
 from megalodon_kernels.model import Megalodon, MegalodonConfig
 
-#: Ops whose self time counts as dense matrix multiplication.
+#: Ops whose self time counts as dense matrix multiplication (the in-place forms too: the fused
+#: loss accumulates its weight gradient with ``addmm_``).
 GEMM_OPS = frozenset({"aten::mm", "aten::bmm", "aten::addmm", "aten::baddbmm", "aten::addbmm",
-                      "aten::matmul", "aten::linear"})
+                      "aten::addmm_", "aten::baddbmm_", "aten::addbmm_", "aten::matmul", "aten::linear"})
 
 VOCAB = 1000
 
@@ -59,10 +66,16 @@ def bench_config() -> MegalodonConfig:
                            vocab_size=VOCAB, dropout=0.0, hidden_dropout=0.0, attention_dropout=0.0)
 
 
-def train_step(model, tokens):
+LOSSES = ("fused", "naive")
+
+
+def train_step(model, tokens, loss: str = "fused"):
     model.zero_grad(set_to_none=True)
-    logits = model(tokens[:, :-1])
-    loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    if loss == "fused":
+        loss = model(tokens[:, :-1], labels=tokens[:, 1:])
+    else:
+        logits = model(tokens[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
     loss.backward()
     return loss.detach()
 
@@ -82,10 +95,10 @@ def owner(event) -> str:
     return "model glue"
 
 
-def profiled_step(model, tokens):
+def profiled_step(model, tokens, loss: str = "fused"):
     """(op name -> (self CPU seconds, calls), owner -> (self seconds, GEMM self seconds)) of one step."""
     with profile(activities=[ProfilerActivity.CPU]) as prof:
-        train_step(model, tokens)
+        train_step(model, tokens, loss)
     by_owner = defaultdict(lambda: [0.0, 0.0])
     for e in prof.events():
         row = by_owner[owner(e)]
@@ -118,6 +131,8 @@ def main():
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--compile", action="store_true", help="torch.compile(model, fullgraph=True)")
+    ap.add_argument("--loss", choices=LOSSES, default="fused",
+                    help="fused: model(tokens, labels=...) (model/loss.py); naive: F.cross_entropy of the logits")
     ap.add_argument("--out", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
@@ -128,20 +143,20 @@ def main():
         model = torch.compile(model, fullgraph=True)
     tokens = torch.randint(0, VOCAB, (args.B, args.L + 1))
     t0 = time.perf_counter()
-    train_step(model, tokens)
+    train_step(model, tokens, args.loss)
     first_step = time.perf_counter() - t0
-    train_step(model, tokens)
-    profiled_step(model, tokens)  # the profiler's own first-use cost stays out of the measured steps
+    train_step(model, tokens, args.loss)
+    profiled_step(model, tokens, args.loss)  # the profiler's own first-use cost stays out of the measured steps
 
     walls, cpus, faults = [], [], []
     for _ in range(args.timed):
         r0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
-        train_step(model, tokens)
+        train_step(model, tokens, args.loss)
         t1, r1 = time.perf_counter(), resource.getrusage(resource.RUSAGE_SELF)
         walls.append(t1 - t0)
         cpus.append((r1.ru_utime - r0.ru_utime, r1.ru_stime - r0.ru_stime))
         faults.append(r1.ru_minflt - r0.ru_minflt)
-    profiles = [profiled_step(model, tokens) for _ in range(args.steps)]
+    profiles = [profiled_step(model, tokens, args.loss) for _ in range(args.steps)]
     load_after = machine_load()
 
     shares = []
@@ -158,7 +173,7 @@ def main():
     except OSError:
         commit = "?"
     cmd = (f"python bench/cpu_step.py --B {args.B} --L {args.L} --steps {args.steps} --timed {args.timed} "
-           f"--threads {args.threads}" + (" --compile" if args.compile else ""))
+           f"--threads {args.threads} --loss {args.loss}" + (" --compile" if args.compile else ""))
     mode = "Compiled (torch.compile, fullgraph)" if args.compile else "Eager"
     lines = [
         f"# {mode} CPU training step: time and non-GEMM share",
@@ -171,7 +186,8 @@ def main():
         "",
         "Model: vocab 1000, model_dim 256, 2 layers, 1 head, z_dim 64, value_dim 512, FFN 640, cema_ndim 16, "
         f"chunk 256, 32 norm groups, fp32, no dropout; B={args.B}, L={args.L}; step = forward + "
-        "cross-entropy + backward. non-GEMM share = 1 - (self CPU time of "
+        + ("fused output projection and cross-entropy (`model(tokens, labels=targets)`, model/loss.py)"
+           if args.loss == "fused" else "`F.cross_entropy` of the logits") + " + backward. non-GEMM share = 1 - (self CPU time of "
         + ", ".join(f"`{n}`" for n in sorted(GEMM_OPS)) + ") / (self CPU time of all ops), torch profiler.",
         "",
         f"- first step (warm-up{', includes compiling' if args.compile else ''}): {first_step:.1f} s",

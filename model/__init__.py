@@ -10,6 +10,7 @@ Example::
 
     model = Megalodon(get_config("tiny"))
     logits = model(tokens)                         # (B, L, V), any L
+    loss = model(tokens[:, :-1], labels=tokens[:, 1:])  # mean cross-entropy, logits never formed
     cache = model.init_cache(batch_size=tokens.shape[0])
     for piece in tokens.split(7, dim=1):           # any split gives the same logits
         step_logits = model(piece, cache=cache)
@@ -23,6 +24,7 @@ from .checkpoint import CheckpointMismatchError, check_state_dict, load_upstream
 from .config import PRESETS, MegalodonConfig, get_config
 from .layers import (ComplexEMA, LayerNorm, MegalodonAttention, MegalodonBlock, NormalizedFFN, RMSNorm,
                      TimestepNorm)
+from .loss import linear_cross_entropy
 from .megalodon import Megalodon, OutputLayer, RotaryEmbedding, sample_next
 from .packing import pack, segment_ids_to_cu_seqlens
 
@@ -32,7 +34,7 @@ from_upstream = Megalodon.from_upstream
 __all__ = [
     "MegalodonConfig", "PRESETS", "get_config",
     "ComplexEMA", "TimestepNorm", "RMSNorm", "LayerNorm", "MegalodonAttention", "NormalizedFFN", "MegalodonBlock",
-    "Megalodon", "RotaryEmbedding", "OutputLayer", "sample_next",
+    "Megalodon", "RotaryEmbedding", "OutputLayer", "sample_next", "linear_cross_entropy",
     "MegalodonCache", "LayerState",
     "pack", "segment_ids_to_cu_seqlens",
     "CheckpointMismatchError", "load_upstream", "from_upstream", "read_state_dict", "check_state_dict",

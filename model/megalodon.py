@@ -20,6 +20,7 @@ from .cache import MegalodonCache
 from .checkpoint import load_upstream, read_state_dict
 from .config import MegalodonConfig
 from .layers import MegalodonBlock, TimestepNorm
+from .loss import linear_cross_entropy
 from .packing import segment_ids_to_cu_seqlens
 
 __all__ = ["Megalodon", "RotaryEmbedding", "OutputLayer"]
@@ -77,6 +78,12 @@ class Megalodon(nn.Module):
     gradient equal those of one call per document. ``model(tokens, segment_ids=s)`` with integer
     ids s (B, L) packs the batch into one row, a document starting wherever the id changes and at
     every row start; logits (B, L, V_out).
+    ``model(tokens, labels=labels)`` (with any of the above) returns instead the mean token
+    cross-entropy against ``labels`` (B, L), aligned with ``tokens`` (``labels[:, i]`` is the
+    target of position i: the caller shifts), positions whose label is ``ignore_index`` left out.
+    It equals ``F.cross_entropy(logits.flatten(0, 1), labels.flatten(), ignore_index=...)`` in
+    value and gradients but never forms the logits (:func:`~.loss.linear_cross_entropy`: the
+    output projection, log-softmax and the logits' gradient fused, block by block).
     Construction needs neither CUDA nor torch.distributed.
     """
 
@@ -111,7 +118,8 @@ class Megalodon(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cache: Optional[MegalodonCache] = None, *,
-                cu_seqlens: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None) -> torch.Tensor:
+                cu_seqlens: Optional[torch.Tensor] = None, segment_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point \
                 or tokens.dtype.is_complex or tokens.dtype == torch.bool:
             raise TypeError(f"tokens must be an integer tensor of shape (B, L), got {type(tokens).__name__} "
@@ -119,6 +127,13 @@ class Megalodon(nn.Module):
         B, L = tokens.shape
         if L < 1:
             raise ValueError("tokens must hold at least one position (L >= 1)")
+        if labels is not None:
+            if not isinstance(labels, torch.Tensor) or labels.dtype.is_floating_point or labels.dtype.is_complex \
+                    or labels.dtype == torch.bool:
+                raise TypeError(f"labels must be an integer tensor, got {type(labels).__name__} "
+                                f"{getattr(labels, 'dtype', '')}")
+            if labels.shape != tokens.shape:
+                raise ValueError(f"labels must have the tokens' shape {tuple(tokens.shape)}, got {tuple(labels.shape)}")
         if cache is not None and (cu_seqlens is not None or segment_ids is not None):
             raise ValueError("a packed row (cu_seqlens / segment_ids) cannot be streamed through a cache: "
                              "run packed rows without cache, or stream each document with a cache of its own")
@@ -126,6 +141,9 @@ class Megalodon(nn.Module):
             if cu_seqlens is not None:
                 raise ValueError("pass either cu_seqlens or segment_ids, not both")
             cu_seqlens = segment_ids_to_cu_seqlens(segment_ids, tokens)
+            if labels is not None:
+                return self(tokens.reshape(1, B * L), cu_seqlens=cu_seqlens, labels=labels.reshape(1, B * L),
+                            ignore_index=ignore_index)
             return self(tokens.reshape(1, B * L), cu_seqlens=cu_seqlens).view(B, L, -1)
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, batch=B, length=L, device=tokens.device, batch_arg="tokens")
@@ -156,7 +174,10 @@ class Megalodon(nn.Module):
             x, count, mean, var = norm(x, cache.norm_count, cache.norm_mean, cache.norm_var)
             cache.norm_count, cache.norm_mean, cache.norm_var = count.detach(), mean.detach(), var.detach()
             cache.num_tokens += L
-        logits = self.output.output(x)
+        head = self.output.output
+        if labels is not None:
+            return linear_cross_entropy(x, head.weight, labels, head.bias, ignore_index=ignore_index)
+        logits = head(x)
         # At least fp32 (upstream's .float() for half models); fp64 models keep fp64.
         return logits if logits.dtype == torch.float64 else logits.float()
 
