@@ -13,7 +13,8 @@ The library is compiled once per source, compiler and flags into the user cache 
 (``MEGALODON_KERNELS_CACHE``, default ~/.cache/megalodon_kernels, subdirectory ``cpu``), under a
 file lock and an atomic rename; without a working compiler ``not_supported_reasons`` says so and
 ``auto`` falls back to the torch backend. x is computed in float32 (float64 for float64 x;
-bfloat16/float16 are converted), statistics in double; saved residuals are in the accumulation dtype.
+bfloat16/float16 are converted), statistics in double; the kernel writes the statistics and saved
+residuals in the accumulation dtype.
 """
 from __future__ import annotations
 
@@ -25,7 +26,6 @@ from pathlib import Path
 import torch
 
 from ...cuda.build import _Lock, _atomic_move, _digest, _run, _tool_version
-from .._checks import acc_dtype
 
 DEFAULT_CONFIG: dict = {}
 
@@ -48,8 +48,8 @@ FLAGS = ["-std=c++17", "-O3", "-fopenmp", "-shared", "-fPIC", *_vector_flags()]
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
-_FWD_ARGS = [_P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, ctypes.c_double, _P, _P, _P, _P, _P, _P, _P, _P]
-_BWD_ARGS = [_P, _P, _P, _I, _P, _P, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
+_FWD_ARGS = [_P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, ctypes.c_double, _P, _P, _P, _P, _P, _P, _P, _P]
+_BWD_ARGS = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P]
 
 
 def _cache_dir() -> Path:
@@ -93,14 +93,15 @@ def not_supported_reasons(x, num_groups=None) -> list[str]:
     return why
 
 
-def _ptr(t: torch.Tensor):
-    return ctypes.c_void_p(t.data_ptr())
+def _ptr(t: torch.Tensor | None):
+    return None if t is None else ctypes.c_void_p(t.data_ptr())  # None: a NULL pointer
 
 
-def _rows(B: int, L: int, cu_seqlens):
-    """(starts, lengths) int64 of the kernel's rows: the batch rows, or the packed row's documents."""
+def _rows(cu_seqlens):
+    """(starts, lengths) int64 of the kernel's rows when they are a packed row's documents; None
+    for a batch (the kernel's uniform rows: row r at step r * L, L steps, no arrays to build)."""
     if cu_seqlens is None:
-        return torch.arange(B, dtype=torch.int64) * L, torch.full((B,), L, dtype=torch.int64)
+        return None, None
     cu = cu_seqlens.to(torch.int64).contiguous()
     return cu[:-1].contiguous(), (cu[1:] - cu[:-1]).contiguous()
 
@@ -117,30 +118,33 @@ def _f64(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.float64).contiguous()
 
 
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype).contiguous()
+
+
 def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
                       cu_seqlens=None):
     """Returns (y, count, mean, var, saved), ``saved`` in the torch backend's layout (x, scale, mu,
-    rstd, gmu, padding_mask, prev_count, prev_mean - K, K); mu and gmu are relative to K."""
+    rstd, gmu, padding_mask, prev_count, prev_mean - K, K); mu and gmu are relative to K. The
+    kernel writes the statistics in the accumulation dtype (= its work dtype) itself."""
     B, L, D = x.shape
     G = num_groups
-    acc = acc_dtype(x.dtype)
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32  # = the accumulation dtype
     xc = x.to(work).contiguous()
-    starts, lengths = _rows(B, L, cu_seqlens)
-    rows = starts.shape[0]
+    starts, lengths = _rows(cu_seqlens)
+    rows = B if starts is None else starts.shape[0]
     y = torch.empty_like(xc)
-    mu, rstd, gmu = (torch.empty(B, L, G, dtype=torch.float64) for _ in range(3))
-    K, mean, var = (torch.empty(rows, G, dtype=torch.float64) for _ in range(3))
+    mu, rstd, gmu = (torch.empty(B, L, G, dtype=work) for _ in range(3))
+    K, mean, var = (torch.empty(rows, G, dtype=work) for _ in range(3))
     count = torch.empty(rows, dtype=torch.int64)
     pad = padding_mask.contiguous().view(torch.uint8)
     # every converted input is held by a name until the call returns (a pointer alone keeps nothing alive)
     sc, bi, pc, pm, pv = _f64(scale), _f64(bias), prev_count.to(torch.int64).contiguous(), _f64(prev_mean), _f64(prev_var)
     _kernel("fwd", work)(
-        _ptr(xc), _ptr(pad), rows, _ptr(starts), _ptr(lengths), D, G, _ptr(sc), _ptr(bi), _ptr(pc), _ptr(pm),
+        _ptr(xc), _ptr(pad), rows, _ptr(starts), _ptr(lengths), L, D, G, _ptr(sc), _ptr(bi), _ptr(pc), _ptr(pm),
         _ptr(pv), float(eps), _ptr(y), _ptr(mu), _ptr(rstd), _ptr(gmu), _ptr(K), _ptr(count), _ptr(mean), _ptr(var))
-    K = K.to(acc)
-    saved = (x, scale, mu.to(acc), rstd.to(acc), gmu.to(acc), padding_mask, prev_count, prev_mean.to(acc) - K, K)
-    return y.to(x.dtype), count, mean.to(acc), var.to(acc), saved
+    saved = (x, scale, mu, rstd, gmu, padding_mask, prev_count, prev_mean.to(work) - K, K)
+    return y.to(x.dtype), count, mean, var, saved
 
 
 def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
@@ -148,17 +152,18 @@ def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
     x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0, K = saved
     B, L, D = x.shape
     G = num_groups
-    work = torch.float64 if x.dtype == torch.float64 else torch.float32
+    work = torch.float64 if x.dtype == torch.float64 else torch.float32  # = the accumulation dtype
     xc, dyc = x.to(work).contiguous(), dy.to(work).contiguous()
-    starts, lengths = _rows(B, L, cu_seqlens)
-    rows = starts.shape[0]
+    starts, lengths = _rows(cu_seqlens)
+    rows = B if starts is None else starts.shape[0]
     dx = torch.empty_like(xc)
     dscale, dbias = (torch.empty(rows, D, dtype=torch.float64) for _ in range(2))
     dprev_mean, dprev_var = (torch.empty(rows, G, dtype=torch.float64) for _ in range(2))
     pad = padding_mask.contiguous().view(torch.uint8)
-    ins = [_f64(t) for t in (scale, mu, rstd, gmu, mu0, K)] + [prev_count.to(torch.int64).contiguous()] + \
-        [_f64(t) for t in (dmean, dvar)]  # held until the call returns
+    # held until the call returns; the residuals are already in the work dtype (no copies)
+    ins = [_f64(scale)] + [_as(t, work) for t in (mu, rstd, gmu, mu0, K)] + \
+        [prev_count.to(torch.int64).contiguous()] + [_as(t, work) for t in (dmean, dvar)]
     _kernel("bwd", work)(
-        _ptr(xc), _ptr(dyc), _ptr(pad), rows, _ptr(starts), _ptr(lengths), D, G, *map(_ptr, ins),
+        _ptr(xc), _ptr(dyc), _ptr(pad), rows, _ptr(starts), _ptr(lengths), L, D, G, *map(_ptr, ins),
         _ptr(dx), _ptr(dscale), _ptr(dbias), _ptr(dprev_mean), _ptr(dprev_var))
     return dx, dscale.sum(0), dbias.sum(0), dprev_mean, dprev_var

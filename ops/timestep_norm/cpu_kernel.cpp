@@ -13,8 +13,15 @@
 // the compiler vectorises; the step count is shared by the groups of a row, so each step costs one
 // division, not one per group.
 //
-// Per-step statistics (mu relative to K, rstd, gmu relative to K) are written as double (G per
-// step); the caller rounds them to the op's accumulation dtype.
+// Per-step statistics (mu relative to K, rstd, gmu relative to K; G per step) and the per-row
+// results are written in T, the op's accumulation dtype (float for float work, double for double),
+// each rounded once from the double it was computed in (as a cast of a double array would round
+// it); the backward reads them back as T. Sums over a group's features run in 8 independent double
+// lanes (pairwise-combined): a single serial accumulator made the forward's two reductions per
+// step and group latency-bound, and the lanes' rounding error is no larger.
+//
+// Rows: with start == nullptr the rows are uniform, row r at step r * row_len with row_len steps
+// (a batch), so an unpacked call passes no arrays for them.
 #include <omp.h>
 
 #include <algorithm>
@@ -38,6 +45,18 @@ struct Task {
   int64_t r, g0, ng;  // row, first group, number of groups
 };
 
+// Sum of term(i) for i < n in 8 lanes (the compiler vectorises the lane loop), then pairwise.
+template <typename F>
+inline double lane_sum(int64_t n, F term) {
+  double acc[8] = {0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0, 0.0};
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8)
+    for (int u = 0; u < 8; ++u) acc[u] += term(i + u);
+  double tail = 0.0;
+  for (; i < n; ++i) tail += term(i);
+  return ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7])) + tail;
+}
+
 std::vector<Task> tasks(int64_t rows, int64_t G) {
   std::vector<Task> out;
   for (int64_t r = 0; r < rows; ++r)
@@ -46,44 +65,44 @@ std::vector<Task> tasks(int64_t rows, int64_t G) {
 }
 
 template <typename T>
-void forward(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start, const int64_t* len, int64_t D,
-             int64_t G, const double* scale, const double* bias, const int64_t* prev_count, const double* prev_mean,
-             const double* prev_var, double eps, T* y, double* mu, double* rstd, double* gmu, double* shift,
-             int64_t* count, double* mean_out, double* var_out) {
+void forward(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start, const int64_t* len, int64_t row_len,
+             int64_t D, int64_t G, const double* scale, const double* bias, const int64_t* prev_count,
+             const double* prev_mean, const double* prev_var, double eps, T* y, T* mu, T* rstd, T* gmu, T* shift,
+             int64_t* count, T* mean_out, T* var_out) {
   const int64_t dg = D / G;
   const std::vector<Task> work = tasks(rows, G);
 #pragma omp parallel
   {
-    std::vector<double> buf;
+    std::vector<double> buf, step_mean, step_var;  // per task: each step's group mean and variance
 #pragma omp for schedule(dynamic, 1)
     for (size_t w = 0; w < work.size(); ++w) {
       const Task tk = work[w];
-      const int64_t s0 = start[tk.r], n_steps = len[tk.r], ng = tk.ng, f0 = tk.g0 * dg;
+      const int64_t s0 = start ? start[tk.r] : tk.r * row_len, n_steps = start ? len[tk.r] : row_len;
+      const int64_t ng = tk.ng, f0 = tk.g0 * dg;
       double K[kBlock], mean[kBlock], cm[kBlock], m2[kBlock], c2[kBlock], var0[kBlock];
-      // Pass 1: each step's group mean (gmu) and population variance (into rstd, overwritten
-      // below), two-pass inside the step; then K per group from the finite unpadded means.
+      step_mean.resize(n_steps * ng);
+      step_var.resize(n_steps * ng);
+      // Pass 1: each step's group mean and population variance (two-pass inside the step), in
+      // double; then K per group from the finite unpadded means.
       for (int64_t t = 0; t < n_steps; ++t) {
         const int64_t s = s0 + t;
         if (pad[s]) continue;
         const T* xr = x + s * D + f0;
         for (int64_t j = 0; j < ng; ++j) {
-          double m = 0.0, v = 0.0;
-          for (int64_t i = 0; i < dg; ++i) m += double(xr[j * dg + i]);
-          m /= double(dg);
-          for (int64_t i = 0; i < dg; ++i) {
-            const double d = double(xr[j * dg + i]) - m;
-            v += d * d;
-          }
-          gmu[s * G + tk.g0 + j] = m;
-          rstd[s * G + tk.g0 + j] = v / double(dg);
+          const T* xj = xr + j * dg;
+          const double m = lane_sum(dg, [&](int64_t i) { return double(xj[i]); }) / double(dg);
+          const double v = lane_sum(dg, [&](int64_t i) {
+            const double d = double(xj[i]) - m;
+            return d * d;
+          });
+          step_mean[t * ng + j] = m;
+          step_var[t * ng + j] = v / double(dg);
         }
       }
       for (int64_t j = 0; j < ng; ++j) {
         buf.clear();
-        for (int64_t t = 0; t < n_steps; ++t) {
-          const int64_t s = s0 + t;
-          if (!pad[s] && std::isfinite(gmu[s * G + tk.g0 + j])) buf.push_back(gmu[s * G + tk.g0 + j]);
-        }
+        for (int64_t t = 0; t < n_steps; ++t)
+          if (!pad[s0 + t] && std::isfinite(step_mean[t * ng + j])) buf.push_back(step_mean[t * ng + j]);
         double k = 0.0;
         if (!buf.empty()) {
           auto mid = buf.begin() + (buf.size() - 1) / 2;
@@ -108,15 +127,15 @@ void forward(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start,
         const int64_t s = s0 + t;
         const T* xr = x + s * D + f0;
         T* yr = y + s * D + f0;
-        double* mu_s = mu + s * G + tk.g0;
-        double* rs_s = rstd + s * G + tk.g0;
-        double* gm_s = gmu + s * G + tk.g0;
+        T* mu_s = mu + s * G + tk.g0;
+        T* rs_s = rstd + s * G + tk.g0;
+        T* gm_s = gmu + s * G + tk.g0;
         if (pad[s]) {
           for (int64_t j = 0; j < ng; ++j) {
-            mu_s[j] = mean[j] - cm[j];
+            mu_s[j] = T(mean[j] - cm[j]);
             const double var = n > 0 ? (m2[j] - c2[j]) / double(n) : var0[j];
-            rs_s[j] = 1.0 / std::sqrt(var + eps);
-            gm_s[j] = 0.0;
+            rs_s[j] = T(1.0 / std::sqrt(var + eps));
+            gm_s[j] = T(0);
           }
           for (int64_t f = 0; f < ng * dg; ++f) yr[f] = T(0);
           continue;
@@ -124,16 +143,15 @@ void forward(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start,
         ++n;
         const double inv_n = 1.0 / double(n), w_old = double(n - 1) * inv_n;
         for (int64_t j = 0; j < ng; ++j) {  // Chan's merge of (n - 1, mean, M2) with (1, gm, gv)
-          const double gm = gm_s[j] - K[j], gv = rs_s[j];
+          const double gm = step_mean[t * ng + j] - K[j], gv = step_var[t * ng + j];
           const double d = gm - (mean[j] - cm[j]);
           kahan_add(mean[j], cm[j], d * inv_n);
           kahan_add(m2[j], c2[j], gv + d * d * w_old);
-          mu_s[j] = mean[j] - cm[j];
-          rs_s[j] = 1.0 / std::sqrt((m2[j] - c2[j]) * inv_n + eps);
-          gm_s[j] = gm;
-        }
-        for (int64_t j = 0; j < ng; ++j) {
-          const double a = rs_s[j], c = K[j] + mu_s[j];
+          const double mu_t = mean[j] - cm[j], a = 1.0 / std::sqrt((m2[j] - c2[j]) * inv_n + eps);
+          mu_s[j] = T(mu_t);
+          rs_s[j] = T(a);
+          gm_s[j] = T(gm);
+          const double c = K[j] + mu_t;  // y from the unrounded double statistics
           const double* sc = scale + f0 + j * dg;
           const double* bi = bias + f0 + j * dg;
           const T* xj = xr + j * dg;
@@ -145,9 +163,9 @@ void forward(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start,
       if (tk.g0 == 0) count[tk.r] = n;
       for (int64_t j = 0; j < ng; ++j) {
         const int64_t rg = tk.r * G + tk.g0 + j;
-        shift[rg] = K[j];
-        mean_out[rg] = observed ? mean[j] - cm[j] + K[j] : prev_mean[rg];
-        var_out[rg] = observed ? (m2[j] - c2[j]) / double(n) : var0[j];
+        shift[rg] = T(K[j]);
+        mean_out[rg] = T(observed ? mean[j] - cm[j] + K[j] : prev_mean[rg]);
+        var_out[rg] = T(observed ? (m2[j] - c2[j]) / double(n) : var0[j]);
       }
     }
   }
@@ -160,15 +178,16 @@ void forward(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start,
 // dscale / dbias: one partial row of D per row (its tasks own disjoint features), summed by the caller.
 template <typename T>
 void backward(const T* x, const T* dy, const uint8_t* pad, int64_t rows, const int64_t* start, const int64_t* len,
-              int64_t D, int64_t G, const double* scale, const double* mu, const double* rstd, const double* gmu,
-              const double* mu0, const double* shift, const int64_t* prev_count, const double* dmean,
-              const double* dvar, T* dx, double* dscale, double* dbias, double* dprev_mean, double* dprev_var) {
+              int64_t row_len, int64_t D, int64_t G, const double* scale, const T* mu, const T* rstd, const T* gmu,
+              const T* mu0, const T* shift, const int64_t* prev_count, const T* dmean, const T* dvar, T* dx,
+              double* dscale, double* dbias, double* dprev_mean, double* dprev_var) {
   const int64_t dg = D / G;
   const std::vector<Task> work = tasks(rows, G);
 #pragma omp parallel for schedule(dynamic, 1)
   for (size_t w = 0; w < work.size(); ++w) {
     const Task tk = work[w];
-    const int64_t s0 = start[tk.r], n_steps = len[tk.r], ng = tk.ng, f0 = tk.g0 * dg;
+    const int64_t s0 = start ? start[tk.r] : tk.r * row_len, n_steps = start ? len[tk.r] : row_len;
+    const int64_t ng = tk.ng, f0 = tk.g0 * dg;
     double* dsc = dscale + tk.r * D + f0;
     double* dbi = dbias + tk.r * D + f0;
     for (int64_t f = 0; f < ng * dg; ++f) dsc[f] = dbi[f] = 0.0;
@@ -195,14 +214,14 @@ void backward(const T* x, const T* dy, const uint8_t* pad, int64_t rows, const i
         for (int64_t f = 0; f < ng * dg; ++f) dxr[f] = T(0);
         continue;
       }
-      const double* mu_s = mu + s * G + tk.g0;
-      const double* rs_s = rstd + s * G + tk.g0;
-      const double* gm_s = gmu + s * G + tk.g0;
+      const T* mu_s = mu + s * G + tk.g0;
+      const T* rs_s = rstd + s * G + tk.g0;
+      const T* gm_s = gmu + s * G + tk.g0;
       // mu_{t-1}: the carried mean entering step t (a padded step carries it unchanged; the row's
       // first step sees the prior's); the cross term exists only after an observation
-      const double* mu_prev = t > 0 ? mu + (s - 1) * G + tk.g0 : mu0 + tk.r * G + tk.g0;
+      const T* mu_prev = t > 0 ? mu + (s - 1) * G + tk.g0 : mu0 + tk.r * G + tk.g0;
       for (int64_t j = 0; j < ng; ++j) {
-        const double c = K[j] + mu_s[j], rs = rs_s[j];
+        const double c = K[j] + double(mu_s[j]), rs = rs_s[j];
         const double* sc = scale + f0 + j * dg;
         double a = 0.0, b = 0.0;
         for (int64_t i = 0; i < dg; ++i) {
@@ -221,8 +240,8 @@ void backward(const T* x, const T* dy, const uint8_t* pad, int64_t rows, const i
         const double rs = rs_s[j], gm = gm_s[j];
         kahan_add(V[j], cv[j], -0.5 * rs * rs * rs * ds[j] * inv_n);  // V_t
         const double v = V[j] - cv[j], u_next = U[j] - cu[j];
-        kahan_add(U[j], cu[j], -(rs * db[j] * inv_n + seen_before * 2.0 * v * (gm - mu_prev[j]) * inv_n));  // U_t
-        const double rest = (u_next + 2.0 * v * (gm - mu_s[j])) / double(dg);
+        kahan_add(U[j], cu[j], -(rs * db[j] * inv_n + seen_before * 2.0 * v * (gm - double(mu_prev[j])) * inv_n));  // U_t
+        const double rest = (u_next + 2.0 * v * (gm - double(mu_s[j]))) / double(dg);
         const double two_v = 2.0 * v / double(dg), db_n = db[j] * inv_n / double(dg);
         const double* sc = scale + f0 + j * dg;
         for (int64_t i = 0; i < dg; ++i) {
@@ -251,21 +270,21 @@ void backward(const T* x, const T* dy, const uint8_t* pad, int64_t rows, const i
 
 #define MK_TSN_EXPORT(T, tag)                                                                                     \
   extern "C" void mk_tsn_fwd_##tag(const T* x, const uint8_t* pad, int64_t rows, const int64_t* start,         \
-                                   const int64_t* len, int64_t D, int64_t G, const double* scale,                \
-                                   const double* bias, const int64_t* pc, const double* pm, const double* pv,  \
-                                   double eps, T* y, double* mu, double* rstd, double* gmu, double* shift,     \
-                                   int64_t* count, double* mean, double* var) {                                \
-    forward<T>(x, pad, rows, start, len, D, G, scale, bias, pc, pm, pv, eps, y, mu, rstd, gmu, shift, count,     \
-               mean, var);                                                                                       \
+                                   const int64_t* len, int64_t row_len, int64_t D, int64_t G,                   \
+                                   const double* scale, const double* bias, const int64_t* pc,                  \
+                                   const double* pm, const double* pv, double eps, T* y, T* mu, T* rstd,        \
+                                   T* gmu, T* shift, int64_t* count, T* mean, T* var) {                         \
+    forward<T>(x, pad, rows, start, len, row_len, D, G, scale, bias, pc, pm, pv, eps, y, mu, rstd, gmu, shift,   \
+               count, mean, var);                                                                                \
   }                                                                                                              \
   extern "C" void mk_tsn_bwd_##tag(const T* x, const T* dy, const uint8_t* pad, int64_t rows,                    \
-                                   const int64_t* start, const int64_t* len, int64_t D, int64_t G,               \
-                                   const double* scale, const double* mu, const double* rstd, const double* gmu, \
-                                   const double* mu0, const double* shift, const int64_t* pc,                   \
-                                   const double* dmean, const double* dvar, T* dx, double* dscale,              \
-                                   double* dbias, double* dpm, double* dpv) {                                   \
-    backward<T>(x, dy, pad, rows, start, len, D, G, scale, mu, rstd, gmu, mu0, shift, pc, dmean, dvar, dx,      \
-                dscale, dbias, dpm, dpv);                                                                        \
+                                   const int64_t* start, const int64_t* len, int64_t row_len, int64_t D,        \
+                                   int64_t G, const double* scale, const T* mu, const T* rstd, const T* gmu,    \
+                                   const T* mu0, const T* shift, const int64_t* pc, const T* dmean,             \
+                                   const T* dvar, T* dx, double* dscale, double* dbias, double* dpm,            \
+                                   double* dpv) {                                                               \
+    backward<T>(x, dy, pad, rows, start, len, row_len, D, G, scale, mu, rstd, gmu, mu0, shift, pc, dmean, dvar,  \
+                dx, dscale, dbias, dpm, dpv);                                                                    \
   }
 
 MK_TSN_EXPORT(float, f32)
