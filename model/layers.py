@@ -15,6 +15,7 @@ from typing import Optional, Union
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.autograd.function import once_differentiable
 
 from megalodon_kernels import ops
 from megalodon_kernels.ops._layout import transpose_contiguous
@@ -55,6 +56,14 @@ def init_linear(layer: nn.Linear, mode: str) -> None:
             raise ValueError(f"unknown init_mode {mode!r}")
         if layer.bias is not None:
             layer.bias.zero_()
+
+
+def _fuse_residual(p: float, training: bool, x: torch.Tensor) -> bool:
+    """Whether a residual sum may go into the output projection's GEMM: no dropout between the
+    projection and the sum, and no autocast (under autocast the projection's output is in the
+    autocast dtype while the residual stream keeps its own, so the sum must stay a separate,
+    type-promoting add)."""
+    return (p == 0 or not training) and not torch.is_autocast_enabled(x.device.type)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -119,6 +128,58 @@ class TimestepNorm(nn.Module):
         return f"num_features={self.num_features}, num_groups={self.num_groups}, eps={self.eps}"
 
 
+class _RMSNormFn(torch.autograd.Function):
+    """y = x r s, r = 1 / sqrt(mean(x^2) + eps) per row, s (D,) or None; x float32 / float64.
+
+    The same math as the composition of torch ops, in fewer passes over the (rows, D) tensors
+    (each pass reads or writes every element once; the tensors of the bench model are several MB,
+    so the passes and their fresh allocations, not the arithmetic, cost the time):
+    forward: one reduction (vector_norm) and one out-of-place multiply, the weight applied in
+    place; backward, with gx = g x: gx (one pass), then two GEMVs read it for
+    sum_j g_j s_j x_j (= gx @ s) and ds (= gx.T @ r), and dx = r (g s - x r^2 mean(g s x)) is
+    written over gx in place. The composed ops took four passes forward and about a dozen
+    backward (autograd's mul/pow/mean backward and the (rows, D) -> D weight-gradient sum).
+    """
+
+    @staticmethod
+    def forward(ctx, x, s, eps):
+        d = x.shape[-1]
+        # mean(x^2) as |x|^2 / d: one reduction pass, no x^2 temporary
+        r = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
+        y = x * r
+        if s is not None:
+            y.mul_(s)
+        ctx.save_for_backward(x, r, s)
+        return y
+
+    @staticmethod
+    @once_differentiable  # the backward writes with out= / in place: no double backward through it
+    def backward(ctx, g):
+        # a backward called inside an autocast region would otherwise run the GEMVs in bf16
+        with torch.autocast(g.device.type, enabled=False):
+            return _RMSNormFn._backward(ctx, g)
+
+    @staticmethod
+    def _backward(ctx, g):
+        x, r, s = ctx.saved_tensors
+        d = x.shape[-1]
+        need_x = ctx.needs_input_grad[0]
+        need_s = s is not None and ctx.needs_input_grad[1]
+        gx = g * x
+        rows = gx.reshape(-1, d)
+        ds = torch.mv(rows.t(), r.reshape(-1)) if need_s else None
+        dx = None
+        if need_x:
+            dot = torch.mv(rows, s).view(r.shape) if s is not None else gx.sum(-1, keepdim=True)
+            k = dot.mul_(r.pow(3)).div_(d)  # r^3 / d * sum_j g_j s_j x_j
+            # dx = r g s - k x, written over gx (no longer needed once the GEMVs have read it)
+            if s is not None:
+                dx = torch.mul(x, k.div_(r).neg_(), out=gx).addcmul_(g, s).mul_(r)
+            else:
+                dx = torch.mul(x, k.neg_(), out=gx).addcmul_(g, r)
+        return dx, ds, None
+
+
 class RMSNorm(nn.Module):
     """y = x / sqrt(mean(x^2) + eps) * (weight + 1), statistics in fp32."""
 
@@ -132,10 +193,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xf = x.float() if x.dtype in (torch.float16, torch.bfloat16) else x
-        y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.weight is not None:
-            y = y * (self.weight.to(y.dtype) + 1.0)
-        return y.to(x.dtype)
+        scale = None if self.weight is None else self.weight.to(xf.dtype) + 1.0
+        return _RMSNormFn.apply(xf, scale, self.eps).to(x.dtype)
 
     def extra_repr(self) -> str:
         return f"{self.dim}, eps={self.eps}, affine={self.weight is not None}"
@@ -333,8 +392,12 @@ class MegalodonAttention(nn.Module):
         mx = self._dropout(self.rmsnorm(out_cema), self.hidden_dropout)
         # 5-6. shared z -> normalised per head -> q, k by scale/offset
         z = self.znorm(self.wz(mx).view(B, L, H, dz)).view(B, L, self.zdim)
-        qk = z.unsqueeze(2) * ((self.gamma + 1.0) / math.sqrt(dz)) + self.beta  # [B, L, 2, Z]
-        q, k = qk.unbind(2)
+        # q = z (gamma_0 + 1) / sqrt(dz) + beta_0 and k likewise, each one addcmul pass into its own
+        # contiguous (B, L, Z) tensor (a (B, L, 2, Z) broadcast would leave q and k as strided
+        # halves, copied again before the rotary)
+        scale = (self.gamma + 1.0) / math.sqrt(dz)
+        q = torch.addcmul(self.beta[0], z, scale[0])
+        k = torch.addcmul(self.beta[1], z, scale[1])
         # 7-8. value from the TimestepNorm output, gate from mx
         v = F.silu(self.wv(out_tsn))
         r = F.silu(self.wr(mx))
@@ -360,7 +423,15 @@ class MegalodonAttention(nn.Module):
                              attn_fn=self.attn_fn, cu_seqlens=cu_seqlens, backend=self._attn_backend)
         # 10-12. gate, output projections, residual
         attn = self._dropout(attn.reshape(B, L, self.hdim) * r, self.hidden_dropout)
-        out = self._dropout(self.wh1(mx) + self.wh2(attn), self.dropout) + x
+        if _fuse_residual(self.dropout, self.training, x):
+            # x + wh1(mx) + wh2(attn) accumulated in one buffer: wh2's GEMM adds into wh1's output
+            # (beta = 1) and x is added in place, instead of two out-of-place sums
+            # (on 2-D tensors: an in-place op on a view would cost autograd a CopySlices node)
+            out = self.wh1(mx.reshape(B * L, D))
+            out.addmm_(attn.reshape(B * L, self.hdim), self.wh2.weight.t())
+            out = out.add_(x.reshape(B * L, D)).view(B, L, D)
+        else:
+            out = self._dropout(self.wh1(mx) + self.wh2(attn), self.dropout) + x
 
         if state is not None:
             S = k_all.shape[1]
@@ -412,6 +483,13 @@ class NormalizedFFN(nn.Module):
             hidden = hidden * self.fc3(u)
         if self.hidden_dropout > 0:
             hidden = F.dropout(hidden, self.hidden_dropout, self.training)
+        if _fuse_residual(self.dropout, self.training, residual):
+            if self.alpha is not None:
+                return torch.addcmul(residual, self.fc2(hidden), self.alpha)  # one pass for * alpha and +
+            # residual + fc2(hidden) with the sum in the GEMM (beta = 1): no separate add pass
+            shape = residual.shape
+            return torch.addmm(residual.reshape(-1, shape[-1]), hidden.reshape(-1, hidden.shape[-1]),
+                               self.fc2.weight.t()).view(shape)
         out = self.fc2(hidden)
         if self.dropout > 0:
             out = F.dropout(out, self.dropout, self.training)

@@ -154,6 +154,9 @@ def _setup_context(ctx, inputs, output):
     hidden, weight, bias, target, ignore_index, _, _, _ = inputs
     _, n_valid, dh, dw, db = output
     ctx.mark_non_differentiable(*output[1:])
+    # The other outputs never get a gradient: without this, autograd would hand the backward
+    # zero-filled (N, D) and (V, D) tensors for them.
+    ctx.set_materialize_grads(False)
     ctx.save_for_backward(n_valid, dh, dw, db, target)
     ctx.ignore_index = ignore_index
     ctx.dtypes = (hidden.dtype, weight.dtype, None if bias is None else bias.dtype)
