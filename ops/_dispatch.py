@@ -83,6 +83,18 @@ def signature(inputs: dict) -> tuple:
     ])
 
 
+def _getenv(name: str) -> str:
+    """``os.environ.get(name, "")``, read from the environment's own dict on POSIX: every op
+    call reads two variables, and os.environ's Mapping methods encode the key and decode the
+    value in Python (a few us per call on a busy CPU). Writes through os.environ (tests'
+    monkeypatch.setenv included) update that dict, so nothing is cached here."""
+    data = getattr(os.environ, "_data", None)
+    if os.name == "posix" and type(data) is dict:
+        value = data.get(os.fsencode(name))
+        return "" if value is None else os.fsdecode(value)
+    return os.environ.get(name, "")
+
+
 def _default_config(module) -> dict:
     return getattr(module, "DEFAULT_CONFIG", {})
 
@@ -168,8 +180,8 @@ class OpBackends:
             if self.reasons(name, inputs):
                 raise self._error(inputs, f"{self.op}: backend {name!r} (forced by the tuner) cannot run these inputs:")
             return self._finish(name, "autotune override", device, dtype, config)
-        env = os.environ.get(ENV_VAR, "") if backend == "auto" else ""
-        memo = (backend, env, os.environ.get(autotune_cache.ENV_CACHE, ""), device, dtype, signature(inputs))
+        env = _getenv(ENV_VAR) if backend == "auto" else ""
+        memo = (backend, env, _getenv(autotune_cache.ENV_CACHE), device, dtype, signature(inputs))
         version = autotune_cache.version()
         if version != self._version:
             self._choices.clear()

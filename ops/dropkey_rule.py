@@ -23,6 +23,9 @@ the drop probability is exactly floor(p * 2**32) / 2**32.
 """
 from __future__ import annotations
 
+import contextlib
+import threading
+
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -84,12 +87,33 @@ def keep_mask(
     if thr == 0:
         return torch.ones(torch.broadcast_shapes(b_idx.shape, h_idx.shape, i_idx.shape, j_idx.shape),
                           dtype=torch.bool, device=b_idx.device)
+    return _ordered_hash(seed, b_idx, h_idx, i_idx, j_idx) >= thr + _INT32_MIN
+
+
+def drop_mask(
+    seed: int,
+    p: float,
+    b_idx: torch.Tensor,
+    h_idx: torch.Tensor,
+    i_idx: torch.Tensor,
+    j_idx: torch.Tensor,
+) -> torch.Tensor:
+    """``~keep_mask(...)`` (the dropped logits), without the extra pass of the negation."""
+    thr = threshold(p)
+    if thr == 0:
+        return torch.zeros(torch.broadcast_shapes(b_idx.shape, h_idx.shape, i_idx.shape, j_idx.shape),
+                           dtype=torch.bool, device=b_idx.device)
+    return _ordered_hash(seed, b_idx, h_idx, i_idx, j_idx) < thr + _INT32_MIN
+
+
+def _ordered_hash(seed, b_idx, h_idx, i_idx, j_idx) -> torch.Tensor:
+    """The per-logit hash u as int32 ordered like the uint32 u: compare it with thr - 2**31."""
     rows = mix32(head_keys(seed, b_idx, h_idx) ^ i_idx)
     # The logit-sized part in int32: half the bytes of int64 per pass, ~2x faster on the CPU.
     # An int32 holds the uint32 hash in two's complement; flipping the sign bit maps unsigned
     # order to signed order, so u >= thr <=> (u ^ 2^31) >= thr - 2^31 as signed.
     u = _mix32_int32(_as_int32(rows) ^ _as_int32(j_idx))
-    return u.bitwise_xor_(_INT32_MIN) >= thr + _INT32_MIN
+    return u.bitwise_xor_(_INT32_MIN)
 
 
 _INT32_MIN = -(2**31)
@@ -102,12 +126,16 @@ def _as_int32(v: torch.Tensor) -> torch.Tensor:
 
 def _mix32_int32(x: torch.Tensor) -> torch.Tensor:
     """mix32 on the int32 image of uint32 values (in place on x). Products wrap modulo 2**32 as
-    uint32 ones do; shifts are arithmetic on int32, so each is masked to the logical shift's bits."""
-    x.bitwise_xor_((x >> 16) & 0xFFFF)
-    x.mul_(MIX_M1)
-    x.bitwise_xor_((x >> 15) & 0x1FFFF)
-    x.mul_(MIX_M2)
-    return x.bitwise_xor_((x >> 15) & 0x1FFFF)
+    uint32 ones do; shifts are arithmetic on int32, so each is masked to the logical shift's bits.
+    Every step runs in place on x and one scratch tensor: a fresh logit-sized temporary per
+    shift and per mask cost more than the pass itself on the CPU (new memory to fault in)."""
+    t = torch.empty_like(x)
+    for shift, keep_bits, mult in ((16, 0xFFFF, MIX_M1), (15, 0x1FFFF, MIX_M2), (15, 0x1FFFF, None)):
+        torch.bitwise_right_shift(x, shift, out=t)
+        x.bitwise_xor_(t.bitwise_and_(keep_bits))
+        if mult is not None:
+            x.mul_(mult)
+    return x
 
 
 def dropkey_mask(seed: int, p: float, batch: int, heads: int, rows: int, cols: int,
@@ -155,3 +183,66 @@ def seed_tensor_like() -> torch.Tensor:
 
 def seed_value(seed: torch.Tensor) -> int:
     return int(seed[0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Handing a forward's masks to its backward (the torch backends on the CPU)
+#
+# A backend that builds mask tensors from the rule (the torch backend of attention) would hash
+# every logit again in the backward. When the caller asks for it (:func:`keeping_masks`, around
+# an eager forward that autograd records), such a forward offers the masks it built
+# (:func:`keep_made`), the op's autograd setup keeps them on its node (:func:`take_made`) and the
+# backward hands them back (:func:`replaying`) to the backend (:func:`replayed`). Every entry
+# carries a key of everything the masks are a function of (seed, p, shapes, mask modes, tiling),
+# and a backend uses masks only under an equal key: a mask is a pure function of its key, so a
+# replayed mask is exactly the one the backward would build. Anything else (compiled graphs,
+# no autograd, another thread, a different tiling) finds nothing and builds its masks.
+
+
+class _Handoff(threading.local):
+    wanted = False  # the running forward may keep its masks
+    made = None  # (key, masks) the last forward of this thread kept
+    replay = None  # (key, masks) the running backward may use
+
+
+_HANDOFF = _Handoff()
+
+
+@contextlib.contextmanager
+def keeping_masks():
+    """Around a forward op call whose autograd node may keep the masks it builds."""
+    _HANDOFF.wanted, _HANDOFF.made = True, None
+    try:
+        yield
+    finally:
+        _HANDOFF.wanted, _HANDOFF.made = False, None  # a forward nobody took the masks of keeps nothing
+
+
+def masks_wanted() -> bool:
+    return _HANDOFF.wanted
+
+
+def keep_made(key, masks) -> None:
+    _HANDOFF.made = (key, masks)
+
+
+def take_made():
+    """The (key, masks) the forward that just ran kept, or None; called by the op's autograd setup."""
+    made, _HANDOFF.made = _HANDOFF.made, None
+    return made
+
+
+@contextlib.contextmanager
+def replaying(entry):
+    """Around a backward op call: ``entry`` (from take_made, or None) is what its backend may use."""
+    _HANDOFF.replay = entry
+    try:
+        yield
+    finally:
+        _HANDOFF.replay = None
+
+
+def replayed(key):
+    """The masks kept under ``key`` for the running backward, or None."""
+    entry = _HANDOFF.replay
+    return entry[1] if entry is not None and entry[0] == key else None

@@ -29,9 +29,10 @@ from torch import Tensor
 from .._checks import REAL_DTYPES, acc_dtype, check_choice, check_float, check_int, check_same_dtype, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import absent, custom_op, empty_like
+from .._library import absent, custom_op, empty_like, plain_eager
 from .._packing import check_cu_seqlens, document_bounds, plan
-from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
+from ..dropkey_rule import (DRAW_SEED, keeping_masks, replaying, resolve_seed, seed_tensor, seed_tensor_like,
+                           seed_value, take_made)
 
 __all__ = ["attention", "ATTN_FNS"]
 
@@ -180,11 +181,15 @@ def _setup(ctx, inputs, output):
     o, lse, seed_t = output
     ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens)
     ctx.args = (scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
+    # DropKey masks the forward's backend kept for the backward (only under keeping_masks, see
+    # attention(); keyed, so the backward's backend uses them only if it would build the same)
+    ctx.dropkey_masks = take_made() if dropkey_p > 0.0 else None
 
 
 def _backward(ctx, do, _dlse, _dseed):
     q, k, v, o, lse, seed_t, cu_seqlens = ctx.saved_tensors
-    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args, cu_seqlens)
+    with replaying(ctx.dropkey_masks):
+        dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args, cu_seqlens)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
 
@@ -283,5 +288,11 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         if not causal:
             raise ValueError("packed attention (cu_seqlens) is causal-only: with causal=False a document row's "
                              "padded keys would be visible; pass causal=True or unpack the documents")
-    return attention_op(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend,
-                        cu_seqlens)[0]
+    args = (q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens)
+    if (dropkey_p > 0.0 and cu_seqlens is None and torch.is_grad_enabled()
+            and (q.requires_grad or k.requires_grad or v.requires_grad) and plain_eager(profiler_ok=True)):
+        # an eager call autograd records: a backend may keep its DropKey masks for the backward
+        # (ops/dropkey_rule.py) instead of hashing every logit again there
+        with keeping_masks():
+            return attention_op(*args)[0]
+    return attention_op(*args)[0]

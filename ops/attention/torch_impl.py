@@ -26,7 +26,7 @@ import torch
 
 from .._checks import acc_dtype
 from .._host_sync import any_or_device, on_host
-from ..dropkey_rule import keep_mask
+from ..dropkey_rule import drop_mask, keep_made, masks_wanted, replayed
 
 DEFAULT_CONFIG: dict = {
     # Query rows per tile of the general path.
@@ -97,8 +97,9 @@ def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey
         b_idx = b_idx.view((B,) + (1,) * (nd - 1))
         h_idx = torch.arange(H, device=pos.device).view((1, H) + (1,) * (nd - 2))
         # Padding keys may have j < 0 or j >= S: clamp so the hash sees valid 32-bit inputs (they stay blocked).
-        keep = keep_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j.clamp(0, max(S - 1, 0)))
-        return blocked | ~keep, 0, j.shape[-1]
+        # The dropped mask (= ~keep_mask) is tile-sized already: OR the small visibility mask into it in place.
+        dropped = drop_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j.clamp(0, max(S - 1, 0)))
+        return dropped.bitwise_or_(blocked), 0, j.shape[-1]
     if not on_host(blocked):  # finding the blocked columns would read the mask on the host
         return blocked, 0, j.shape[-1]
     cols = blocked.flatten(0, -2).any(0).nonzero()
@@ -196,7 +197,7 @@ def _tile_indices(i0, i1, lo, hi, L, S, device):
 
 
 def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, seed, batch_index, attn_fn,
-                 block_q, max_block_elems):
+                 block_q, max_block_elems, kept=None):
     B, H, L, _ = qt.shape
     S = kt.shape[2]
     for i0, i1, lo, hi in _general_tiles(B, H, L, S, causal, chunk_size, block_causal, block_q,
@@ -208,6 +209,8 @@ def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p
             continue
         i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
         mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
+        if kept is not None:
+            kept.append(mask)
         s = torch.matmul(qt[:, :, i0:i1], kt[:, :, lo:hi].transpose(-1, -2))  # [B, H, rows, keys]
         p, row_lse = _probs_fwd(s, mask, attn_fn)
         ob = torch.matmul(p, vt[:, :, lo:hi])  # [B, H, rows, dv]
@@ -217,7 +220,7 @@ def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p
 
 
 def _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_size, block_causal, dropkey_p,
-                 seed, batch_index, attn_fn, block_q, max_block_elems):
+                 seed, batch_index, attn_fn, block_q, max_block_elems, kept=None):
     B, H, L, _ = qt.shape
     S = kt.shape[2]
     for i0, i1, lo, hi in _general_tiles(B, H, L, S, causal, chunk_size, block_causal, block_q,
@@ -225,8 +228,12 @@ def _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_s
         if hi <= lo:
             dq[:, :, i0:i1] = 0
             continue
-        i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
-        mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
+        if kept is not None:  # the forward's tile masks, in the same tile order
+            mask = next(kept)
+        else:
+            i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
+            mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed,
+                              batch_index)
         qb, kb, vb, dob = qt[:, :, i0:i1], kt[:, :, lo:hi], vt[:, :, lo:hi], dot[:, :, i0:i1]
         s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, rows, keys]
         p, extra = _probs_bwd(s, mask, None if lse is None else lse[:, :, i0:i1], attn_fn)
@@ -277,7 +284,7 @@ def _chunk_indices(c0, c1, C, block_causal, device):
 
 
 def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, seed, batch_index, attn_fn,
-               chunks_per_step, max_block_elems):
+               chunks_per_step, max_block_elems, kept=None):
     B, H, L, _ = qt.shape
     C = chunk_size
     nc = -(-L // C)
@@ -286,6 +293,8 @@ def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, 
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
         i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
         mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
+        if kept is not None:
+            kept.append(mask)
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
         s = torch.matmul(qc[:, :, c0:c1], kb.transpose(-1, -2))  # [B, H, G, C, keys]
         p, row_lse = _probs_fwd(s, mask, attn_fn)
@@ -297,7 +306,7 @@ def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, 
 
 
 def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_size, block_causal, dropkey_p,
-               seed, batch_index, attn_fn, chunks_per_step, max_block_elems):
+               seed, batch_index, attn_fn, chunks_per_step, max_block_elems, kept=None):
     B, H, L, _ = qt.shape
     C = chunk_size
     nc = -(-L // C)
@@ -318,8 +327,11 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
     else:
         dqc, dkc, dvc = (t.view(B, H, nc, C, t.shape[-1]) for t in (dq, dk, dv))
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
-        i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
-        mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
+        if kept is not None:  # the forward's tile masks, in the same step order
+            mask = next(kept)
+        else:
+            i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
+            mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
         qb, dob = qc[:, :, c0:c1], doc[:, :, c0:c1]
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
         s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, G, C, keys]
@@ -365,11 +377,29 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     common = dict(causal=causal, chunk_size=chunk_size, block_causal=block_causal,
                   dropkey_p=dropkey_p, seed=seed, batch_index=batch_index, attn_fn=attn_fn,
                   max_block_elems=max_block_elems)
-    if use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems):
-        _chunk_fwd(qt, kt, vt, o, lse, chunks_per_step=chunks_per_step, **common)
+    # DropKey masks cost more to hash than the tile's matmuls: hand them to the backward when
+    # asked (ops/dropkey_rule.py) and when they take no more memory than the op saves anyway
+    kept = [] if dropkey_p > 0.0 and batch_index is None and masks_wanted() else None
+    chunked = use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems)
+    if chunked:
+        _chunk_fwd(qt, kt, vt, o, lse, chunks_per_step=chunks_per_step, kept=kept, **common)
     else:
-        _general_fwd(qt, kt, vt, o, lse, block_q=block_q, **common)
+        _general_fwd(qt, kt, vt, o, lse, block_q=block_q, kept=kept, **common)
+    if kept is not None:
+        saved = sum(t.numel() * t.element_size() for t in (q, k, v, o))
+        if sum(m[0].numel() for m in kept) <= saved:  # bool masks: one byte per entry
+            keep_made(_mask_key(q, k, causal, chunk_size, block_causal, dropkey_p, seed, chunked, block_q,
+                                chunks_per_step, max_block_elems), kept)
     return o, lse
+
+
+def _mask_key(q, k, causal, chunk_size, block_causal, dropkey_p, seed, chunked, block_q, chunks_per_step,
+              max_block_elems):
+    """Everything a call's tile masks are a function of: the rule's arguments, the shapes, the
+    mask modes and the tiling (which path, its tile sizes)."""
+    B, L, H, _ = q.shape
+    return ("attention", q.device, B, L, H, k.shape[1], causal, chunk_size, block_causal, dropkey_p, seed, chunked,
+            block_q, chunks_per_step, max_block_elems)
 
 
 def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
@@ -386,12 +416,18 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     common = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
                   dropkey_p=dropkey_p, seed=seed, batch_index=batch_index, attn_fn=attn_fn,
                   max_block_elems=max_block_elems)
-    if use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems):
+    chunked = use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems)
+    kept = None
+    if dropkey_p > 0.0 and batch_index is None:
+        kept = replayed(_mask_key(q, k, causal, chunk_size, block_causal, dropkey_p, seed, chunked, block_q,
+                                  chunks_per_step, max_block_elems))
+        kept = None if kept is None else iter(kept)
+    if chunked:
         dk = torch.empty_like(kt, memory_format=torch.contiguous_format)  # the chunk path writes every row
         dv = torch.empty_like(vt, memory_format=torch.contiguous_format)
-        _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, chunks_per_step=chunks_per_step, **common)
+        _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, chunks_per_step=chunks_per_step, kept=kept, **common)
     else:
         dk, dv = torch.zeros_like(kt), torch.zeros_like(vt)  # accumulated over query blocks
-        _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, block_q=block_q, **common)
+        _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, block_q=block_q, kept=kept, **common)
     back = lambda x, like: x.transpose(1, 2).to(like.dtype).contiguous()  # noqa: E731
     return back(dq, q), back(dk, k), back(dv, v)

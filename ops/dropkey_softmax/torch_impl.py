@@ -12,7 +12,7 @@ import torch
 
 from .._checks import acc_dtype
 from .._host_sync import any_or_device
-from ..dropkey_rule import keep_mask
+from ..dropkey_rule import drop_mask
 
 DEFAULT_CONFIG: dict = {
     # Rows per block (upper bound; shrunk to respect max_block_elems).
@@ -41,15 +41,17 @@ def _blocks(Bf, Hf, L, S, causal, block_q, max_block_elems):
         yield i0, i1, hi
 
 
-def _allowed(Bf, Hf, i0, i1, hi, L, S, causal, dropkey_p, seed, device):
+def _blocked(Bf, Hf, i0, i1, hi, L, S, causal, dropkey_p, seed, device):
+    """Entries of the block that get no probability (causally hidden or dropped), or None."""
     i_idx = torch.arange(i0, i1, device=device).view(1, 1, -1, 1)  # [1, 1, rows, 1]
     j = torch.arange(hi, device=device).view(1, 1, 1, -1)  # [1, 1, 1, hi]
-    allowed = (j <= i_idx + (S - L)) if causal else torch.ones((1, 1, 1, hi), dtype=torch.bool, device=device)
+    blocked = (j > i_idx + (S - L)) if causal else None
     if dropkey_p > 0.0:
         b_idx = torch.arange(Bf, device=device).view(-1, 1, 1, 1)
         h_idx = torch.arange(Hf, device=device).view(1, -1, 1, 1)
-        allowed = allowed & keep_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j)
-    return allowed
+        dropped = drop_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j)  # block-sized: OR the causal mask in, in place
+        blocked = dropped if blocked is None else dropped.bitwise_or_(blocked)
+    return blocked
 
 
 def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_q, max_block_elems):
@@ -57,18 +59,28 @@ def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_q, max_block_e
     x = _as_bhls(scores)
     Bf, Hf, L, S = x.shape
     acc = acc_dtype(scores.dtype)
-    y = torch.empty(x.shape, dtype=scores.dtype, device=scores.device)
-    for i0, i1, hi in _blocks(Bf, Hf, L, S, causal, block_q, max_block_elems):
-        y[:, :, i0:i1, hi:] = 0
+    blocks = list(_blocks(Bf, Hf, L, S, causal, block_q, max_block_elems))
+    # one block over every row and key, already in the compute dtype: its softmax IS y (no copy)
+    whole = len(blocks) == 1 and blocks[0][2] == S and scores.dtype == acc
+    y = None if whole else torch.empty(x.shape, dtype=scores.dtype, device=scores.device)
+    for i0, i1, hi in blocks:
+        if not whole:
+            y[:, :, i0:i1, hi:] = 0
         if hi == 0:
             continue
-        allowed = _allowed(Bf, Hf, i0, i1, hi, L, S, causal, dropkey_p, seed, scores.device)
-        s = x[:, :, i0:i1, :hi].to(acc, copy=True).masked_fill_(~allowed, -math.inf)  # [Bf, Hf, rows, hi]
+        blocked = _blocked(Bf, Hf, i0, i1, hi, L, S, causal, dropkey_p, seed, scores.device)
+        s = x[:, :, i0:i1, :hi].to(acc, copy=True)  # [Bf, Hf, rows, hi]
+        if blocked is not None:
+            s.masked_fill_(blocked, -math.inf)
         p = torch.softmax(s, dim=-1)
-        empty = ~allowed.any(dim=-1, keepdim=True)  # rows with no visible kept key: softmax gave NaN
-        if any_or_device(empty):
-            p.masked_fill_(empty, 0.0)
-        y[:, :, i0:i1, :hi] = p
+        if blocked is not None:
+            empty = blocked.all(dim=-1, keepdim=True)  # rows with no visible kept key: softmax gave NaN
+            if any_or_device(empty):
+                p.masked_fill_(empty, 0.0)
+        if whole:
+            y = p
+        else:
+            y[:, :, i0:i1, :hi] = p
     return y.view(scores.shape)
 
 
@@ -77,10 +89,19 @@ def dropkey_softmax_bwd(dy, y, *, causal, dropkey_p, seed, block_q, max_block_el
     yb, dyb = _as_bhls(y), _as_bhls(dy)
     Bf, Hf, L, S = yb.shape
     acc = acc_dtype(y.dtype)
+    blocks = list(_blocks(Bf, Hf, L, S, causal, block_q, max_block_elems))
+    if y.dtype == acc:
+        # fp32/fp64: torch's fused softmax backward computes the same y (dy - sum_j y dy) in one
+        # kernel, no temporaries; one block over every row and key is the whole result
+        if len(blocks) == 1 and blocks[0][2] == S:
+            return torch._softmax_backward_data(dyb, yb, -1, acc).view(y.shape)
     dx = torch.empty(yb.shape, dtype=y.dtype, device=y.device)
-    for i0, i1, hi in _blocks(Bf, Hf, L, S, causal, block_q, max_block_elems):
+    for i0, i1, hi in blocks:
         dx[:, :, i0:i1, hi:] = 0
         if hi == 0:
+            continue
+        if y.dtype == acc:
+            dx[:, :, i0:i1, :hi] = torch._softmax_backward_data(dyb[:, :, i0:i1, :hi], yb[:, :, i0:i1, :hi], -1, acc)
             continue
         p = yb[:, :, i0:i1, :hi].to(acc)
         g = dyb[:, :, i0:i1, :hi].to(acc, copy=True)
