@@ -16,10 +16,11 @@ of it in GEMMs on the CPU, no transforms and no complex spectra; only q**0 .. q*
 
 Numerics. The powers come from :func:`exact_powers` (rounded once from float64). The scan is a
 recurrence over chunks, so its rounding error grows with the number of chunks it runs through;
-it runs in two levels: blocks of ``SCAN_BLOCK`` chunks scanned from zero (all blocks at once),
-then the block carries, each added to its block's chunks with exact powers q**(C (i+1)). Any
-state is then at most SCAN_BLOCK + nc / SCAN_BLOCK multiply-adds from exact (~300 at L = 2**20,
-C = 64), not nc.
+it runs in two levels: blocks of G = ceil(sqrt(nc)) chunks scanned from zero (all blocks at
+once), then the block carries, each added to its block's chunks with exact powers q**(C (i+1)).
+Any state is then at most G + nc / G ~ 2 sqrt(nc) multiply-adds from exact (~256 at L = 2**20,
+C = 64), not nc, and the scan is ~2 sqrt(nc) sequential steps of B D N-sized ops, not nc (the
+steps are short: their count, i.e. the per-op overhead, is the scan's cost at these sizes).
 
 The backward is the same pieces transposed: the matmuls' adjoints, the scan run in reverse with
 conj(q**C), and the coefficient gradients through the O(D N C) power rows (the adjoint of
@@ -28,15 +29,13 @@ chunk states are recomputed (one [nc, C] @ [C, 2N] matmul and the scan).
 """
 from __future__ import annotations
 
+import math
+
 import torch
 import torch.nn.functional as F
 
 from .._vandermonde import exact_powers
 from ..fftconv.torch_impl import _diagonal_sums, _toeplitz
-
-#: Chunks per block of the two-level scan (see the module docstring).
-SCAN_BLOCK = 64
-
 
 class Chunked:
     """The per-call pieces both passes share: the chunked x and the power rows.
@@ -118,10 +117,10 @@ def chunk_scan(z, log_q, C, reverse=False):
     if reverse:
         return chunk_scan(z.flip(2), log_q.conj_physical(), C).flip(2)
     B, D, nc, N = z.shape
-    G = SCAN_BLOCK
-    if nc <= G:
-        return _scan(z, exact_powers(log_q, torch.tensor([C], device=z.device))[..., 0])
+    G = math.isqrt(nc - 1) + 1 if nc > 1 else 1                                      # ceil(sqrt(nc))
     nb = -(-nc // G)
+    if nb == 1:
+        return _scan(z, exact_powers(log_q, torch.tensor([C], device=z.device))[..., 0])
     zb = F.pad(z, (0, 0, 0, nb * G - nc)).view(B, D, nb, G, N)
     a_pows = exact_powers(log_q, C * torch.arange(1, G + 1, device=z.device))         # [D, N, G]: a**1 .. a**G
     local = _scan(zb, a_pows[..., 0].unsqueeze(1), dim=3)                             # each block from zero
