@@ -21,7 +21,7 @@ from torch import Tensor
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import custom_op, empty_like
+from .._library import custom_op, empty_like, plain_eager, plain_tensor
 
 __all__ = ["rotary", "rotation_tables"]
 
@@ -55,6 +55,41 @@ def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_b
         scale = torch.exp(torch.log(zeta) * (sign * pos[..., None] / xpos_scale_base))
         cos, sin = cos * scale, sin * scale
     return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
+
+
+#: Tables of recent calls, for the rotary() calls that repeat positions (q and k of every layer,
+#: every step of a fixed length): (positions' dtype and shape, dim, base, xPos arguments, table
+#: dtype) -> (a copy of the positions, cos, sin). An entry is used only if its positions EQUAL
+#: the call's (a read of L integers), so a hit returns exactly what rotation_tables would.
+_TABLES: dict = {}
+_MAX_TABLES = 16
+
+
+def _tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype):
+    """rotation_tables, answered from _TABLES when the same positions were seen (CPU, plain
+    eager only: comparing positions on a GPU would wait for it, and a traced or inference-mode
+    call must build its own tensors). The cached tables are never handed out by the public
+    rotation_tables, so nobody outside the op holds them to modify."""
+    if (not positions.is_cpu or not plain_eager(profiler_ok=True) or not plain_tensor(positions)
+            or torch.is_inference_mode_enabled()):
+        return rotation_tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype)
+    key = (positions.dtype, positions.shape, dim, base, xpos_scale_base, xpos_downscale, dtype)
+    hit = _TABLES.get(key)
+    if hit is not None and torch.equal(hit[0], positions):
+        return hit[1], hit[2]
+    cos, sin = rotation_tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype)
+    # Kept as the real and imaginary views of the first half of one complex tensor whose second
+    # half is the conjugate: the same values, and the torch backend multiplies by a half as it is
+    # (forward: the table, backward: its conjugate) instead of assembling it on every call.
+    table = torch.empty((2, *cos.shape), dtype=torch.complex128 if dtype == torch.float64 else torch.complex64)
+    table[0] = torch.complex(cos, sin)
+    torch.conj_physical(table[0], out=table[1])
+    table._conjugate_version = table._version  # what the torch backend checks before trusting table[1]
+    cos, sin = table[0].real, table[0].imag
+    if len(_TABLES) >= _MAX_TABLES:
+        _TABLES.pop(next(iter(_TABLES), None), None)  # the oldest (another thread may race)
+    _TABLES[key] = (positions.clone(), cos, sin)
+    return cos, sin
 
 
 def _like(x, *_):
@@ -125,5 +160,5 @@ def rotary(x: torch.Tensor, positions: torch.Tensor, base: float = 10000.0, xpos
     if not isinstance(xpos_downscale, bool):
         raise TypeError(f"xpos_downscale must be a bool, got {type(xpos_downscale).__name__}")
     check_backend(backend)
-    cos, sin = rotation_tables(positions, d, base, xpos_scale_base, xpos_downscale, acc_dtype(x.dtype))
+    cos, sin = _tables(positions, d, base, xpos_scale_base, xpos_downscale, acc_dtype(x.dtype))
     return rotary_op(x, cos, sin, backend)

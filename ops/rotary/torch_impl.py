@@ -12,6 +12,27 @@ def not_supported_reasons(x) -> list[str]:
     return []  # every device and dtype torch supports
 
 
+def _complex_table(cos: torch.Tensor, sin: torch.Tensor, conjugate: bool) -> torch.Tensor:
+    """cos + i sin, or its conjugate. When cos and sin are the real and imaginary views of the
+    first half of a (2, ...) complex tensor whose second half is its conjugate (the tables rotary()
+    caches, marked with the version they were filled at), the half itself: the same memory, so
+    nothing to build. Any write through cos or sin since bumps the shared version: then the
+    conjugate half is not trusted and is computed again."""
+    base = cos._base
+    if (base is not None and base is sin._base and base.is_complex() and base.dim() == cos.dim() + 1
+            and base.shape[0] == 2 and base.shape[1:] == cos.shape and base.is_contiguous()
+            and cos.storage_offset() == 2 * base.storage_offset() and sin.storage_offset() == cos.storage_offset() + 1
+            and cos.stride() == sin.stride() == tuple(2 * st for st in base.stride()[1:])):
+        if not conjugate:
+            return base[0]
+        if getattr(base, "_conjugate_version", None) == base._version:
+            return base[1]
+        return torch.conj_physical(base[0])
+    rot = torch.complex(cos, sin)
+    # cos - i sin; a lazy conj() view would be copied inside the multiply, slower
+    return torch.conj_physical(rot) if conjugate else rot
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     # One complex multiply per pair: x[2j] + i x[2j+1] times (cos + i sign sin), in fp32 (fp64 for
     # fp64), rounded once on return. Real-arithmetic formulations on strided (..., 2) views ran
@@ -19,7 +40,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     xa = x.to(acc_dtype(x.dtype)).contiguous()
     if xa.storage_offset() % 2:  # view_as_complex needs pairs aligned to a complex element
         xa = xa.clone()
-    rot = torch.complex(cos, sin if sign > 0 else -sin)  # [P, L, 1, d/2]
+    rot = _complex_table(cos, sin, sign < 0)  # [P, L, 1, d/2]
     out = torch.view_as_real(torch.view_as_complex(xa.unflatten(-1, (-1, 2))) * rot)
     return out.flatten(-2).to(x.dtype)
 
