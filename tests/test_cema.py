@@ -101,6 +101,9 @@ CASES = [
     *(case(2, 3, 4, 300, x, c, f"chunked-two_level_scan-x_{_dt(x)}", path="chunked", knobs={"torch": dict(chunk=2)},
            seed=5) for x, c in ((F32, F32), (F64, F64))),
     case(2, 3, 4, 150, F32, F32, "chunked-chunk7", path="chunked", knobs={"torch": dict(chunk=7)}, seed=6),
+    # up to RECURRENCE_MAX_LEN steps the chunked form's forward is the recurrence (decoding)
+    *(case(2, 3, 4, L, x, c, f"chunked-recurrence-L{L}-{u}_only-x_{_dt(x)}", path="chunked", use=(u,), seed=7)
+      for L in (2, 4) for x, c in DTYPES for u in ("y", "h")),
     # Triton: the three-level convolution (N = 8192) with the fused bias / skip epilogue
     case(3, 1, 4, 2049, F32, F32, "L2049", seed=4, knobs={"triton": dict(work_bc=4096)}),
 ]

@@ -216,3 +216,40 @@ def chunked_conv_bwd(dy, x, p, log_q, gamma, hx, needs, chunk, cd):
     if dx is not None:
         dx = dx.view(B, D, nc * C)[..., :ch.L]
     return dx, dp, dlq, dgamma, dhx
+
+
+#: Up to this many steps the chunked form's forward runs the recurrence itself: decoding feeds one
+#: token per call, where the chunk matmuls, power rows and ema_hidden's tables cost ~1.5 ms of
+#: per-op overhead for a few hundred flops (bench model, 1 thread); the backward is the chunked one.
+RECURRENCE_MAX_LEN = 4
+
+
+def recurrence_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted, cd):
+    """The cema forward for L <= RECURRENCE_MAX_LEN, step by step:
+
+        V_t = q V_(t-1) + x_t,   W_t = q (W_(t-1) + V_(t-1)),   h_t = p V_t + q**(t+1) hx,
+        y_t = Re sum_n gamma_n h_t,n + omega x_t
+
+    -> (y r(B D L) in cd, h c(B D N) or None, saved = (k r(D L), V, W)) with V, W the sums
+    ema_hidden saves (V = sum_j q**(L-1-j) x_j, W its exponent-weighted twin; W None unless
+    ``weighted``), all powers from :func:`exact_powers`."""
+    B, D, L = x.shape
+    ccd = torch.complex128 if cd == torch.float64 else torch.complex64
+    P = exact_powers(log_q.to(ccd), torch.arange(L + 1, device=x.device))               # [D, N, L+1]
+    q = P[..., 1]
+    pc, gamma_c, xc = p.to(cd), gamma.to(ccd), x.to(cd)
+    k = (p * gamma).unsqueeze(-1).mul(P[..., :L].to(log_q.dtype)).real.sum(1)           # [D, L] in p's dtype
+    y = torch.empty(B, D, L, dtype=cd, device=x.device)
+    V = torch.zeros(B, D, p.shape[1], dtype=ccd, device=x.device)
+    W = torch.zeros_like(V) if weighted else None
+    for t in range(L):
+        xt = xc[..., t].unsqueeze(-1)                                                     # [B, D, 1]
+        if weighted:
+            W = q * (W + V)
+        V = q * V + xt
+        h = pc * V
+        if hx is not None:
+            h = h + P[..., t + 1] * hx
+        y[..., t] = (gamma_c * h).real.sum(-1) + omega.to(cd) * xc[..., t]
+    dt = log_q.dtype
+    return y, (h.to(dt) if return_state else None), (k, V.to(dt), None if W is None else W.to(dt))

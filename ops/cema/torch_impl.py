@@ -14,7 +14,8 @@ recomputing it), and ema_hidden's c(B D N) sums V, W.
 With ``chunk`` = C > 0 the convolution and the bias run in chunked form instead (ops/cema/chunked.py:
 C x C Toeplitz matmuls within chunks plus a scan over the chunk states; no FFT); k is still
 synthesised and saved, so the packed path and the FFT form can read it. ``chunk`` = 0 selects
-the FFT form.
+the FFT form. Up to ``RECURRENCE_MAX_LEN`` steps the chunked form's forward is the recurrence
+itself (decoding), with the same saved tensors.
 """
 from __future__ import annotations
 
@@ -23,7 +24,7 @@ from .._vandermonde import power_table
 from ..cema_kernel.torch_impl import cema_kernel_bwd, cema_kernel_fwd
 from ..ema_hidden.torch_impl import ema_hidden_bwd, ema_hidden_fwd
 from ..fftconv.torch_impl import compute_dtype, fftconv_bwd, fftconv_fwd
-from .chunked import chunked_conv_bwd, chunked_conv_fwd
+from .chunked import RECURRENCE_MAX_LEN, chunked_conv_bwd, chunked_conv_fwd, recurrence_fwd
 
 #: The knobs of the stages it composes (see cema_kernel and fftconv), and ``chunk``: the chunk
 #: length of the chunked form, 0 for the FFT form. 64 measured fastest on a 1-thread x86 CPU at
@@ -39,9 +40,12 @@ def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chu
              direct_max_len):
     """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W))."""
     L = x.shape[-1]
+    cd = compute_dtype(x.dtype, p.dtype)
+    if chunk and L <= RECURRENCE_MAX_LEN:                                 # e.g. decoding, one step per call
+        y, h, saved = recurrence_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted, cd)
+        return y.to(x.dtype), h, saved
     x = contiguous(x)  # once for every stage below (the model passes a transposed (B, L, D) view)
     table = power_table(log_q, L, power_block)                            # shared by every stage
-    cd = compute_dtype(x.dtype, p.dtype)
     if chunk:
         k, _ = cema_kernel_fwd(p, log_q, gamma, L, None, power_block=power_block, table=table)
         y = chunked_conv_fwd(x, p, log_q, gamma, hx, chunk, cd)          # [B, D, L], bias included
