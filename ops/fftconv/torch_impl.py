@@ -62,7 +62,8 @@ def fftconv_fwd(x, k, out_dtype=None, *, direct_max_len):
         y = torch.matmul(xc.transpose(0, 1), _toeplitz(kc).transpose(-1, -2))   # [D, B, L]
         return y.transpose(0, 1).to(out_dtype)
     n = fft_size(L)
-    spec = torch.fft.rfft(xc, n=n) * torch.fft.rfft(kc, n=n)                      # [B, D, n/2+1]
+    spec = torch.fft.rfft(xc, n=n)                                                 # [B, D, n/2+1]
+    spec.mul_(torch.fft.rfft(kc, n=n))  # in place: no second spectrum-sized buffer to allocate and fill
     return torch.fft.irfft(spec, n=n)[..., :L].to(out_dtype)
 
 
