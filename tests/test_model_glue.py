@@ -3,6 +3,7 @@
 * RMSNorm's autograd Function (fewer passes, hand-written backward) against
   x * rsqrt(mean(x^2) + eps) * (w + 1) composed from torch ops: values and gradients, float64
   (plus gradcheck), float32, bf16 input, with and without the affine weight;
+* the gate a * silu(u) (attention gate, SwiGLU) as a Function against the two ops;
 * the residual sums taken into the output projections' GEMMs (MegalodonAttention's
   x + wh1(mx) + wh2(attn), NormalizedFFN's residual + fc2(h) and residual + alpha * out) against
   the unfused path the module takes when they cannot be fused (dropout, autocast), forced here.
@@ -70,6 +71,25 @@ def test_rmsnorm_gradcheck_and_partial_gradients():
     (dx,) = torch.autograd.grad(fn(x, s.detach(), 1e-5), (x,), gy)
     (ds,) = torch.autograd.grad(fn(x.detach(), s, 1e-5), (s,), gy)
     assert _rel(dx, expected[0]) <= 1e-13 and _rel(ds, expected[1]) <= 1e-13
+
+
+@pytest.mark.parametrize("dtype,tol", [(torch.float64, 1e-14), (torch.float32, 1e-6), (torch.bfloat16, 1e-2)],
+                         ids=["fp64", "fp32", "bf16"])
+def test_silu_gate_equals_the_composed_ops(dtype, tol):
+    g = torch.Generator().manual_seed(3)
+    a, u, gy = (torch.randn(2, 9, 12, generator=g).to(dtype) for _ in range(3))
+    a.requires_grad_()
+    u.requires_grad_()
+    y = layers_mod._silu_gate(a, u)
+    expected = a * torch.nn.functional.silu(u)
+    assert y.dtype == dtype and _rel(y, expected) <= tol
+    for got, want in zip(torch.autograd.grad(y, (a, u), gy), torch.autograd.grad(expected, (a, u), gy)):
+        assert got.dtype == dtype and _rel(got, want) <= tol, _rel(got, want)
+    if dtype == torch.float64:
+        assert torch.autograd.gradcheck(layers_mod._SiluGateFn.apply, (a, u))
+        (du,) = torch.autograd.grad(layers_mod._silu_gate(a.detach(), u), (u,), gy)  # a frozen
+        (want,) = torch.autograd.grad(a.detach() * torch.nn.functional.silu(u), (u,), gy)
+        assert _rel(du, want) <= tol
 
 
 def _block(dtype, **overrides):
