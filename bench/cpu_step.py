@@ -187,7 +187,8 @@ def main():
         "Model: vocab 1000, model_dim 256, 2 layers, 1 head, z_dim 64, value_dim 512, FFN 640, cema_ndim 16, "
         f"chunk 256, 32 norm groups, fp32, no dropout; B={args.B}, L={args.L}; step = forward + "
         + ("fused output projection and cross-entropy (`model(tokens, labels=targets)`, model/loss.py)"
-           if args.loss == "fused" else "`F.cross_entropy` of the logits") + " + backward. non-GEMM share = 1 - (self CPU time of "
+           if args.loss == "fused" else "`F.cross_entropy` of the logits")
+        + " + backward. non-GEMM share = 1 - (self CPU time of "
         + ", ".join(f"`{n}`" for n in sorted(GEMM_OPS)) + ") / (self CPU time of all ops), torch profiler.",
         "",
         f"- first step (warm-up{', includes compiling' if args.compile else ''}): {first_step:.1f} s",
