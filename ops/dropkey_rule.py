@@ -189,14 +189,15 @@ def seed_value(seed: torch.Tensor) -> int:
 # Handing a forward's masks to its backward (the torch backends on the CPU)
 #
 # A backend that builds mask tensors from the rule (the torch backend of attention) would hash
-# every logit again in the backward. When the caller asks for it (:func:`keeping_masks`, around
-# an eager forward that autograd records), such a forward offers the masks it built
-# (:func:`keep_made`), the op's autograd setup keeps them on its node (:func:`take_made`) and the
-# backward hands them back (:func:`replaying`) to the backend (:func:`replayed`). Every entry
-# carries a key of everything the masks are a function of (seed, p, shapes, mask modes, tiling),
-# and a backend uses masks only under an equal key: a mask is a pure function of its key, so a
-# replayed mask is exactly the one the backward would build. Anything else (compiled graphs,
-# no autograd, another thread, a different tiling) finds nothing and builds its masks.
+# every logit again in the backward (and recompute its probabilities). When the caller asks for it
+# (:func:`keeping_masks`, around an eager forward that autograd records), such a forward offers
+# the tiles it built (:func:`keep_made`), the op's autograd setup keeps them on its node
+# (:func:`take_made`) and the backward hands them back (:func:`replaying`) to the backend
+# (:func:`replayed`). Every entry carries a key of everything the tiles are a function of besides
+# the node's own saved inputs (seed, p, shapes, mask modes, tiling), and a backend uses them only
+# under an equal key, so they are exactly the tiles the backward would build. Anything else
+# (compiled graphs, no autograd, another thread, a different tiling) finds nothing and builds its
+# own.
 
 
 class _Handoff(threading.local):

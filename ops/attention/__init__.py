@@ -181,14 +181,15 @@ def _setup(ctx, inputs, output):
     o, lse, seed_t = output
     ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens)
     ctx.args = (scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-    # DropKey masks the forward's backend kept for the backward (only under keeping_masks, see
-    # attention(); keyed, so the backward's backend uses them only if it would build the same)
-    ctx.dropkey_masks = take_made() if dropkey_p > 0.0 else None
+    # Tile data (DropKey masks or probabilities) the forward's backend kept for the backward (only
+    # under keeping_masks, see attention(); keyed, so the backward's backend uses it only if it
+    # would build the same)
+    ctx.kept_tiles = take_made()
 
 
 def _backward(ctx, do, _dlse, _dseed):
     q, k, v, o, lse, seed_t, cu_seqlens = ctx.saved_tensors
-    with replaying(ctx.dropkey_masks):
+    with replaying(ctx.kept_tiles):
         dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args, cu_seqlens)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
@@ -289,10 +290,10 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
             raise ValueError("packed attention (cu_seqlens) is causal-only: with causal=False a document row's "
                              "padded keys would be visible; pass causal=True or unpack the documents")
     args = (q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens)
-    if (dropkey_p > 0.0 and cu_seqlens is None and torch.is_grad_enabled()
-            and (q.requires_grad or k.requires_grad or v.requires_grad) and plain_eager(profiler_ok=True)):
-        # an eager call autograd records: a backend may keep its DropKey masks for the backward
-        # (ops/dropkey_rule.py) instead of hashing every logit again there
+    if (cu_seqlens is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+            and plain_eager(profiler_ok=True)):
+        # an eager call autograd records: a backend may keep tile data (its DropKey masks, its
+        # probabilities) for the backward (ops/dropkey_rule.py) instead of rebuilding it there
         with keeping_masks():
             return attention_op(*args)[0]
     return attention_op(*args)[0]

@@ -122,16 +122,26 @@ def _probs_fwd(s, mask, attn_fn):
         # 0.5 * (1 + erf(z)) as 0.5 * erfc(-z): equal, but 1 + erf(z) cancels to 0 in fp32 for z << 0.
         p = torch.special.erfc(s.sub_(LAPLACE_MU).mul_(-_LAPLACE_INV)).mul_(0.5)
         return _fill(p, mask, 0.0), None
+    p, m, empty = _softmax_tile(s, mask)
+    # softmax's largest entry is exp(0) / z, so lse = m + log z = m - log(max p) without another exp pass.
+    lse = m - p.amax(dim=-1).log()
+    if empty is not None:
+        lse = lse.masked_fill(empty, -math.inf)
+    return p, lse
+
+
+def _softmax_tile(s, mask):
+    """(P, the row maxima of the masked scores, the empty rows or None) of a score tile (``s`` is
+    consumed). The forward and the backward's recomputation both run this, so the backward's P is
+    bit for bit the forward's."""
     _fill(s, mask, -math.inf)
     m = s.amax(dim=-1)  # [..., rows]
     p = torch.softmax(s, dim=-1)
-    # softmax's largest entry is exp(0) / z, so lse = m + log z = m - log(max p) without another exp pass.
-    lse = m - p.amax(dim=-1).log()
     empty = torch.isneginf(m)  # rows with no visible kept key: softmax gave NaN there
-    if any_or_device(empty):
-        p.masked_fill_(empty.unsqueeze(-1), 0.0)
-        lse = lse.masked_fill(empty, -math.inf)
-    return p, lse
+    if not any_or_device(empty):
+        return p, m, None
+    p.masked_fill_(empty.unsqueeze(-1), 0.0)
+    return p, m, empty
 
 
 def _probs_bwd(s, mask, lse, attn_fn):
@@ -141,10 +151,9 @@ def _probs_bwd(s, mask, lse, attn_fn):
         p = _fill(torch.special.erfc(x * -_LAPLACE_INV).mul_(0.5), mask, 0.0)
         dlap = _fill(x.square_().mul_(-0.5 / LAPLACE_SIGMA**2).exp_().mul_(_LAPLACE_PDF), mask, 0.0)
         return p, dlap
-    # Empty rows carry lse = -inf: use +inf so exp(s - lse) = 0 there instead of NaN; blocked
-    # entries may overflow to inf before they are zeroed, never to NaN.
-    lse = lse.masked_fill(torch.isneginf(lse), math.inf)
-    return _fill(s.sub_(lse.unsqueeze(-1)).exp_(), mask, 0.0), None
+    # The forward's own steps on the same scores, so P is bit for bit the forward's (and the P a
+    # forward may hand over, see attention_fwd); lse is not needed.
+    return _softmax_tile(s, mask)[0], None
 
 
 def _ds(p, dp, extra, delta, attn_fn):
@@ -209,10 +218,10 @@ def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p
             continue
         i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
         mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
-        if kept is not None:
-            kept.append(mask)
         s = torch.matmul(qt[:, :, i0:i1], kt[:, :, lo:hi].transpose(-1, -2))  # [B, H, rows, keys]
         p, row_lse = _probs_fwd(s, mask, attn_fn)
+        if kept is not None:
+            kept[1].append(p if kept[0] == "probs" else mask)
         ob = torch.matmul(p, vt[:, :, lo:hi])  # [B, H, rows, dv]
         o[:, i0:i1] = ob.transpose(1, 2)
         if lse is not None:
@@ -228,15 +237,18 @@ def _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_s
         if hi <= lo:
             dq[:, :, i0:i1] = 0
             continue
-        if kept is not None:  # the forward's tile masks, in the same tile order
-            mask = next(kept)
-        else:
-            i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
-            mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed,
-                              batch_index)
         qb, kb, vb, dob = qt[:, :, i0:i1], kt[:, :, lo:hi], vt[:, :, lo:hi], dot[:, :, i0:i1]
-        s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, rows, keys]
-        p, extra = _probs_bwd(s, mask, None if lse is None else lse[:, :, i0:i1], attn_fn)
+        if kept is not None and kept[0] == "probs":  # the forward's P of this tile (same tile order)
+            p, extra = next(kept[1]), None
+        else:
+            if kept is not None:  # the forward's tile mask
+                mask = next(kept[1])
+            else:
+                i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
+                mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed,
+                                  batch_index)
+            s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, rows, keys]
+            p, extra = _probs_bwd(s, mask, None if lse is None else lse[:, :, i0:i1], attn_fn)
         dv[:, :, lo:hi] += torch.matmul(p.transpose(-1, -2), dob)
         dp = torch.matmul(dob, vb.transpose(-1, -2))  # [B, H, rows, keys]
         ds = _ds(p, dp, extra, None if delta is None else delta[:, :, i0:i1], attn_fn)
@@ -293,11 +305,11 @@ def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, 
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
         i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
         mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
-        if kept is not None:
-            kept.append(mask)
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
         s = torch.matmul(qc[:, :, c0:c1], kb.transpose(-1, -2))  # [B, H, G, C, keys]
         p, row_lse = _probs_fwd(s, mask, attn_fn)
+        if kept is not None:
+            kept[1].append(p if kept[0] == "probs" else mask)
         ob = torch.matmul(p, vb).flatten(2, 3)  # [B, H, G*C, dv]
         r0, r1 = c0 * C, min(L, c1 * C)
         o[:, r0:r1] = ob[:, :, : r1 - r0].transpose(1, 2)
@@ -327,15 +339,18 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
     else:
         dqc, dkc, dvc = (t.view(B, H, nc, C, t.shape[-1]) for t in (dq, dk, dv))
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
-        if kept is not None:  # the forward's tile masks, in the same step order
-            mask = next(kept)
-        else:
-            i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
-            mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
         qb, dob = qc[:, :, c0:c1], doc[:, :, c0:c1]
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
-        s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, G, C, keys]
-        p, extra = _probs_bwd(s, mask, None if delta is None else lse_c[:, :, c0:c1], attn_fn)
+        if kept is not None and kept[0] == "probs":  # the forward's P of this step (same step order)
+            p, extra = next(kept[1]), None
+        else:
+            if kept is not None:  # the forward's tile mask
+                mask = next(kept[1])
+            else:
+                i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
+                mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
+            s = torch.matmul(qb, kb.transpose(-1, -2))  # [B, H, G, C, keys]
+            p, extra = _probs_bwd(s, mask, None if delta is None else lse_c[:, :, c0:c1], attn_fn)
         dvb = torch.matmul(p.transpose(-1, -2), dob)  # [B, H, G, keys, dv]
         dp = torch.matmul(dob, vb.transpose(-1, -2))
         ds = _ds(p, dp, extra, None if delta is None else delta_c[:, :, c0:c1], attn_fn)
@@ -377,29 +392,57 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     common = dict(causal=causal, chunk_size=chunk_size, block_causal=block_causal,
                   dropkey_p=dropkey_p, seed=seed, batch_index=batch_index, attn_fn=attn_fn,
                   max_block_elems=max_block_elems)
-    # DropKey masks cost more to hash than the tile's matmuls: hand them to the backward when
-    # asked (ops/dropkey_rule.py) and when they take no more memory than the op saves anyway
-    kept = [] if dropkey_p > 0.0 and batch_index is None and masks_wanted() else None
     chunked = use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems)
+    kept = _what_to_keep(q, k, v, o, acc, chunked, attn_fn, dropkey_p, batch_index, block_q, chunks_per_step,
+                         max_block_elems, causal, chunk_size, block_causal)
     if chunked:
         _chunk_fwd(qt, kt, vt, o, lse, chunks_per_step=chunks_per_step, kept=kept, **common)
     else:
         _general_fwd(qt, kt, vt, o, lse, block_q=block_q, kept=kept, **common)
     if kept is not None:
-        saved = sum(t.numel() * t.element_size() for t in (q, k, v, o))
-        if sum(m[0].numel() for m in kept) <= saved:  # bool masks: one byte per entry
-            keep_made(_mask_key(q, k, causal, chunk_size, block_causal, dropkey_p, seed, chunked, block_q,
-                                chunks_per_step, max_block_elems), kept)
+        keep_made(_kept_key(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, chunked, block_q,
+                            chunks_per_step, max_block_elems), kept)
     return o, lse
 
 
-def _mask_key(q, k, causal, chunk_size, block_causal, dropkey_p, seed, chunked, block_q, chunks_per_step,
-              max_block_elems):
-    """Everything a call's tile masks are a function of: the rule's arguments, the shapes, the
-    mask modes and the tiling (which path, its tile sizes)."""
+def _what_to_keep(q, k, v, o, acc, chunked, attn_fn, dropkey_p, batch_index, block_q, chunks_per_step,
+                  max_block_elems, causal, chunk_size, block_causal):
+    """What the forward hands to its backward when asked (ops/dropkey_rule.py, keeping_masks), as
+    ("probs" | "masks", []), or None. The backward recomputes each tile's scores (a matmul), P
+    (softmax) and the DropKey hash, which costs more than the tile's other matmuls; instead:
+
+    * softmax: the tiles' P (the forward's, bit for bit what the backward would recompute) when
+      they take at most twice the memory the op saves anyway (q, k, v, o);
+    * else with DropKey: the tiles' masks (a byte per entry) when at most that memory.
+    """
+    if batch_index is not None or not masks_wanted():
+        return None
     B, L, H, _ = q.shape
-    return ("attention", q.device, B, L, H, k.shape[1], causal, chunk_size, block_causal, dropkey_p, seed, chunked,
-            block_q, chunks_per_step, max_block_elems)
+    S = k.shape[1]
+    if chunked:
+        C = chunk_size
+        keys = C * (2 if block_causal else 1)
+        entries = sum(B * H * (c1 - c0) * C * keys
+                      for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems))
+    else:
+        entries = sum(B * H * (i1 - i0) * (hi - lo) for i0, i1, lo, hi in
+                      _general_tiles(B, H, L, S, causal, chunk_size, block_causal, block_q, max_block_elems) if hi > lo)
+    saved = sum(t.numel() * t.element_size() for t in (q, k, v, o))
+    if attn_fn == "softmax" and entries * torch.finfo(acc).bits // 8 <= 2 * saved:
+        return ("probs", [])
+    if dropkey_p > 0.0 and entries <= saved:
+        return ("masks", [])
+    return None
+
+
+def _kept_key(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, chunked, block_q,
+              chunks_per_step, max_block_elems):
+    """What a call's kept tiles are a function of, besides q, k (the backward's saved q, k are the
+    forward's: autograd checks their versions): the rule's arguments, the shapes, scale, the mask
+    modes and the tiling (which path, its tile sizes)."""
+    B, L, H, _ = q.shape
+    return ("attention", q.device, q.dtype, B, L, H, k.shape[1], scale, causal, chunk_size, block_causal, dropkey_p,
+            seed, attn_fn, chunked, block_q, chunks_per_step, max_block_elems)
 
 
 def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
@@ -418,10 +461,10 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
                   max_block_elems=max_block_elems)
     chunked = use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems)
     kept = None
-    if dropkey_p > 0.0 and batch_index is None:
-        kept = replayed(_mask_key(q, k, causal, chunk_size, block_causal, dropkey_p, seed, chunked, block_q,
-                                  chunks_per_step, max_block_elems))
-        kept = None if kept is None else iter(kept)
+    if batch_index is None:
+        kept = replayed(_kept_key(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, chunked,
+                                  block_q, chunks_per_step, max_block_elems))
+        kept = None if kept is None else (kept[0], iter(kept[1]))
     if chunked:
         dk = torch.empty_like(kt, memory_format=torch.contiguous_format)  # the chunk path writes every row
         dv = torch.empty_like(vt, memory_format=torch.contiguous_format)
