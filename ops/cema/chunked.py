@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from .._vandermonde import exact_powers
-from ..fftconv.torch_impl import _diagonal_sums, _toeplitz
+from .._toeplitz import diagonal_sums, toeplitz, toeplitz_t
 
 class Chunked:
     """The per-call pieces both passes share: the chunked x and the power rows.
@@ -80,13 +80,6 @@ class Chunked:
         z = torch.view_as_complex(u.view(B, D, nc, N, 2)).roll(1, 2)                 # U[c] enters chunk c+1
         z[:, :, 0] = 0 if hx is None else hx
         return chunk_scan(z, self.log_q, self.C)
-
-
-def _toeplitz_t(k):
-    """[D, C, C] = _toeplitz(k) transposed, contiguous (Tt[d, s, t] = k[d, t-s], t >= s): row s is
-    the window C-1-s of the left-padded k. bmm takes a contiguous right operand ~2x faster."""
-    C = k.shape[-1]
-    return F.pad(k, (C - 1, 0)).unfold(-1, C, 1).flip(-2)
 
 
 def _batched(mm, a, w, out):
@@ -146,7 +139,7 @@ def chunked_conv_fwd(x, p, log_q, gamma, hx, chunk, cd):
     ch = Chunked(x, p, log_q, gamma, chunk, cd)
     B, D, nc, C = ch.xs.shape
     ys = ch.xs.new_empty(B, D, nc, C)
-    _batched(torch.bmm, ch.xs, _toeplitz_t(ch.kc), out=ys)        # within chunks
+    _batched(torch.bmm, ch.xs, toeplitz_t(ch.kc), out=ys)        # within chunks
     if ch.has_states(hx):
         S = _as_real(ch.states(hx, ch.w_in()))                                         # [B, D, nc, 2N]
         w_out = ch.w_out()
@@ -170,12 +163,12 @@ def chunked_conv_bwd(dy, x, p, log_q, gamma, hx, needs, chunk, cd):
     dx = None
     if need_x:
         dx = ch.xs.new_empty(B, D, nc, C)
-        _batched(torch.bmm, g, _toeplitz(ch.kc), out=dx)
+        _batched(torch.bmm, g, toeplitz(ch.kc), out=dx)
     dP = torch.zeros_like(ch.P) if need_coef else None                                # [D, N, C+1]
     dp = dgamma = dhx = None
     if need_coef:
         # within chunks: dT[d] = sum_b g[b, d]^T xs[b, d], then dk[j] = its j-th diagonal's sum
-        dkc = _diagonal_sums(_batch_sum(g.transpose(2, 3), ch.xs))                                                        # [D, C]
+        dkc = diagonal_sums(_batch_sum(g.transpose(2, 3), ch.xs))                      # [D, C]
         dA = (dkc.unsqueeze(1) * ch.P[..., :C].conj()).sum(-1)                          # d(p gamma) [D, N]
         dP[..., :C] += (ch.p * gamma).conj().unsqueeze(-1) * dkc.unsqueeze(1)
         dp = (dA * gamma.conj()).real
