@@ -96,7 +96,7 @@ CASES = [
     *(case(2, 3, 4, 40, F64, F64, f"L40-{u}_only-float64", use=(u,)) for u in ("y", "h")),
     *(case(2, 2, 4, 70, BF16, F32, f"L70-{u}_only-x_bfloat16", seed=2, use=(u,)) for u in ("y", "h")),
     case(3, 2, 5, 97, BF16, F32, "L97-strided-odd_batch-x_bfloat16", contiguous=False, seed=3),
-    # the chunked form's two-level scan (150 chunks of 2: 12 blocks of 13, the last one partial),
+    # the chunked form's two-level scan (150 chunks of 2: 3 blocks of 64, the last one partial),
     # and a chunk that does not divide L
     *(case(2, 3, 4, 300, x, c, f"chunked-two_level_scan-x_{_dt(x)}", path="chunked", knobs={"torch": dict(chunk=2)},
            seed=5) for x, c in ((F32, F32), (F64, F64))),

@@ -16,11 +16,12 @@ of it in GEMMs on the CPU, no transforms and no complex spectra; only q**0 .. q*
 
 Numerics. The powers come from :func:`exact_powers` (rounded once from float64). The scan is a
 recurrence over chunks, so its rounding error grows with the number of chunks it runs through;
-it runs in two levels: blocks of G = ceil(sqrt(nc)) chunks scanned from zero (all blocks at
-once), then the block carries, each added to its block's chunks with exact powers q**(C (i+1)).
-Any state is then at most G + nc / G ~ 2 sqrt(nc) multiply-adds from exact (~256 at L = 2**20,
-C = 64), not nc, and the scan is ~2 sqrt(nc) sequential steps of B D N-sized ops, not nc (the
-steps are short: their count, i.e. the per-op overhead, is the scan's cost at these sizes).
+it runs in one level up to ``SCAN_BLOCK`` chunks, and in two beyond: blocks of SCAN_BLOCK chunks
+scanned from zero (all blocks at once), then the block carries, each added to its block's chunks
+with exact powers q**(C (i+1)). Any state is then at most SCAN_BLOCK + nc / SCAN_BLOCK
+multiply-adds from exact (~320 at L = 2**20, C = 64), not nc. (The two-level pass is not used
+below that: its block-wide complex products with broadcast powers run ~5x slower per element on
+the CPU than the one-level steps, whose cost at these sizes is mostly per-call overhead.)
 
 The backward is the same pieces transposed: the matmuls' adjoints, the scan run in reverse with
 conj(q**C), and the coefficient gradients through the O(D N C) power rows (the adjoint of
@@ -28,8 +29,6 @@ q**j = exp(j log_q) is j conj(q**j)). Nothing is saved between the passes but th
 chunk states are recomputed (one [nc, C] @ [C, 2N] matmul and the scan).
 """
 from __future__ import annotations
-
-import math
 
 import torch
 import torch.nn.functional as F
@@ -90,6 +89,10 @@ def _batched(mm, a, w, out):
     return out
 
 
+#: Chunks scanned in one level; longer scans run in two (see the module docstring).
+SCAN_BLOCK = 64
+
+
 def _as_real(z):
     """c(..., N) -> r(..., 2N), (Re, Im) pairs: a view of a contiguous z."""
     return torch.view_as_real(z).flatten(-2)
@@ -105,15 +108,16 @@ def _batch_sum(a, w):
 
 def chunk_scan(z, log_q, C, reverse=False):
     """s[c] = a s[c-1] + z[c] along dim 2 of z c(B D nc N), s[-1] = 0, with a = q**C (conj(a) and
-    from the last chunk backwards with ``reverse``: the adjoint scan). Two levels, see the module
-    docstring."""
+    from the last chunk backwards with ``reverse``: the adjoint scan). One level up to SCAN_BLOCK
+    chunks, two beyond (see the module docstring)."""
+    B, D, nc, N = z.shape
+    G = SCAN_BLOCK
+    if nc <= G:
+        a = exact_powers(log_q, torch.tensor([C], device=z.device))[..., 0]
+        return _scan(z, a.conj() if reverse else a, reverse=reverse)
     if reverse:
         return chunk_scan(z.flip(2), log_q.conj_physical(), C).flip(2)
-    B, D, nc, N = z.shape
-    G = math.isqrt(nc - 1) + 1 if nc > 1 else 1                                      # ceil(sqrt(nc))
     nb = -(-nc // G)
-    if nb == 1:
-        return _scan(z, exact_powers(log_q, torch.tensor([C], device=z.device))[..., 0])
     zb = F.pad(z, (0, 0, 0, nb * G - nc)).view(B, D, nb, G, N)
     a_pows = exact_powers(log_q, C * torch.arange(1, G + 1, device=z.device))         # [D, N, G]: a**1 .. a**G
     local = _scan(zb, a_pows[..., 0].unsqueeze(1), dim=3)                             # each block from zero
@@ -123,13 +127,18 @@ def chunk_scan(z, log_q, C, reverse=False):
     return local.view(B, D, nb * G, N)[:, :, :nc]
 
 
-def _scan(z, a, dim=2):
-    """Sequential s[i] = a s[i-1] + z[i] along ``dim`` (a broadcasts against one slice)."""
+def _scan(z, a, dim=2, reverse=False):
+    """Sequential s[i] = a s[i-1] + z[i] along ``dim`` (from the end, s[i] = a s[i+1] + z[i], with
+    ``reverse``); a broadcasts against one slice."""
     out = torch.empty_like(z)
-    prev = z.select(dim, 0)
-    out.select(dim, 0).copy_(prev)
-    for i in range(1, z.shape[dim]):
-        prev = torch.addcmul(z.select(dim, i), a, prev, out=out.select(dim, i))
+    n = z.shape[dim]
+    order = range(n - 1, -1, -1) if reverse else range(n)
+    prev = None
+    for i in order:
+        if prev is None:
+            prev = out.select(dim, i).copy_(z.select(dim, i))
+        else:
+            prev = torch.addcmul(z.select(dim, i), a, prev, out=out.select(dim, i))
     return out
 
 
