@@ -83,14 +83,20 @@ def signature(inputs: dict) -> tuple:
     ])
 
 
+_ENCODED = {}  # variable name -> its key in os.environ's own dict (POSIX)
+
+
 def _getenv(name: str) -> str:
     """``os.environ.get(name, "")``, read from the environment's own dict on POSIX: every op
     call reads two variables, and os.environ's Mapping methods encode the key and decode the
     value in Python (a few us per call on a busy CPU). Writes through os.environ (tests'
-    monkeypatch.setenv included) update that dict, so nothing is cached here."""
+    monkeypatch.setenv included) update that dict, so no value is cached here."""
     data = getattr(os.environ, "_data", None)
     if os.name == "posix" and type(data) is dict:
-        value = data.get(os.fsencode(name))
+        key = _ENCODED.get(name)
+        if key is None:
+            key = _ENCODED[name] = os.fsencode(name)
+        value = data.get(key)
         return "" if value is None else os.fsdecode(value)
     return os.environ.get(name, "")
 
@@ -173,8 +179,10 @@ class OpBackends:
     def select(self, backend: str, inputs: dict, *, device: torch.device, dtype: torch.dtype) -> Choice:
         """Resolve ``backend`` ("auto" or a name in PRIORITY) for these inputs (cached: see the
         module docstring)."""
-        check_backend(backend)
-        tuning = autotune_registry.forced(self.op, inputs)
+        if type(backend) is not str or backend not in _BACKEND_ARGS:
+            check_backend(backend)  # raises
+        # the tuner's forced candidate, read only while the tuner forces one (most calls: never)
+        tuning = autotune_registry.forced(self.op, inputs) if autotune_registry._FORCED.get() is not None else None
         if tuning is not None:  # the tuner is measuring one candidate: exactly that one
             name, config = tuning
             if self.reasons(name, inputs):

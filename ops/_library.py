@@ -275,10 +275,14 @@ class Op:
         if kinds is None or len(args) > len(kinds) or not plain_eager():
             return None
         for value, (kind, optional, _) in zip(args, kinds):
-            if kind == "tensor":
-                if not plain_tensor(value) and not (optional and value is None):
+            if value is None:
+                if not optional:
                     return None
-            elif type(value) is not kind and not (optional and value is None):
+            elif kind == "tensor":
+                if not (type(value) in _PLAIN_TYPES and value.layout is torch.strided and (value.is_cpu or value.is_cuda)
+                        and not value.is_nested):  # plain_tensor, inlined: this runs for every argument of every call
+                    return None
+            elif type(value) is not kind:
                 return None  # e.g. an int for a float: the dispatcher converts it
         if len(args) < len(kinds):  # the defaults the dispatcher's setup_context inputs hold
             rest = tuple(default for _, _, default in kinds[len(args):])

@@ -5,17 +5,19 @@ Two paths, both exact (no approximation, same masks and DropKey rule):
 * general: loop over blocks of ``block_q`` query rows. Each block computes scores only over the
   key range [lo, hi) it can see (causal, chunk and block_causal bounds), so a causal block pays
   for the keys up to its last row and a chunked block for its one or two chunks. The forward
-  keeps the per-row log-sum-exp; the backward recomputes P = exp(s - lse) block by block and
-  uses delta = rowsum(dO * O) for the softmax gradient. Only one [B, H, rows, hi - lo] tile is
-  alive at a time, and the visibility mask is applied only to the tile's columns that need it
-  (a causal tile's diagonal part).
+  keeps the per-row log-sum-exp; the backward recomputes P block by block with the forward's own
+  softmax steps (bit for bit the forward's P) and uses delta = rowsum(dO * O) for the softmax
+  gradient. Only one [B, H, rows, hi - lo] tile is alive at a time, and the visibility mask is
+  applied only to the tile's columns that need it (a causal tile's diagonal part).
 * chunk-batched: with ``chunk_size`` and L == S, queries and keys are reshaped into chunks
   [B, H, n_chunks, C, d] (the ragged last chunk padded and masked; block_causal appends the
   previous chunk's keys) and ``chunks_per_step`` chunks go through ONE batched matmul, so
   Megalodon's small chunks do not cost a Python iteration each.
 
 Both paths cap a tile at ``max_block_elems`` score entries (B * H * rows * keys), shrinking the
-rows per step, so memory stays bounded whatever B, H and S are. Everything is computed in fp32
+rows per step, so memory stays bounded whatever B, H and S are. An eager forward that autograd
+records may keep its tiles' P (or its DropKey masks) for the backward when they take little
+enough memory (attention_fwd, _what_to_keep): then the backward skips their recomputation. Everything is computed in fp32
 (fp64 for fp64 inputs) and rounded once to the input dtype.
 """
 from __future__ import annotations
