@@ -189,7 +189,10 @@ def _setup(ctx, inputs, output):
 
 def _backward(ctx, do, _dlse, _dseed):
     q, k, v, o, lse, seed_t, cu_seqlens = ctx.saved_tensors
-    with replaying(ctx.kept_tiles):
+    # used once, then released as autograd releases saved tensors after a backward (a second
+    # backward through a retained graph builds its own)
+    kept, ctx.kept_tiles = ctx.kept_tiles, None
+    with replaying(kept):
         dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args, cu_seqlens)
     return dq, dk, dv, None, None, None, None, None, None, None, None, None
 
