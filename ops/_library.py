@@ -220,6 +220,18 @@ def _arg_kinds(schema) -> tuple | None:
 
 _NO_DEFAULT = object()
 
+_backward_imports_done = False
+
+
+def _do_backward_imports() -> None:
+    """torch.autograd's first backward of a process imports torch.fx.experimental.symbolic_shapes
+    (and sympy: ~0.3 s). The dispatcher's road imported it at an op's first call; the fast path
+    does the same at the first call that records a node, so that one-time cost stays where it
+    was (a first forward) instead of landing inside the first backward."""
+    global _backward_imports_done
+    import torch.fx.experimental.symbolic_shapes  # noqa: F401
+    _backward_imports_done = True
+
 
 class Op:
     """A registered custom op: calling it runs the dispatcher's path, or in plain eager use the
@@ -302,6 +314,8 @@ class Op:
                     with torch._C._AutoDispatchBelowAutograd():
                         return self._run(full, plain)
                 if self._function is not None:
+                    if not _backward_imports_done:
+                        _do_backward_imports()
                     return self._function.apply(*full, plain)
                 # no autograd registered (a backward op under create_graph): the dispatcher's error path
         return self._op(*args, **kwargs)
