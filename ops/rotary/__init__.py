@@ -84,8 +84,9 @@ def _tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype):
     table = torch.empty((2, *cos.shape), dtype=torch.complex128 if dtype == torch.float64 else torch.complex64)
     table[0] = torch.complex(cos, sin)
     torch.conj_physical(table[0], out=table[1])
-    table._conjugate_version = table._version  # what the torch backend checks before trusting table[1]
     cos, sin = table[0].real, table[0].imag
+    # what the torch backend checks: the views' layout, and the version before trusting table[1]
+    table._rotary_tables = (cos.shape, cos.stride(), table._version)
     if len(_TABLES) >= _MAX_TABLES:
         _TABLES.pop(next(iter(_TABLES), None), None)  # the oldest (another thread may race)
     _TABLES[key] = (positions.clone(), cos, sin)

@@ -15,17 +15,16 @@ def not_supported_reasons(x) -> list[str]:
 def _complex_table(cos: torch.Tensor, sin: torch.Tensor, conjugate: bool) -> torch.Tensor:
     """cos + i sin, or its conjugate. When cos and sin are the real and imaginary views of the
     first half of a (2, ...) complex tensor whose second half is its conjugate (the tables rotary()
-    caches, marked with the version they were filled at), the half itself: the same memory, so
-    nothing to build. Any write through cos or sin since bumps the shared version: then the
-    conjugate half is not trusted and is computed again."""
+    caches, marked with the views' layout and the version they were filled at), the half itself:
+    the same memory, so nothing to build. Any write through cos or sin since bumps the shared
+    version: then the conjugate half is not trusted and is computed again."""
     base = cos._base
-    if (base is not None and base is sin._base and base.is_complex() and base.dim() == cos.dim() + 1
-            and base.shape[0] == 2 and base.shape[1:] == cos.shape and base.is_contiguous()
-            and cos.storage_offset() == 2 * base.storage_offset() and sin.storage_offset() == cos.storage_offset() + 1
-            and cos.stride() == sin.stride() == tuple(2 * st for st in base.stride()[1:])):
+    mark = None if base is None or base is not sin._base else base.__dict__.get("_rotary_tables")
+    if (mark is not None and cos.storage_offset() == 0 and sin.storage_offset() == 1
+            and cos.shape == mark[0] and cos.stride() == mark[1] and sin.stride() == mark[1]):
         if not conjugate:
             return base[0]
-        if getattr(base, "_conjugate_version", None) == base._version:
+        if mark[2] == base._version:
             return base[1]
         return torch.conj_physical(base[0])
     rot = torch.complex(cos, sin)
@@ -41,7 +40,7 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     if xa.storage_offset() % 2:  # view_as_complex needs pairs aligned to a complex element
         xa = xa.clone()
     rot = _complex_table(cos, sin, sign < 0)  # [P, L, 1, d/2]
-    out = torch.view_as_real(torch.view_as_complex(xa.unflatten(-1, (-1, 2))) * rot)
+    out = torch.view_as_real(torch.view_as_complex(xa.view(*xa.shape[:-1], -1, 2)) * rot)
     return out.flatten(-2).to(x.dtype)
 
 
