@@ -7,18 +7,18 @@ conjugated spectra, and the k-gradient is summed over the batch in the frequency
     dx = irfft(DY * conj(K), n)[:L]        dk = irfft(sum_b DY_b * conj(X_b), n)[:L]
 
 Direct path (L <= ``direct_max_len``, where FFT overheads dominate): the causal Toeplitz matrix
-Kt[d, t, s] = k[d, t-s] (t >= s, else 0) is built with ``unfold`` and applied as one batched matmul
-over d; dx uses Kt transposed and dk sums the diagonals of G[d] = dy[d]^T x[d] (the batch summed
-inside the matmul).
+Kt[d, t, s] = k[d, t-s] (t >= s, else 0) is built with ``unfold`` (ops/_toeplitz.py, shared with
+cema's chunked form) and applied as one batched matmul over d; dx uses Kt transposed and dk sums
+the diagonals of G[d] = dy[d]^T x[d] (the batch summed inside the matmul).
 
 Both compute in float32 (float64 if x or k is float64) whatever the input dtypes; the caller rounds.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from .._layout import contiguous
+from .._toeplitz import diagonal_sums, toeplitz
 
 #: Lengths up to this use the O(L^2) Toeplitz matmul; above it the O(L log L) FFT path. Measured
 #: fwd+bwd crossover on a 1-thread x86 CPU (B=8, D=256): direct wins at L=16, FFT from L=32 on.
@@ -37,21 +37,6 @@ def fft_size(length: int) -> int:
     return 2 * (1 << (length - 1).bit_length())
 
 
-def _toeplitz(k):
-    # [D, L, L] with Kt[d, t, s] = k[d, t-s] for t >= s: window t of the left-padded k, reversed.
-    L = k.shape[-1]
-    return F.pad(k, (L - 1, 0)).unfold(-1, L, 1).flip(-1)
-
-
-def _diagonal_sums(G):
-    # out[d, j] = sum_t G[d, t, t-j], j < L. With the columns reversed, entry (t, t-j) sits at
-    # column L-1-t+j; padding rows to width 2L and re-reading them with width 2L-1 shifts row t
-    # right by t, so every entry of diagonal j lands in column L-1+j and a column sum finishes it.
-    D, L, _ = G.shape
-    skew = F.pad(G.flip(-1), (0, L)).flatten(1)[:, : L * (2 * L - 1)].view(D, L, 2 * L - 1)
-    return skew.sum(1)[:, L - 1:]
-
-
 def fftconv_fwd(x, k, out_dtype=None, *, direct_max_len):
     """y r(B D L) = causal conv of x r(B D L) with k r(D L), in ``out_dtype`` (default x's dtype)."""
     cd = compute_dtype(x.dtype, k.dtype)
@@ -59,7 +44,7 @@ def fftconv_fwd(x, k, out_dtype=None, *, direct_max_len):
     L = x.shape[-1]
     xc, kc = contiguous(x.to(cd)), k.to(cd)  # a transposed view would be transposed by the FFT's padding copy, untiled
     if L <= direct_max_len:
-        y = torch.matmul(xc.transpose(0, 1), _toeplitz(kc).transpose(-1, -2))   # [D, B, L]
+        y = torch.matmul(xc.transpose(0, 1), toeplitz(kc).transpose(-1, -2))   # [D, B, L]
         return y.transpose(0, 1).to(out_dtype)
     n = fft_size(L)
     spec = torch.fft.rfft(xc, n=n)                                                 # [B, D, n/2+1]
@@ -76,9 +61,9 @@ def fftconv_bwd(dy, x, k, need_x=True, need_k=True, *, direct_max_len):
     if L <= direct_max_len:
         dyt = dyc.transpose(0, 1)                                                  # [D, B, L]
         if need_x:
-            dx = torch.matmul(dyt, _toeplitz(k.to(cd))).transpose(0, 1)
+            dx = torch.matmul(dyt, toeplitz(k.to(cd))).transpose(0, 1)
         if need_k:
-            dk = _diagonal_sums(torch.matmul(dyt.transpose(-1, -2), x.to(cd).transpose(0, 1)))
+            dk = diagonal_sums(torch.matmul(dyt.transpose(-1, -2), x.to(cd).transpose(0, 1)))
         return dx, dk
     n = fft_size(L)
     DY = torch.fft.rfft(dyc, n=n)                                                  # [B, D, n/2+1]
