@@ -38,7 +38,7 @@ NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 # with chunks small enough that the cases below span several of them.
 PATHS = {"direct": {"torch": dict(chunk=0, direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
          "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0)},
-         "chunked": {"torch": dict(chunk=8)}}
+         "chunked": {"torch": dict(chunk=8, chunk_min_len=0)}}
 
 
 def _dt(d):
@@ -98,9 +98,10 @@ CASES = [
     case(3, 2, 5, 97, BF16, F32, "L97-strided-odd_batch-x_bfloat16", contiguous=False, seed=3),
     # the chunked form's two-level scan (150 chunks of 2: 3 blocks of 64, the last one partial),
     # and a chunk that does not divide L
-    *(case(2, 3, 4, 300, x, c, f"chunked-two_level_scan-x_{_dt(x)}", path="chunked", knobs={"torch": dict(chunk=2)},
-           seed=5) for x, c in ((F32, F32), (F64, F64))),
-    case(2, 3, 4, 150, F32, F32, "chunked-chunk7", path="chunked", knobs={"torch": dict(chunk=7)}, seed=6),
+    *(case(2, 3, 4, 300, x, c, f"chunked-two_level_scan-x_{_dt(x)}", path="chunked",
+           knobs={"torch": dict(chunk=2, chunk_min_len=0)}, seed=5) for x, c in ((F32, F32), (F64, F64))),
+    case(2, 3, 4, 150, F32, F32, "chunked-chunk7", path="chunked", knobs={"torch": dict(chunk=7, chunk_min_len=0)},
+         seed=6),
     # up to RECURRENCE_MAX_LEN steps the chunked form's forward is the recurrence (decoding)
     *(case(2, 3, 4, L, x, c, f"chunked-recurrence-L{L}-{u}_only-x_{_dt(x)}", path="chunked", use=(u,), seed=7)
       for L in (2, 4) for x, c in DTYPES for u in ("y", "h")),
@@ -170,7 +171,8 @@ def test_matches_reference(backend, c):
 def test_property_torch(B, D, N, L, dtypes, with_hx, return_state, contiguous, chunk, power_block, direct_max_len,
                         seed):
     check_cema("torch", B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed,
-               config={"chunk": chunk, "power_block": power_block, "direct_max_len": direct_max_len})
+               config={"chunk": chunk, "chunk_min_len": 0, "power_block": power_block,
+                       "direct_max_len": direct_max_len})
 
 
 # ------------------------------------------------------------------------------------------------
@@ -203,12 +205,31 @@ def test_streaming(backend, xdtype, cdtype):
         assert_close(f"streamed h (split {L1})", h2, to_np(h), tol(backend, cdtype, "fwd"))
 
 
+def test_torch_form_follows_chunk_min_len(monkeypatch):
+    # the chunked form runs from chunk_min_len steps on (and for the recurrence's few steps), the
+    # FFT form below, forward and backward alike; chunk = 0 never runs it
+    calls = []
+    for name in ("chunked_conv_fwd", "chunked_conv_bwd", "recurrence_fwd", "fftconv_fwd", "fftconv_bwd"):
+        real = getattr(cema_torch, name)
+        monkeypatch.setattr(cema_torch, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    gen = torch.Generator().manual_seed(8)
+    want = {(64, 40, 39): ["fftconv_fwd", "fftconv_bwd"], (64, 40, 40): ["chunked_conv_fwd", "chunked_conv_bwd"],
+            (0, 0, 40): ["fftconv_fwd", "fftconv_bwd"], (64, 40, 3): ["recurrence_fwd", "chunked_conv_bwd"]}
+    for (chunk, min_len, L), names in want.items():
+        ins = _inputs(gen, 2, 3, 4, L, F32, F32, True, True)
+        calls.clear()
+        with knobs(cema_torch, chunk=chunk, chunk_min_len=min_len):
+            y, _ = cema(*(ins[n] for n in NAMES), backend="torch")
+            y.sum().backward()
+        assert calls == names, (chunk, min_len, L, calls)
+
+
 @pytest.mark.parametrize("chunk", [0, 2], ids=["fft", "chunked"])
 def test_gradcheck_torch(chunk):
     gen = torch.Generator().manual_seed(5)
     ins = _inputs(gen, 2, 2, 3, 6, F64, F64, True, True)
     # fast_mode (random projections of the Jacobian): the full Jacobian takes seconds here
-    with knobs(cema_torch, chunk=chunk, power_block=4, direct_max_len=0):
+    with knobs(cema_torch, chunk=chunk, chunk_min_len=0, power_block=4, direct_max_len=0):
         assert torch.autograd.gradcheck(lambda *a: cema(*a, return_state=True), tuple(ins[n] for n in NAMES),
                                         fast_mode=True)
 

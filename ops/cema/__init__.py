@@ -44,7 +44,8 @@ autotune.register(
     "cema",
     key=lambda x, p, log_q, gamma, omega, hx: {"D": x.shape[1], "N": p.shape[1], "L": autotune.pow2_bucket(x.shape[2]),
                                                "hx": hx is not None},
-    space={"torch": {"chunk": [64, 0, 32, 128], "power_block": [64, 32, 128], "direct_max_len": [16, 0, 256]},
+    space={"torch": {"chunk": [64, 0, 128], "chunk_min_len": [4096, 0], "power_block": [64, 32, 128],
+                     "direct_max_len": [16, 0, 256]},
            # Triton: the stage kernels' knobs (cema_kernel's, and fftconv's with its num_warps as conv_warps)
            "triton": {**KERNEL_TRITON_SPACE,
                       **{("conv_warps" if k == "num_warps" else k): v for k, v in CONV_TRITON_SPACE.items()}}},

@@ -11,11 +11,11 @@ One power table (ops/_vandermonde.py) serves every stage of a pass: the kernel, 
 view) and the state (flipped). Saved for the backward: the inputs, k r(D L) (cheaper than
 recomputing it), and ema_hidden's c(B D N) sums V, W.
 
-With ``chunk`` = C > 0 the convolution and the bias run in chunked form instead (ops/cema/chunked.py:
-C x C Toeplitz matmuls within chunks plus a scan over the chunk states; no FFT); k is still
-synthesised and saved, so the packed path and the FFT form can read it. ``chunk`` = 0 selects
-the FFT form. Up to ``RECURRENCE_MAX_LEN`` steps the chunked form's forward is the recurrence
-itself (decoding), with the same saved tensors.
+With ``chunk`` = C > 0 and L >= ``chunk_min_len`` the convolution and the bias run in chunked
+form instead (ops/cema/chunked.py: C x C Toeplitz matmuls within chunks plus a scan over the
+chunk states; no FFT); k is still synthesised and saved, so the packed path and the FFT form can
+read it. ``chunk`` = 0 selects the FFT form at every length. Up to ``RECURRENCE_MAX_LEN`` steps
+(and chunk > 0) the forward is the recurrence itself (decoding), with the same saved tensors.
 """
 from __future__ import annotations
 
@@ -26,27 +26,36 @@ from ..ema_hidden.torch_impl import ema_hidden_bwd, ema_hidden_fwd
 from ..fftconv.torch_impl import compute_dtype, fftconv_bwd, fftconv_fwd
 from .chunked import RECURRENCE_MAX_LEN, chunked_conv_bwd, chunked_conv_fwd, recurrence_fwd
 
-#: The knobs of the stages it composes (see cema_kernel and fftconv), and ``chunk``: the chunk
-#: length of the chunked form, 0 for the FFT form. 64 measured fastest on a 1-thread x86 CPU at
-#: the bench model's shape (B 2, D 256, N 16, L 4096: fwd+bwd ~3x faster than the FFT form).
-DEFAULT_CONFIG: dict = {"chunk": 64, "power_block": 64, "direct_max_len": 16}
+#: The knobs of the stages it composes (see cema_kernel and fftconv), ``chunk``: the chunk length
+#: of the chunked form (0: never chunked), and ``chunk_min_len``: the lengths from which the
+#: chunked form runs (below: the FFT form). On a 1-thread x86 CPU the chunked form (C 64) costs
+#: about the FFT form's time up to L 2048 and less from L 4096 on, where the FFT's spectra
+#: (B D (L+1) complex values) leave the cache: bench model shape (B 2, D 256, N 16, L 4096)
+#: fwd+bwd 86 vs 134 ms; (B 4, D 128, L 512) 23 vs 13 ms.
+DEFAULT_CONFIG: dict = {"chunk": 64, "chunk_min_len": 4096, "power_block": 64, "direct_max_len": 16}
+
+
+def _chunked(L, chunk, chunk_min_len) -> bool:
+    """Whether a length-L call runs the chunked form (its recurrence for the shortest calls)."""
+    return chunk > 0 and (L >= chunk_min_len or L <= RECURRENCE_MAX_LEN)
 
 
 def not_supported_reasons(**inputs) -> list[str]:
     return []  # every device and dtype torch supports
 
 
-def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chunk, power_block,
+def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chunk, chunk_min_len, power_block,
              direct_max_len):
     """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W))."""
     L = x.shape[-1]
     cd = compute_dtype(x.dtype, p.dtype)
-    if chunk and L <= RECURRENCE_MAX_LEN:                                 # e.g. decoding, one step per call
+    chunked = _chunked(L, chunk, chunk_min_len)
+    if chunked and L <= RECURRENCE_MAX_LEN:                               # e.g. decoding, one step per call
         y, h, saved = recurrence_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted, cd)
         return y.to(x.dtype), h, saved
     x = contiguous(x)  # once for every stage below (the model passes a transposed (B, L, D) view)
     table = power_table(log_q, L, power_block)                            # shared by every stage
-    if chunk:
+    if chunked:
         k, _ = cema_kernel_fwd(p, log_q, gamma, L, None, power_block=power_block, table=table)
         y = chunked_conv_fwd(x, p, log_q, gamma, hx, chunk, cd)          # [B, D, L], bias included
         y = y.addcmul_(omega.to(cd)[:, None], x.to(cd))
@@ -62,7 +71,8 @@ def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chu
     return y.to(x.dtype), h, (k, V, W)
 
 
-def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, chunk, power_block, direct_max_len):
+def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, chunk, chunk_min_len, power_block,
+             direct_max_len):
     """-> (dx, dp, dlog_q, dgamma, domega, dhx), any of them None when not needed; dy/dh may be None."""
     need_x, need_p, need_lq, need_gamma, need_omega, need_hx = needs
     k, V, W = saved
@@ -71,11 +81,12 @@ def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, chunk, powe
     dy = None if dy is None else contiguous(dy)
     cd = compute_dtype(x.dtype, k.dtype)
     dx = dp = dlq = dgamma = domega = dhx = None
+    chunked = _chunked(L, chunk, chunk_min_len)
     # the chunked form evaluates its own few powers; the table serves the FFT form and the state
-    table = power_table(log_q, L, power_block) if (dy is not None and not chunk) or dh is not None else None
+    table = power_table(log_q, L, power_block) if (dy is not None and not chunked) or dh is not None else None
     if dy is not None:
         dyc = dy.to(cd)
-        if chunk:
+        if chunked:
             dx, dp, dlq, dgamma, dhx = chunked_conv_bwd(dyc, x, p, log_q, gamma, hx,
                                                         (need_x, need_p, need_lq, need_gamma, need_hx), chunk, cd)
         else:
