@@ -38,6 +38,16 @@ def pytest_configure(config):
         settings.load_profile("stress")
 
 
+@pytest.fixture(scope="module")
+def one_thread():
+    """One intra-op thread for a module of small-tensor tests: with a second (busy) core, intra-op
+    threading only adds waits. Used with ``pytestmark = pytest.mark.usefixtures("one_thread")``."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
 @pytest.fixture
 def stress(request) -> bool:
     """True under ``--stress``: tests marked ``stress`` then run their full-size cases; by default

@@ -20,13 +20,7 @@ from megalodon_kernels.reference import rotary as R_rot
 from megalodon_kernels.reference import timestep_norm as R_tsn
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: with a second (busy) core, intra-op threading only adds waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 TOL = {torch.float64: 1e-9, torch.float32: 3e-5}
 

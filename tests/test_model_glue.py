@@ -17,12 +17,7 @@ from megalodon_kernels.model import MegalodonBlock, RMSNorm, get_config
 from megalodon_kernels.model import layers as layers_mod
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def _rel(a, e):

@@ -7,13 +7,7 @@ import torch
 from megalodon_kernels.model import Megalodon, MegalodonConfig
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """These tensors are tiny: with a second (busy) core, intra-op threading only adds waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 C = 8
 

@@ -14,13 +14,7 @@ CHUNK = 8
 VOCAB = 37
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny tensors: with a second (busy) core, intra-op threading only adds waits."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
 
 
 def make_model(dtype=torch.float64, backend="torch", **kw):
