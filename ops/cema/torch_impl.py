@@ -28,10 +28,9 @@ from .chunked import RECURRENCE_MAX_LEN, chunked_conv_bwd, chunked_conv_fwd, rec
 
 #: The knobs of the stages it composes (see cema_kernel and fftconv), ``chunk``: the chunk length
 #: of the chunked form (0: never chunked), and ``chunk_min_len``: the lengths from which the
-#: chunked form runs (below: the FFT form). On a 1-thread x86 CPU the chunked form (C 64) costs
-#: about the FFT form's time up to L 2048 and less from L 4096 on, where the FFT's spectra
-#: (B D (L+1) complex values) leave the cache: bench model shape (B 2, D 256, N 16, L 4096)
-#: fwd+bwd 86 vs 134 ms; (B 4, D 128, L 512) 23 vs 13 ms.
+#: chunked form runs (below: the FFT form). On a 1-thread x86 CPU (`python bench/cema_forms.py
+#: time`) the chunked form (C 64) is on par with the FFT form or slower up to L 2048, and faster
+#: from L 4096 on, where the FFT's spectra (B D (L+1) complex values) leave the cache.
 DEFAULT_CONFIG: dict = {"chunk": 64, "chunk_min_len": 4096, "power_block": 64, "direct_max_len": 16}
 
 
