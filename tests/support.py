@@ -122,6 +122,16 @@ def backend_module(op: str, backend: str):
 
 # --- input builders ---------------------------------------------------------------------------
 
+def perturb_(module: torch.nn.Module, seed: int, scale: float = 0.1) -> torch.nn.Module:
+    """Move a model's zero-initialised parameters (norm scales, biases, gamma/beta, priors) off zero:
+    adds scale * N(0, 1), drawn in float32 from a generator seeded with ``seed``, to every parameter."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.add_(scale * torch.randn(p.shape, generator=g).to(p.dtype))
+    return module
+
+
 def attention_inputs(B, L, S, H, dh, dv, dtype, contiguous=True, data_seed=0):
     """q (B, L, H, dh), k (B, S, H, dh), v (B, S, H, dv) as leaves and an upstream gradient do,
     drawn in float64 from one seeded generator, then rounded to ``dtype``."""

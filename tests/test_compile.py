@@ -22,6 +22,7 @@ import torch
 from megalodon_kernels import ops
 from megalodon_kernels.model import Megalodon, get_config
 from megalodon_kernels.ops.rotary import rotation_tables
+from support import perturb_
 
 OPS = torch.ops.megalodon_kernels
 REAL = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -424,12 +425,7 @@ def test_bad_values_raise_at_run_time_under_compile():
 def _model(dtype=torch.float32, **overrides):
     cfg = get_config("tiny", **{"num_layers": 1, "vocab_size": 50, "backend": "auto", **overrides})
     torch.manual_seed(0)
-    model = Megalodon(cfg).to(dtype)
-    with torch.no_grad():  # move the zero-initialised parameters off zero
-        g = torch.Generator().manual_seed(100)
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.dtype))
-    return model
+    return perturb_(Megalodon(cfg).to(dtype), 100)
 
 
 def _step(model, tokens, seed=1, run=None):

@@ -15,6 +15,7 @@ import torch
 
 from megalodon_kernels.model import MegalodonBlock, RMSNorm, get_config
 from megalodon_kernels.model import layers as layers_mod
+from support import perturb_
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
@@ -93,12 +94,7 @@ def _block(dtype, **overrides):
                                 "dropout": 0.0, "hidden_dropout": 0.0, "attention_dropout": 0.0,
                                 **overrides})
     torch.manual_seed(0)
-    block = MegalodonBlock(cfg, 1).to(dtype)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(5)
-        for p in block.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g).to(dtype))
-    return block.train()
+    return perturb_(MegalodonBlock(cfg, 1).to(dtype), 5).train()
 
 
 def _run(block, x, gy):

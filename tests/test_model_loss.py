@@ -14,6 +14,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from megalodon_kernels.model import Megalodon, get_config, linear_cross_entropy
 from megalodon_kernels.model import loss as loss_mod
+from support import perturb_
 
 TOL = {torch.float64: 1e-12, torch.float32: 2e-6, torch.bfloat16: 2e-2}
 
@@ -198,12 +199,7 @@ def _model(dtype=torch.float64, **overrides):
     cfg = get_config("tiny", **{"num_layers": 2, "vocab_size": 50, "dropout": 0.0, "hidden_dropout": 0.0,
                                 "attention_dropout": 0.0, **overrides})
     torch.manual_seed(0)
-    model = Megalodon(cfg).to(dtype)
-    with torch.no_grad():  # move the zero-initialised parameters off zero
-        g = torch.Generator().manual_seed(100)
-        for p in model.parameters():
-            p.add_(0.1 * torch.randn(p.shape, generator=g).to(p.dtype))
-    return model.train()
+    return perturb_(Megalodon(cfg).to(dtype), 100).train()
 
 
 def _step(model, run):

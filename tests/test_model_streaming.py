@@ -5,6 +5,7 @@ import pytest
 import torch
 
 from megalodon_kernels.model import Megalodon, MegalodonConfig
+from support import perturb_
 
 
 pytestmark = pytest.mark.usefixtures("one_thread")  # tiny tensors: see conftest.one_thread
@@ -17,12 +18,7 @@ def make_model(dtype=torch.float32, seed=0, **kw):
                chunk_size=C, norm_num_groups=4, vocab_size=41, backend="torch")
     cfg.update(kw)
     torch.manual_seed(seed)
-    model = Megalodon(MegalodonConfig(**cfg)).to(dtype).eval()
-    with torch.no_grad():  # move the zero-initialised parameters off zero
-        g = torch.Generator().manual_seed(seed + 100)
-        for p in model.parameters():
-            p.add_(0.2 * torch.randn(p.shape, generator=g).to(p.dtype))
-    return model
+    return perturb_(Megalodon(MegalodonConfig(**cfg)).to(dtype).eval(), seed + 100, 0.2)
 
 
 def rel_err(a, b):
