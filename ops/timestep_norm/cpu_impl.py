@@ -41,6 +41,8 @@ def _vector_flags() -> list[str]:
         flags = set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
         return []
+    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"} <= flags:
+        return ["-march=x86-64-v4"]
     return ["-march=x86-64-v3"] if {"avx2", "fma", "bmi2"} <= flags else []
 
 
