@@ -180,6 +180,34 @@ def _oracle_long(p, log_q, gamma, hx, L, dk, db, chunk=1 << 16):
     return k, b, grads
 
 
+@pytest.mark.parametrize("count, step, first", [(1, 1, 0), (16, 1, 0), (17, 1, 0), (65, 1, 0), (4097, 1, 0),
+                                                 (300, 64, 64), (33, 4096, 0)])
+def test_progression_powers_match_exact_powers(count, step, first):
+    # The power tables' doubling construction (float64 products of exact factors, rounded once)
+    # against one exact evaluation per entry: complex128 bit for bit (it is exact_powers there);
+    # complex64 equal except where the float64 value sits within ~1e-15 of a rounding boundary,
+    # and there within one unit in the last place.
+    from megalodon_kernels.ops._vandermonde import exact_powers, progression_powers
+
+    gen = torch.Generator().manual_seed(count)
+    lq = torch.complex(-torch.rand(24, 8, generator=gen) * torch.logspace(-6, 0, 8),
+                       (torch.rand(24, 8, generator=gen) - 0.5) * 2 * math.pi)
+    exps = torch.arange(count) * step + first
+    for dtype in (torch.complex64, torch.complex128):
+        got, want = progression_powers(lq.to(dtype), count, step, first), exact_powers(lq.to(dtype), exps)
+        assert got.dtype == dtype and got.shape == (24, 8, count)
+        differ = got != want
+        print(f"{dtype}: {int(differ.sum())} of {differ.numel()} entries differ")
+        if dtype == torch.complex128:
+            assert not differ.any()
+        else:
+            assert differ.float().mean() <= 1e-4
+            ulp = torch.finfo(torch.float32).eps * want.abs().clamp_min(torch.finfo(torch.float32).tiny)
+            assert ((got - want).abs() <= ulp).all()
+    with pytest.raises(ValueError, match="count"):
+        progression_powers(lq, 0)
+
+
 @pytest.mark.parametrize("backend, gap, config", [
     ("torch", 1e-5, {}),
     ("torch", 1e-6, {}),

@@ -14,7 +14,8 @@ Per channel the work is three batched real matmuls, [nc, C] @ [C, C], [nc, C] @ 
 nc = L/C chunk states: O(L (C + 4N)) flops per channel against the FFT path's O(L log L), but all
 of it in GEMMs on the CPU, no transforms and no complex spectra; only q**0 .. q**C are evaluated.
 
-Numerics. The powers come from :func:`exact_powers` (rounded once from float64). The scan is a
+Numerics. The powers come from :func:`progression_powers` / :func:`exact_powers` (float64,
+rounded once). The scan is a
 recurrence over chunks, so its rounding error grows with the number of chunks it runs through;
 it runs in one level up to ``SCAN_BLOCK`` chunks, and in two beyond: blocks of SCAN_BLOCK chunks
 scanned from zero (all blocks at once), then the block carries, each added to its block's chunks
@@ -33,7 +34,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from .._vandermonde import exact_powers
+from .._vandermonde import exact_powers, progression_powers
 from .._toeplitz import diagonal_sums, toeplitz, toeplitz_t
 
 class Chunked:
@@ -54,7 +55,7 @@ class Chunked:
         self.xs = xc.contiguous().view(B, D, nc, C)
         ccd = torch.complex128 if cd == torch.float64 else torch.complex64
         self.p, self.gamma, self.log_q = p.to(cd), gamma.to(ccd), log_q.to(ccd)
-        self.P = exact_powers(self.log_q, torch.arange(C + 1, device=x.device))       # [D, N, C+1]
+        self.P = progression_powers(self.log_q, C + 1)                                 # [D, N, C+1]
         self.kc = (self.p * self.gamma).unsqueeze(-1).mul(self.P[..., :C]).real.sum(1)   # [D, C] = k[:C]
 
     # ---- weights as real matrices: a complex weight w of N rows becomes 2N real ones, each
@@ -119,7 +120,7 @@ def chunk_scan(z, log_q, C, reverse=False):
         return chunk_scan(z.flip(2), log_q.conj_physical(), C).flip(2)
     nb = -(-nc // G)
     zb = F.pad(z, (0, 0, 0, nb * G - nc)).view(B, D, nb, G, N)
-    a_pows = exact_powers(log_q, C * torch.arange(1, G + 1, device=z.device))         # [D, N, G]: a**1 .. a**G
+    a_pows = progression_powers(log_q, G, step=C, first=C)                            # [D, N, G]: a**1 .. a**G
     local = _scan(zb, a_pows[..., 0].unsqueeze(1), dim=3)                             # each block from zero
     carry = _scan(local[:, :, :, -1], a_pows[..., -1])                                # state after each block
     # chunk i of block m (m >= 1) gains a**(i+1) times the state after block m-1

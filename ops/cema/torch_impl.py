@@ -19,6 +19,8 @@ read it. ``chunk`` = 0 selects the FFT form at every length. Up to ``RECURRENCE_
 """
 from __future__ import annotations
 
+import torch
+
 from .._layout import contiguous
 from .._vandermonde import power_table
 from ..cema_kernel.torch_impl import cema_kernel_bwd, cema_kernel_fwd
@@ -60,8 +62,9 @@ def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chu
         y = y.addcmul_(omega.to(cd)[:, None], x.to(cd))
     else:
         k, b = cema_kernel_fwd(p, log_q, gamma, L, hx, power_block=power_block, table=table)
-        y = fftconv_fwd(x, k, cd, direct_max_len=direct_max_len)          # [B, D, L]
-        y = y.addcmul_(omega.to(cd)[:, None], x.to(cd))
+        y = fftconv_fwd(x, k, cd, direct_max_len=direct_max_len)          # [B, D, L], a view of a 2L-long FFT row
+        # out of place: the sum is also the contiguous copy the op returns (one pass, not two)
+        y = torch.addcmul(y, omega.to(cd)[:, None], x.to(cd))
         if b is not None:
             y = y.add_(b)
     h = V = W = None

@@ -67,9 +67,12 @@ def fftconv_bwd(dy, x, k, need_x=True, need_k=True, *, direct_max_len):
         return dx, dk
     n = fft_size(L)
     DY = torch.fft.rfft(dyc, n=n)                                                  # [B, D, n/2+1]
-    if need_x:
-        dx = torch.fft.irfft(DY * torch.fft.rfft(k.to(cd), n=n).conj(), n=n)[..., :L]
+    # The products run in place on spectra that are not needed afterwards (X's, then DY once the
+    # k-gradient has read it): no further spectrum-sized buffers to allocate and fault in.
     if need_k:
-        cross = (DY * torch.fft.rfft(contiguous(x.to(cd)), n=n).conj()).sum(0)     # [D, n/2+1]
+        X = torch.fft.rfft(contiguous(x.to(cd)), n=n)
+        cross = X.conj_physical_().mul_(DY).sum(0)                                 # [D, n/2+1]
         dk = torch.fft.irfft(cross, n=n)[..., :L]
+    if need_x:
+        dx = torch.fft.irfft(DY.mul_(torch.fft.rfft(k.to(cd), n=n).conj()), n=n)[..., :L]
     return dx, dk
