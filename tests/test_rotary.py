@@ -84,6 +84,46 @@ def test_triton_equals_torch_bitwise_in_fp32():
     assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("H", [1, 3])
+@pytest.mark.parametrize("per_batch", [False, True], ids=["shared", "per-batch"])
+def test_cached_tables_equal_fresh_tables(H, per_batch):
+    # rotary() keeps the tables of recent positions (and, for several heads, the torch backend
+    # keeps them repeated over the heads); a call that hits those caches must give what fresh
+    # tables give, forward and backward, also after the cached tables were written to (the
+    # version check then rebuilds what derives from them). Equal up to the last bit of a complex
+    # product: a multiply broadcasting a table over the heads may run torch's scalar inner loop
+    # and the repeated table its vectorised one, which round differently.
+    from megalodon_kernels.ops.rotary import _TABLES, rotary_op, rotation_tables
+
+    B, L, d = 2, 37, 8
+    gen = torch.Generator().manual_seed(H)
+    x = torch.randn(B, L, H, d, generator=gen, requires_grad=True)
+    dy = torch.randn(B, L, H, d, generator=gen)
+    pos = torch.randint(0, 50, (B, L) if per_batch else (L,), generator=gen) + 1000 * H  # a key of its own
+
+    def fresh(cos, sin):
+        y = rotary_op(x, cos.clone(), sin.clone(), "torch")  # clones: not the cache's marked views
+        return (y, *torch.autograd.grad(y, x, dy))
+
+    for _ in range(3):  # a miss, then hits
+        y = ops.rotary(x, pos, backend="torch")
+        got = (y, *torch.autograd.grad(y, x, dy))
+        want = fresh(*rotation_tables(pos, d, 10000.0, None, False, F32))
+        for a, b in zip(got, want):
+            torch.testing.assert_close(a, b, rtol=4e-7, atol=4e-7)
+    (_, cos, sin), = [v for v in _TABLES.values() if torch.equal(v[0], pos)]
+    with torch.no_grad():
+        cos.mul_(0.5)  # bumps the shared version: the conjugate half and repeated tables are stale
+    y = ops.rotary(x, pos, backend="torch")
+    got = (y, *torch.autograd.grad(y, x, dy))
+    want = fresh(cos, sin)
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=4e-7, atol=4e-7)
+    stale = fresh(*rotation_tables(pos, d, 10000.0, None, False, F32))
+    assert (got[0] - stale[0]).abs().max() > 0.1 and (got[1] - stale[1]).abs().max() > 0.1
+    _TABLES.clear()
+
+
 def test_xpos_scores_depend_on_distance_only():
     # q_t . k_u must equal q_{t+s} . k_{u+s}: the defining property of RoPE and xPos.
     q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
