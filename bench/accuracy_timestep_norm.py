@@ -71,7 +71,7 @@ def main():
     p.add_argument("--prior", action="store_true", help="start from prev_count=1000, prev_mean=1e3, prev_var=2")
     p.add_argument("--outlier", type=float, default=1e4, help="std of the first step around 1e3 (0: no outlier)")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--backend", default="torch", choices=["torch", "triton", "cuda"],
+    p.add_argument("--backend", default="torch", choices=["torch", "cpu", "triton", "cuda"],
                    help="backend of the fp32 run (the float64 oracle is torch or the NumPy reference)")
     args = p.parse_args()
     emulated_cuda.use(args.backend, ["timestep_norm"])
@@ -112,7 +112,7 @@ def main():
         sec = time.perf_counter() - t0
         with torch.no_grad():  # the running per-step stats, for the per-step rows
             *_, saved = torch_impl.timestep_norm_fwd(inputs[0], inputs[1], inputs[2], n0, inputs[3], inputs[4],
-                                                     torch.zeros(B, L, dtype=torch.bool), G, eps, args.chunk)
+                                                     torch.zeros(B, L, dtype=torch.bool), G, eps, chunk=args.chunk)
             step_mu, step_rstd = saved[2] + saved[8][:, None], saved[3]  # mu is stored relative to the shift K
         return dict(y=y, mean=mean, var=var, step_mean=step_mu, step_rstd=step_rstd, dx=grads[0], dscale=grads[1],
                     dbias=grads[2], dprev_mean=grads[3], dprev_var=grads[4]), sec
