@@ -50,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch.profiler import ProfilerActivity, profile
 
+from megalodon_kernels.autotune.device import cpu_model
 from megalodon_kernels.model import Megalodon, MegalodonConfig
 
 #: Ops whose self time counts as dense matrix multiplication (the in-place forms too: the fused
@@ -179,7 +180,7 @@ def main():
         f"# {mode} CPU training step: time and non-GEMM share",
         "",
         f"`{cmd}`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, "
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads.",
+        f"torch {torch.__version__}, {platform.machine()} {cpu_model()}, {args.threads} threads.",
         "",
         f"- `uptime` before: `{load_before}`",
         f"- `uptime` after: `{load_after}`",

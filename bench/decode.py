@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from megalodon_kernels.autotune.device import cpu_model
 from megalodon_kernels.model import Megalodon, get_config
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -115,7 +116,7 @@ def main():
         "# CPU decoding: `generate` tokens/s and per-token latency up to 100k tokens",
         "",
         f"`{cmd}`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, "
-        f"torch {torch.__version__}, {platform.processor() or platform.machine()}, {args.threads} threads, "
+        f"torch {torch.__version__}, {platform.machine()} {cpu_model()}, {args.threads} threads, "
         "batch 1, fp32, greedy.",
         "",
         f"- `uptime` before: `{load_before}`",
