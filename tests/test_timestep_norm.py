@@ -4,6 +4,8 @@ interpreter, CUDA in the emulator), with padding (NaN/inf in padded rows), prior
 several chunks; the streaming state, non-finite inputs, the chunk knob, fp32 accuracy with a large
 mean / outlier first step, the CUDA kernels in both fiber orders, the reference's own checks
 (finite differences, pooled moments, GroupNorm at step 0, streaming) and argument validation."""
+import functools
+
 import numpy as np
 import pytest
 import torch
@@ -369,6 +371,34 @@ def test_cpu_backend_without_a_compiler_says_so_and_auto_falls_back(monkeypatch,
     why = cpu_impl.not_supported_reasons(x)
     assert len(why) == 1 and "could not be built" in why[0] and "backend='torch'" in why[0]
     assert BACKENDS.select("auto", {"x": x, "num_groups": 2}, device=x.device, dtype=x.dtype).name == "torch"
+
+
+@pytest.mark.parametrize("vector", [[], ["-march=x86-64-v3"]], ids=["sse2", "avx2"])
+def test_cpu_kernel_narrower_vector_builds(monkeypatch, vector):
+    # The kernel's sums have one code path per vector width (8 doubles with AVX-512, 4 with AVX,
+    # 2 otherwise); the build picks the widest this CPU has, so the test suite would only run
+    # that one: build the narrower ones here (x86-64 only) and check them against the torch backend.
+    import platform
+
+    from megalodon_kernels.ops.timestep_norm import cpu_impl
+    if platform.machine() != "x86_64" or isinstance(cpu_impl._library(), Exception):
+        pytest.skip("x86-64 builds of the cpu kernel need an x86-64 machine with a C++ compiler")
+    base = [f for f in cpu_impl.FLAGS if not f.startswith("-march=")]
+    monkeypatch.setattr(cpu_impl, "FLAGS", base + vector)
+    monkeypatch.setattr(cpu_impl, "_library", functools.lru_cache(maxsize=None)(cpu_impl._library.__wrapped__))
+    g = torch.Generator().manual_seed(3)
+    B, L, D, G = 3, 77, 96, 4  # 24 features a group: 3 full lanes of 8, no tail; 77 steps
+    x = (torch.randn(B, L, D, generator=g) * 3 + 100).requires_grad_()
+    x.data[1, 5:9] = torch.randn(4, D, generator=g) * 1e3  # outliers inside a row
+    scale, bias = torch.randn(D, generator=g, requires_grad=True), torch.randn(D, generator=g, requires_grad=True)
+    w = torch.randn(B, L, D, generator=g)
+    outs = {}
+    for be in ("cpu", "torch"):
+        y, n, m, v = timestep_norm(x, scale, bias, G, backend=be)
+        outs[be] = (y, m, v, *torch.autograd.grad((y * w).sum() + m.sum() + v.sum(), [x, scale, bias]))
+    assert "-march=x86-64-v4" not in cpu_impl.FLAGS
+    for a, b in zip(outs["cpu"], outs["torch"]):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 
 
 # ---------------------------------------------------------------------------------------------
