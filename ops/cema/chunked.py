@@ -15,9 +15,8 @@ nc = L/C chunk states: O(L (C + 4N)) flops per channel against the FFT path's O(
 of it in GEMMs on the CPU, no transforms and no complex spectra; only q**0 .. q**C are evaluated.
 
 Numerics. The powers come from :func:`progression_powers` / :func:`exact_powers` (float64,
-rounded once). The scan is a
-recurrence over chunks, so its rounding error grows with the number of chunks it runs through;
-it runs in one level up to ``SCAN_BLOCK`` chunks, and in two beyond: blocks of SCAN_BLOCK chunks
+rounded once). The scan is a recurrence over chunks, so its rounding error grows with the number
+of chunks it runs through; it runs in one level up to ``SCAN_BLOCK`` chunks, and in two beyond: blocks of SCAN_BLOCK chunks
 scanned from zero (all blocks at once), then the block carries, each added to its block's chunks
 with exact powers q**(C (i+1)). Any state is then at most SCAN_BLOCK + nc / SCAN_BLOCK
 multiply-adds from exact (~320 at L = 2**20, C = 64), not nc. (The two-level pass is not used
