@@ -62,8 +62,9 @@ def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chu
         y = y.addcmul_(omega.to(cd)[:, None], x.to(cd))
     else:
         k, b = cema_kernel_fwd(p, log_q, gamma, L, hx, power_block=power_block, table=table)
-        y = fftconv_fwd(x, k, cd, direct_max_len=direct_max_len)          # [B, D, L], a view of a 2L-long FFT row
-        # out of place: the sum is also the contiguous copy the op returns (one pass, not two)
+        y = fftconv_fwd(x, k, cd, direct_max_len=direct_max_len)          # [B, D, L], a strided view
+        # (the first halves of the FFT rows, or a transposed matmul): the out-of-place sum is also
+        # the contiguous copy the op returns (one pass, not two)
         y = torch.addcmul(y, omega.to(cd)[:, None], x.to(cd))
         if b is not None:
             y = y.add_(b)
