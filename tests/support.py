@@ -36,8 +36,8 @@ TOLERANCES = {
     ("cuda", torch.float16): {"fwd": 4e-3, "bwd": 8e-3},
     # fp64 kernels accumulate in double; the fp32 side of the budget is never needed.
     ("cuda", torch.float64): {"fwd": 1e-10, "bwd": 1e-9},
-    # The compiled C++ CPU kernels (timestep_norm): statistics in double whatever the input type;
-    # the same budget as torch.
+    # The compiled C++ CPU kernels: timestep_norm's statistics in double whatever the input type,
+    # fftconv's transforms in the arithmetic dtype as torch's library FFT; the same budget as torch.
     ("cpu", torch.float64): {"fwd": 1e-10, "bwd": 1e-9},
     ("cpu", torch.float32): {"fwd": 2e-5, "bwd": 5e-5},
     ("cpu", torch.float16): {"fwd": 4e-3, "bwd": 8e-3},
@@ -192,12 +192,12 @@ def timestep_norm_inputs(B, L, D, G, seed, *, pad="none", prior=True, center=0.0
 
 # --- backends -----------------------------------------------------------------------------------
 
-def on_backends(cases, runs_on) -> list:
+def on_backends(cases, runs_on, backends=("torch", "triton", "cuda")) -> list:
     """``pytest.param(backend, case)`` for every case of an op's table (``pytest.param(case, id=...)``)
-    on every backend that ``runs_on(backend, case)``, with ids ``<backend>-<case id>``. The CUDA ones
-    run in the emulator (conftest.py)."""
+    on every backend of ``backends`` that ``runs_on(backend, case)``, with ids ``<backend>-<case id>``.
+    The CUDA ones run in the emulator (conftest.py)."""
     params = []
-    for backend in ("torch", "triton", "cuda"):
+    for backend in backends:
         for c in cases:
             (case,) = c.values
             if runs_on(backend, case):

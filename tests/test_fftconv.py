@@ -1,12 +1,15 @@
 """fftconv (causal long convolution) on every backend against the float64 reference.
 
-* One table of cases run on each backend that implements it (torch: direct and FFT paths; Triton in
-  the interpreter: direct, register-tile FFT and workspace (three-level) FFT paths, x fp32/bf16;
-  CUDA in the emulator: one block per row and the multi-pass four-step FFT, x fp32/bf16/fp64): y and
+* One table of cases run on each backend that implements it (torch: direct and FFT paths; cpu: the
+  compiled C++ kernel; Triton in the interpreter: direct, register-tile FFT and workspace
+  (three-level) FFT paths, x fp32/bf16; CUDA in the emulator: one block per row and the multi-pass
+  four-step FFT, x fp32/bf16/fp64): y and
   both gradients in mixed dtypes (bf16/fp16 x with fp32 k, as CEMA calls it), odd sizes and an
   unpaired batch row, non-contiguous inputs.
 * Properties: linearity, causality, direct == FFT, gradcheck; the path each backend picks.
 * The reference's own backward against finite differences.
+* cpu: channel blocks that fill no vector, an odd block count, recursion depths, one gradient
+  alone, any thread count bitwise, the narrower vector builds, no compiler.
 * Triton: the tile plan, one gradient alone, the long case L = 2**17 against a float64 FFT.
 * The CUDA kernels' launch description (ops/fftconv/cuda_impl.py over cuda/fftconv*.cuh) in the emulator, in both
   fiber orders: one block per row up to L = 16384 in fp32 and bf16, the multi-pass FFT above it
@@ -29,6 +32,7 @@ from hypothesis import given, strategies as st
 
 from megalodon_kernels.cuda.launch import EmulatorLauncher as emu  # the launch descriptions in the emulator
 from megalodon_kernels.ops.fftconv import cuda_impl as C, fftconv
+from megalodon_kernels.ops.fftconv import cpu_impl as conv_cpu
 from megalodon_kernels.ops.fftconv import torch_impl as conv_torch
 from megalodon_kernels.ops.fftconv import triton_impl as conv_triton
 from megalodon_kernels.reference import fftconv as ref
@@ -88,7 +92,7 @@ CASES = [
       for path in PATHS for x, k in DTYPES for L in (1, 31, 33, 63, 129)),
     # the FFT path with 60 features takes ~15 s in the Triton interpreter: its direct path only
     *(case(2, 60, 33, BF16, F32, f"{path}-D60-strided-x_bfloat16", path=path, contiguous=False,
-           only=None if path == "direct" else ("torch", "cuda")) for path in PATHS),
+           only=None if path == "direct" else ("torch", "cpu", "cuda")) for path in PATHS),
     *(case(2, 3, 63, BF16, F32, f"{path}-L63-strided-x_bfloat16", path=path, contiguous=False, seed=1)
       for path in PATHS),
     *(case(2, 3, 70, x, F32, f"L70-x_{_dt(x)}", seed=2) for x in (F32, BF16)),
@@ -102,7 +106,7 @@ CASES = [
     # Triton's shipped column tiles (the loop over column tiles of every pass), forward only
     case(1, 1, 2049, F32, F32, "L2049-shipped-work_bc-fwd_only", seed=4, grads=False, only=("triton",)),
     # CUDA's first multi-pass length; the O(L^2) reference and the interpreter take too long for more
-    case(1, 2, 16385, BF16, F32, "L16385-x_bfloat16", seed=7, only=("torch", "cuda")),
+    case(1, 2, 16385, BF16, F32, "L16385-x_bfloat16", seed=7, only=("torch", "cpu", "cuda")),
 ]
 
 
@@ -113,6 +117,8 @@ def runs_on(backend, c: Case) -> bool:
         return c.xdtype in (F32, BF16) and c.kdtype != F64
     if backend == "cuda":
         return c.path == "fft" and c.xdtype != F16 and (c.kdtype != F64 or c.xdtype == F64)
+    if backend == "cpu":
+        return c.path == "fft"  # one path
     return True
 
 
@@ -138,7 +144,7 @@ def check_fftconv(backend, B, D, L, xdtype, kdtype, contiguous=True, seed=0, gra
     assert_close("dk", dk, dk_ref, dk_tol)
 
 
-@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on))
+@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton", "cuda")))
 def test_matches_reference(backend, c):
     if backend == "triton" and c.path == "fft" and c.L <= 2048:
         assert conv_triton._plan(c.L, 0)[0] == "tile"
@@ -168,6 +174,8 @@ IDENTITY_RUNS = [
     pytest.param("triton", "fft", F32, 1e-5, id="triton-fft-float32"),
     pytest.param("cuda", "fft", F32, 1e-5, id="cuda-float32"),
     pytest.param("cuda", "fft", F64, 1e-13, id="cuda-float64"),
+    pytest.param("cpu", "fft", F32, 1e-5, id="cpu-float32"),
+    pytest.param("cpu", "fft", F64, 1e-13, id="cpu-float64"),
 ]
 
 
@@ -232,7 +240,8 @@ def test_direct_equals_fft_triton():
     ("torch", "direct", 9, True), ("torch", "fft", 9, True),
     # finite differences through the emulated CUDA kernels in float64, the full Jacobian
     ("cuda", "fft", 19, False),
-], ids=["torch-direct", "torch-fft", "cuda"])
+    ("cpu", "fft", 19, False),  # the full Jacobian: every tap of every lane
+], ids=["torch-direct", "torch-fft", "cuda", "cpu"])
 def test_gradcheck(backend, path, length, fast_mode):
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(2, 2, length, generator=gen, dtype=F64).requires_grad_()
@@ -325,6 +334,101 @@ def test_triton_long_length():
     # the first samples of y (no error hiding in the max over a long row)
     assert_close("y[:64]", y[..., :64], to_np(ref.fftconv(to_np(xs[..., :64]), to_np(ks[..., :64]))),
                  tol("triton", F32, "fwd"))
+
+
+# ------------------------------------------------------------------------------------------------
+# cpu: the compiled kernel (ops/fftconv/cpu_kernel.cpp) directly
+# ------------------------------------------------------------------------------------------------
+
+def _cpu_available():
+    if isinstance(conv_cpu._library(), Exception):
+        pytest.skip(f"the cpu fftconv kernel cannot be built here: {conv_cpu._library()}")
+
+
+def _cpu_vs_float64(B, D, L, dtype, seed, need_x=True, need_k=True):
+    x, k, dy = _inputs64(seed, B, D, L)
+    y = conv_cpu.fftconv_fwd(x.to(dtype), k.to(dtype))
+    dx, dk = conv_cpu.fftconv_bwd(dy.to(dtype), x.to(dtype), k.to(dtype), need_x, need_k)
+    yr, dxr, dkr = _fft_ref(*(t.to(dtype).double() for t in (x, k, dy)))  # the inputs as the kernel saw them
+    bound = 1e-13 if dtype == F64 else tol("cpu", F32, "fwd")
+    assert_close("y", y, yr, bound)
+    assert (dx is None) != need_x and (dk is None) != need_k
+    if need_x:
+        assert_close("dx", dx, dxr, bound)
+    if need_k:
+        assert_close("dk", dk, dkr, bound)
+
+
+# Lanes are channels: 16 float / 8 double lanes with AVX-512 (8 / 4 with AVX2, 4 / 2 with SSE2). D = 1
+# and 17 leave lanes empty and make an odd number of channel blocks (a task with one block, the
+# imaginary half of its transforms zero); D = 40 is two full blocks and a partial one. L from 1
+# (n = 2) through the in-cache leaf (n <= 256) to three levels of recursion (L = 2049, n = 8192).
+@pytest.mark.parametrize("dtype", [F32, F64], ids=_dt)
+@pytest.mark.parametrize("B,D,L", [(1, 1, 1), (3, 17, 2), (2, 40, 127), (1, 33, 128), (3, 17, 129), (2, 5, 700),
+                                   (1, 3, 2049)], ids=lambda v: str(v))
+def test_cpu_kernel_vs_float64_fft(dtype, B, D, L):
+    _cpu_available()
+    _cpu_vs_float64(B, D, L, dtype, seed=B * 1000 + D * 10 + L)
+
+
+@pytest.mark.parametrize("need", ["x", "k"])
+def test_cpu_kernel_one_gradient(need):
+    _cpu_available()
+    _cpu_vs_float64(3, 20, 300, F32, seed=9, need_x=need == "x", need_k=need == "k")
+
+
+def test_cpu_kernel_any_thread_count_gives_identical_results():
+    # each output is computed by one task, whatever the team size: no sum depends on the split
+    _cpu_available()
+    x, k, dy = (t.float() for t in _inputs64(11, 3, 70, 200))
+    runs, before = [], torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)  # the kernel's OpenMP team
+            runs.append((conv_cpu.fftconv_fwd(x, k), *conv_cpu.fftconv_bwd(dy, x, k)))
+    finally:
+        torch.set_num_threads(before)
+    for other in runs[1:]:
+        for a, b in zip(runs[0], other):
+            assert torch.equal(a, b)
+
+
+def test_cpu_kernel_empty_batch_and_auto_choice():
+    _cpu_available()
+    x, k = torch.zeros(0, 3, 8), torch.randn(3, 8)
+    dx, dk = conv_cpu.fftconv_bwd(torch.zeros(0, 3, 8), x, k)
+    assert dx.shape == (0, 3, 8) and torch.equal(dk, torch.zeros(3, 8))
+    # without a table entry for this shape, auto takes the compiled kernel before the torch backend
+    from megalodon_kernels.ops.fftconv import BACKENDS
+    x = torch.randn(1, 7, 13)
+    assert BACKENDS.select("auto", {"x": x, "k": x[0]}, device=x.device, dtype=x.dtype).name == "cpu"
+
+
+@pytest.mark.parametrize("vector", [[], ["-march=x86-64-v3"]], ids=["sse2", "avx2"])
+def test_cpu_kernel_narrower_vector_builds(monkeypatch, vector):
+    # lanes per vector (so channel blocks and their tails) depend on the build, which takes the
+    # widest this CPU has: build the narrower ones too (x86-64 only)
+    import functools
+    import platform
+    if platform.machine() != "x86_64" or isinstance(conv_cpu._library(), Exception):
+        pytest.skip("x86-64 builds of the cpu kernel need an x86-64 machine with a C++ compiler")
+    base = [f for f in conv_cpu.FLAGS if not f.startswith("-march=")]
+    monkeypatch.setattr(conv_cpu, "FLAGS", base + vector)
+    monkeypatch.setattr(conv_cpu, "_library", functools.lru_cache(maxsize=None)(conv_cpu._library.__wrapped__))
+    for dtype in (F32, F64):
+        _cpu_vs_float64(3, 13, 77, dtype, seed=4)
+    assert "-march=x86-64-v4" not in conv_cpu.FLAGS
+
+
+def test_cpu_backend_without_a_compiler_says_so_and_auto_falls_back(monkeypatch, tmp_path):
+    from megalodon_kernels.ops.fftconv import BACKENDS
+    monkeypatch.setattr(conv_cpu, "CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MEGALODON_KERNELS_CACHE", str(tmp_path))  # nothing built there
+    monkeypatch.setattr(conv_cpu, "_library", conv_cpu._library.__wrapped__)  # no remembered library
+    x = torch.randn(1, 4, 8)
+    why = conv_cpu.not_supported_reasons(x)
+    assert len(why) == 1 and "could not be built" in why[0] and "backend='torch'" in why[0]
+    assert BACKENDS.select("auto", {"x": x, "k": x[0]}, device=x.device, dtype=x.dtype).name == "torch"
 
 
 # ------------------------------------------------------------------------------------------------

@@ -6,7 +6,8 @@ bf16/fp16: arithmetic runs in float32 (float64 if x or k is float64) whatever th
 y is rounded once to x's dtype, and the gradients come back in x's and k's dtypes.
 
 The torch backend uses zero-padded FFTs of size 2*nextpow2(L) and, for L up to the
-``direct_max_len`` knob, a direct Toeplitz matmul (FFT overheads dominate there).
+``direct_max_len`` knob, a direct Toeplitz matmul (FFT overheads dominate there). The cpu backend
+(compiled C++) runs the same transforms in cache, vectorised across channels.
 
 Packed rows (``cu_seqlens``) run as document rows (``ops/_packing.py``): each bucket of documents
 is gathered into a zero-padded batch with every document at the start of its row and convolved
@@ -30,6 +31,7 @@ from .._packing import check_cu_seqlens, plan
 __all__ = ["fftconv"]
 
 BACKENDS = OpBackends("fftconv", {
+    "cpu": "megalodon_kernels.ops.fftconv.cpu_impl",
     "cuda": "megalodon_kernels.ops.fftconv.cuda_impl",
     "torch": "megalodon_kernels.ops.fftconv.torch_impl",
     "triton": "megalodon_kernels.ops.fftconv.triton_impl",
@@ -45,7 +47,8 @@ autotune.register(
     "fftconv",
     key=lambda x, k: {"D": x.shape[1], "L": autotune.pow2_bucket(x.shape[2]), "k": str(k.dtype).replace("torch.", "")},
     # direct (Toeplitz) path for L <= direct_max_len, FFT above; 0 = always FFT.
-    space={"cuda": {"max_workspace_bytes": [256 << 20]},  # the multi-pass FFT's workspace cap (L > 16384)
+    space={"cpu": {},
+           "cuda": {"max_workspace_bytes": [256 << 20]},  # the multi-pass FFT's workspace cap (L > 16384)
            "torch": {"direct_max_len": [16, 0, 64, 256, 1024]},
            "triton": TRITON_SPACE},
 )
@@ -141,7 +144,7 @@ def fftconv(x: torch.Tensor, k: torch.Tensor, *, backend: str = "auto",
     Args:
         x: r(B D L), float16/bfloat16/float32/float64.
         k: r(D L), any of the same dtypes (CEMA passes float32).
-        backend: "auto", "torch", "triton" or "cuda".
+        backend: "auto", "torch", "cpu", "triton" or "cuda".
         cu_seqlens: None, or an integer tensor (n + 1,) on x's device delimiting n documents
             packed in one row (0 first, non-decreasing, L last; empty documents allowed), with
             x of batch size 1: the convolution restarts at every document start, so document

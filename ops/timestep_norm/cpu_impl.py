@@ -9,46 +9,26 @@ prefix with a log-depth parallel scan, many passes over [L, G] and x-sized tempo
 A row is a batch row or, with ``cu_seqlens``, a document of the packed row (its start and length
 are passed to the kernel): packed rows cost what one row of their total length costs.
 
-The library is compiled once per source, compiler and flags into the user cache directory
-(``MEGALODON_KERNELS_CACHE``, default ~/.cache/megalodon_kernels, subdirectory ``cpu``), under a
-file lock and an atomic rename; without a working compiler ``not_supported_reasons`` says so and
-``auto`` falls back to the torch backend. x is computed in float32 (float64 for float64 x;
-bfloat16/float16 are converted), statistics in double; the kernel writes the statistics and saved
-residuals in the accumulation dtype.
+The library is compiled on first use and cached (ops/_cpu_build.py); without a working compiler
+``not_supported_reasons`` says so and ``auto`` falls back to the torch backend. x is computed in
+float32 (float64 for float64 x; bfloat16/float16 are converted), statistics in double; the kernel
+writes the statistics and saved residuals in the accumulation dtype.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
-import os
 from pathlib import Path
 
 import torch
 
-from ...cuda.build import _Lock, _atomic_move, _digest, _run, _tool_version
+from .. import _cpu_build
 
 DEFAULT_CONFIG: dict = {}
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
-CXX = os.environ.get("CXX", "g++")
-
-
-def _vector_flags() -> list[str]:
-    """AVX2 + FMA code (x86-64-v3) when this CPU has them: 4 doubles per instruction instead of
-    SSE2's 2. The flags are part of the cache key, so a cache directory shared with an older CPU
-    holds a separate build (never -march=native, whose meaning the key could not see)."""
-    try:
-        flags = set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return []
-    if {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl", "avx2", "fma", "bmi2"} <= flags:
-        return ["-march=x86-64-v4"]
-    return ["-march=x86-64-v3"] if {"avx2", "fma", "bmi2"} <= flags else []
-
-
-# -fno-math-errno: sqrt without the errno branch, so the kernel's rstd loops vectorise (its
-# arguments are never negative; NaN still propagates)
-FLAGS = ["-std=c++17", "-O3", "-fno-math-errno", "-fopenmp", "-shared", "-fPIC", *_vector_flags()]
+CXX = _cpu_build.CXX
+FLAGS = _cpu_build.FLAGS
 
 _P = ctypes.c_void_p
 _I = ctypes.c_int64
@@ -58,44 +38,22 @@ _FWD_ARGS = [_P, _P, _I, _P, _P, _I, _I, _I, _P, _P, _P, _P, _P, _C, ctypes.c_do
 _BWD_ARGS = [_P, _P, _P, _I, _P, _P, _I, _I, _I, _P, _C, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _C]
 
 
-def _cache_dir() -> Path:
-    base = os.environ.get("MEGALODON_KERNELS_CACHE")
-    path = (Path(base) if base else Path.home() / ".cache" / "megalodon_kernels") / "cpu"
-    path.mkdir(parents=True, exist_ok=True)
-    return path
-
-
 @functools.lru_cache(maxsize=None)
 def _library():
     """The loaded library, or the exception that prevented building or loading it."""
-    try:
-        source = SOURCE.read_bytes()
-        key = _digest(source, _tool_version(CXX), *FLAGS)
-        out = _cache_dir() / f"timestep_norm_{key}.so"
-        if not out.exists():
-            with _Lock(out.with_suffix(".lock")):
-                if not out.exists():
-                    tmp = out.with_suffix(f".tmp{os.getpid()}.so")
-                    _run([CXX, *FLAGS, "-o", str(tmp), str(SOURCE)], "building the CPU TimestepNorm kernel")
-                    _atomic_move(tmp, out)
-        lib = ctypes.CDLL(str(out))
+    lib = _cpu_build.load(SOURCE, "timestep_norm", CXX, FLAGS)
+    if not isinstance(lib, Exception):
         for tag in ("f32", "f64"):
             getattr(lib, f"mk_tsn_fwd_{tag}").argtypes = _FWD_ARGS
             getattr(lib, f"mk_tsn_bwd_{tag}").argtypes = _BWD_ARGS
-        return lib
-    except Exception as exc:  # no compiler, a failed build, an unloadable library
-        return exc
+    return lib
 
 
 def not_supported_reasons(x, num_groups=None) -> list[str]:
     why = []
     if x.device.type != "cpu":
         why.append(f"x is on {x.device}: the cpu backend runs on CPU tensors")
-    lib = _library()
-    if isinstance(lib, Exception):
-        why.append(f"the C++ kernel could not be built with {CXX} ({type(lib).__name__}: "
-                   f"{str(lib).splitlines()[0] if str(lib) else ''}); use backend='torch'")
-    return why
+    return why + _cpu_build.unsupported(_library(), CXX)
 
 
 def _ptr(t: torch.Tensor | None):

@@ -1,0 +1,88 @@
+"""Compiled CPU backend of fftconv ("cpu"): C++ with OpenMP, built with g++ on first use.
+
+cpu_kernel.cpp runs each transform on a scratch buffer that stays in the core's cache, vectorised
+across channels, two real row blocks per complex transform: x (and dy) are read once, y (and dx,
+dk) written once. The torch backend's library FFTs make five to six passes over spectrum-sized
+buffers in memory (the zero-padded copy, the spectrum, the product, the inverse, the slice's copy).
+Transform size, zero padding and the adjoints are the torch backend's (ops/fftconv/torch_impl.py):
+n = 2 * nextpow2(L); dx correlates dy with k; dk sums the correlation of dy with x over the batch.
+
+Arithmetic is in float32 (float64 if x or k is float64) whatever the input dtypes, as in the torch
+backend; inputs are converted to that dtype and made contiguous first. The library is compiled on
+first use and cached (ops/_cpu_build.py); without a working compiler ``not_supported_reasons`` says
+so and ``auto`` falls back to the torch backend.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+from pathlib import Path
+
+import torch
+
+from .. import _cpu_build
+from .torch_impl import compute_dtype
+
+DEFAULT_CONFIG: dict = {}
+
+SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
+CXX = _cpu_build.CXX
+FLAGS = _cpu_build.FLAGS
+
+_P, _I, _C = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+
+
+@functools.lru_cache(maxsize=None)
+def _library():
+    """The loaded library, or the exception that prevented building or loading it."""
+    lib = _cpu_build.load(SOURCE, "fftconv", CXX, FLAGS)
+    if not isinstance(lib, Exception):
+        for tag in ("f32", "f64"):
+            getattr(lib, f"mk_fftconv_fwd_{tag}").argtypes = [_P, _P, _P, _I, _I, _I, _C]
+            getattr(lib, f"mk_fftconv_bwd_{tag}").argtypes = [_P, _P, _P, _P, _P, _I, _I, _I, _C]
+    return lib
+
+
+def not_supported_reasons(x, k=None) -> list[str]:
+    why = []
+    if x.device.type != "cpu":
+        why.append(f"x is on {x.device}: the cpu backend runs on CPU tensors")
+    return why + _cpu_build.unsupported(_library(), CXX)
+
+
+def _kernel(kind: str, work: torch.dtype):
+    lib = _library()
+    if isinstance(lib, Exception):
+        raise RuntimeError(f"the cpu fftconv kernel is unavailable: {lib}")
+    return getattr(lib, f"mk_fftconv_{kind}_{'f64' if work == torch.float64 else 'f32'}")
+
+
+def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+
+
+def fftconv_fwd(x, k, out_dtype=None):
+    """y r(B D L) = causal conv of x r(B D L) with k r(D L), in ``out_dtype`` (default x's dtype)."""
+    work = compute_dtype(x.dtype, k.dtype)
+    out_dtype = out_dtype or x.dtype
+    B, D, L = x.shape
+    xc, kc = _as(x, work), _as(k, work)  # held by name until the call returns
+    y = torch.empty_like(xc)
+    if y.numel():
+        _kernel("fwd", work)(xc.data_ptr(), kc.data_ptr(), y.data_ptr(), B, D, L, torch.get_num_threads())
+    return y.to(out_dtype)
+
+
+def fftconv_bwd(dy, x, k, need_x=True, need_k=True):
+    """-> (dx r(B D L) or None, dk r(D L) or None), both in the compute dtype."""
+    work = compute_dtype(x.dtype, k.dtype)
+    B, D, L = x.shape
+    dyc, xc, kc = _as(dy, work), _as(x, work), _as(k, work)
+    dx = torch.empty_like(xc) if need_x else None
+    dk = torch.empty_like(kc) if need_k else None
+    if need_k and B == 0:
+        dk.zero_()  # an empty batch: a zero sum
+    if (need_x or need_k) and x.numel():
+        _kernel("bwd", work)(dyc.data_ptr(), xc.data_ptr(), kc.data_ptr(), None if dx is None else dx.data_ptr(),
+                             None if dk is None else dk.data_ptr(), B, D, L, torch.get_num_threads())
+    return dx, dk

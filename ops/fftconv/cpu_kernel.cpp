@@ -1,0 +1,406 @@
+// Causal FFT convolution on the CPU, forward and backward, one pass over memory per tensor.
+//
+// The torch backend makes five to six passes over spectrum-sized buffers in main memory (the
+// zero-padded copy of x, its spectrum, the product, the inverse, the slice's copy). Here every
+// transform runs on a scratch buffer that stays in the core's cache: x is read once, y written
+// once, and the zero padding is never stored.
+//
+// Vectorisation runs ACROSS ROWS: a vector register holds the same time step (or frequency) of kW
+// rows, so every butterfly is plain full-width vector arithmetic with a broadcast twiddle, whatever
+// the transform size. A "row block" is kW consecutive channels d of one batch row b.
+//
+// Two real row blocks share one complex transform of size n = 2 * nextpow2(L) (n >= 2L - 1, so the
+// circular product never wraps into the first L outputs): block a in the real part, block b in
+// the imaginary part. Their spectra are separated at each pair of frequencies (f, n - f):
+//     A = Z(f) + conj Z(n-f) = 2 Xa(f),    Bv = Z(f) - conj Z(n-f) = 2i Xb(f),
+// and a product with real-signal spectra Ka, Kb recombines as one spectrum whose inverse has
+// block a's result in the real part and block b's in the imaginary part:
+//     W(f) = (A Ka + Bv Kb) / 2,    W(n-f) = conj(A Ka - Bv Kb) / 2.
+// The kernel spectra are stored already scaled by 1 / (2n) (the halving and the inverse's 1/n).
+//
+// The forward transform is a decimation-in-frequency FFT (natural order in, bit-reversed out), the
+// inverse a decimation-in-time FFT (bit-reversed in, natural out): no permutation pass; the
+// spectral step finds f and n - f through the bit-reversal table. Both recurse depth-first, so a
+// sub-transform that fits the L1 cache is finished there before the next one starts. The first
+// forward stage knows the upper half of its input is zero padding, the last inverse stage computes
+// only the first L outputs.
+//
+// Twiddles are cos/sin in double, rounded once to T, per transform size (a plan, built once and
+// kept). Arithmetic is in T (float for float work, double for double): the accuracy of a
+// radix-2 FFT in T, as the torch backend's library FFT.
+//
+// Work split: a task owns a pair of channel blocks (j0, j1) and runs the batch rows through them,
+// pairing (b, j0) with (b, j1); the kernel spectra of its two blocks are computed once, and in the
+// backward the k-gradient's spectrum sums over b in the task's own accumulators (no reduction
+// between threads). The forward splits a task's batch rows further when there are fewer tasks than
+// threads.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+namespace {
+
+// One vector register of lanes (GCC / Clang vector extensions: the same source builds for AVX-512,
+// AVX2 or SSE2).
+#if defined(__AVX512F__)
+constexpr int kVecBytes = 64;
+#elif defined(__AVX__)
+constexpr int kVecBytes = 32;
+#else
+constexpr int kVecBytes = 16;
+#endif
+
+template <class T>
+struct Vec {
+  typedef T type __attribute__((vector_size(kVecBytes)));
+  static constexpr int64_t W = kVecBytes / sizeof(T);
+};
+
+template <class T>
+struct Cx {  // kW complex values, one per lane
+  typename Vec<T>::type re, im;
+};
+
+template <class T>
+inline Cx<T> operator+(Cx<T> a, Cx<T> b) { return {a.re + b.re, a.im + b.im}; }
+template <class T>
+inline Cx<T> operator-(Cx<T> a, Cx<T> b) { return {a.re - b.re, a.im - b.im}; }
+template <class T>
+inline Cx<T> mul(Cx<T> a, Cx<T> b) { return {a.re * b.re - a.im * b.im, a.re * b.im + a.im * b.re}; }
+template <class T>
+inline Cx<T> mul_conj(Cx<T> a, Cx<T> b) { return {a.re * b.re + a.im * b.im, a.im * b.re - a.re * b.im}; }  // a conj(b)
+template <class T>
+inline Cx<T> conj(Cx<T> a) { return {a.re, -a.im}; }
+template <class T>
+inline Cx<T> mul_tw(Cx<T> a, T c, T s) { return {a.re * c - a.im * s, a.re * s + a.im * c}; }  // a (c + is)
+
+// Sub-transforms of at most this many points run stage by stage (they fit the L1 cache: 256
+// points of 16 float lanes are 32 KiB); larger ones recurse.
+constexpr int64_t kLeaf = 256;
+
+constexpr double kPi = 3.141592653589793238462643383279502884;
+
+template <class T>
+struct Plan {
+  int64_t n;
+  std::vector<T> c, s;            // w^m = exp(-2 pi i m / n) = c[m] + i s[m], m < n / 2
+  std::vector<int64_t> rev;       // bit reversal of [0, n)
+  explicit Plan(int64_t n_) : n(n_), c(std::max<int64_t>(n_ / 2, 1)), s(c.size()), rev(n_) {
+    for (int64_t m = 0; m < n / 2; ++m) {
+      const double a = 2.0 * kPi * (double(m) / double(n));
+      c[m] = T(std::cos(a));
+      s[m] = T(-std::sin(a));
+    }
+    int bits = 0;
+    while ((int64_t(1) << bits) < n) ++bits;
+    for (int64_t i = 0; i < n; ++i) {
+      int64_t r = 0;
+      for (int b = 0; b < bits; ++b) r |= ((i >> b) & 1) << (bits - 1 - b);
+      rev[i] = r;
+    }
+  }
+};
+
+template <class T>
+const Plan<T>& plan(int64_t n) {
+  static std::mutex lock;
+  static std::map<int64_t, std::unique_ptr<Plan<T>>> plans;
+  std::lock_guard<std::mutex> guard(lock);
+  auto& p = plans[n];
+  if (!p) p.reset(new Plan<T>(n));
+  return *p;
+}
+
+// Forward DIF of z[0, m), a sub-transform of the plan's size (twiddle m' of size m is the plan's
+// twiddle m' * step, step = n / m).
+template <class T>
+void dif(Cx<T>* z, int64_t m, const Plan<T>& p, int64_t step) {
+  if (m > kLeaf) {
+    const int64_t h = m / 2;
+    for (int64_t k = 0; k < h; ++k) {
+      const Cx<T> a = z[k], b = z[k + h];
+      z[k] = a + b;
+      z[k + h] = mul_tw(a - b, p.c[k * step], p.s[k * step]);
+    }
+    dif(z, h, p, 2 * step);
+    dif(z + h, h, p, 2 * step);
+    return;
+  }
+  for (int64_t h = m / 2; h >= 1; h /= 2) {
+    const int64_t st = step * (m / (2 * h));
+    for (int64_t j = 0; j < m; j += 2 * h) {
+      Cx<T>* q = z + j;
+      for (int64_t k = 0; k < h; ++k) {
+        const Cx<T> a = q[k], b = q[k + h];
+        q[k] = a + b;
+        q[k + h] = mul_tw(a - b, p.c[k * st], p.s[k * st]);
+      }
+    }
+  }
+}
+
+// Inverse DIT of z[0, m) (bit-reversed in, natural out, unscaled), conjugate twiddles.
+template <class T>
+void dit(Cx<T>* z, int64_t m, const Plan<T>& p, int64_t step) {
+  if (m > kLeaf) {
+    const int64_t h = m / 2;
+    dit(z, h, p, 2 * step);
+    dit(z + h, h, p, 2 * step);
+    for (int64_t k = 0; k < h; ++k) {
+      const Cx<T> a = z[k], b = mul_tw(z[k + h], p.c[k * step], -p.s[k * step]);
+      z[k] = a + b;
+      z[k + h] = a - b;
+    }
+    return;
+  }
+  for (int64_t h = 1; h < m; h *= 2) {
+    const int64_t st = step * (m / (2 * h));
+    for (int64_t j = 0; j < m; j += 2 * h) {
+      Cx<T>* q = z + j;
+      for (int64_t k = 0; k < h; ++k) {
+        const Cx<T> a = q[k], b = mul_tw(q[k + h], p.c[k * st], -p.s[k * st]);
+        q[k] = a + b;
+        q[k + h] = a - b;
+      }
+    }
+  }
+}
+
+// The full forward transform of a zero-padded signal: z[0, L) holds it, L <= n / 2; z[L, n) is
+// not read (the first stage writes its upper half from the lower one alone).
+template <class T>
+void forward(Cx<T>* z, int64_t L, const Plan<T>& p) {
+  const int64_t n = p.n, h = n / 2;
+  if (n == 1) return;
+  for (int64_t k = L; k < h; ++k) z[k] = Cx<T>{};
+  for (int64_t k = 0; k < h; ++k) z[k + h] = mul_tw(z[k], p.c[k], p.s[k]);
+  dif(z, h, p, 2);
+  dif(z + h, h, p, 2);
+}
+
+// The full inverse transform, of which only z[0, L) is wanted (L <= n / 2): the upper half of the
+// last stage is not computed and z[L, n) is left as scratch.
+template <class T>
+void inverse(Cx<T>* z, int64_t L, const Plan<T>& p) {
+  const int64_t n = p.n, h = n / 2;
+  if (n == 1) return;
+  dit(z, h, p, 2);
+  dit(z + h, h, p, 2);
+  for (int64_t k = 0; k < L; ++k) z[k] = z[k] + mul_tw(z[k + h], p.c[k], -p.s[k]);
+}
+
+// A row block: lanes are channels d0 .. d0 + lanes - 1 of one batch row (rows of `row_len`
+// contiguous values starting at `src`, consecutive channels `row_len` apart). part 0: real, 1: imag.
+template <class T>
+void load(Cx<T>* z, int part, const T* src, int64_t lanes, int64_t L) {
+  constexpr int64_t W = Vec<T>::W;
+  for (int64_t t0 = 0; t0 < L; t0 += W) {
+    const int64_t tn = std::min(W, L - t0);
+    T tile[W][W];  // [time][lane]
+    for (int64_t l = 0; l < W; ++l) {
+      const T* row = src + l * L + t0;
+      if (l < lanes) {
+        for (int64_t i = 0; i < tn; ++i) tile[i][l] = row[i];
+      } else {
+        for (int64_t i = 0; i < tn; ++i) tile[i][l] = T(0);
+      }
+    }
+    for (int64_t i = 0; i < tn; ++i) {
+      typename Vec<T>::type v;
+      __builtin_memcpy(&v, tile[i], sizeof v);
+      (part ? z[t0 + i].im : z[t0 + i].re) = v;
+    }
+  }
+}
+
+template <class T>
+void zero_part(Cx<T>* z, int part, int64_t L) {
+  for (int64_t t = 0; t < L; ++t) (part ? z[t].im : z[t].re) = typename Vec<T>::type{};
+}
+
+template <class T>
+void store(const Cx<T>* z, int part, T* dst, int64_t lanes, int64_t L) {
+  constexpr int64_t W = Vec<T>::W;
+  for (int64_t t0 = 0; t0 < L; t0 += W) {
+    const int64_t tn = std::min(W, L - t0);
+    T tile[W][W];  // [time][lane]
+    for (int64_t i = 0; i < tn; ++i) {
+      const typename Vec<T>::type v = part ? z[t0 + i].im : z[t0 + i].re;
+      __builtin_memcpy(tile[i], &v, sizeof v);
+    }
+    for (int64_t l = 0; l < lanes; ++l) {
+      T* row = dst + l * L + t0;
+      for (int64_t i = 0; i < tn; ++i) row[i] = tile[i][l];
+    }
+  }
+}
+
+template <class T>
+using Buf = std::vector<Cx<T>>;  // Cx<T> is over-aligned; C++17's allocator honours it
+
+struct Geometry {
+  int64_t B, D, L, W, blocks, tasks;
+  int64_t lanes(int64_t j) const { return std::min(W, D - j * W); }
+  bool has(int64_t j) const { return j < blocks; }
+};
+
+// Kernel spectra of blocks j0, j1 (natural order, f in [0, n/2]), scaled by 1 / (2n); conjugated
+// for the adjoint (a correlation).
+template <class T>
+void kernel_spectra(const T* k, const Geometry& g, int64_t j0, const Plan<T>& p, bool conjugate, Cx<T>* z,
+                    Cx<T>* Ka, Cx<T>* Kb) {
+  const int64_t n = p.n, W = g.W, j1 = j0 + 1;
+  load(z, 0, k + j0 * W * g.L, g.lanes(j0), g.L);
+  if (g.has(j1)) load(z, 1, k + j1 * W * g.L, g.lanes(j1), g.L);
+  else zero_part(z, 1, g.L);
+  forward(z, g.L, p);
+  const T scale = T(1) / T(4 * n), sign = conjugate ? T(-1) : T(1);
+  for (int64_t f = 0; f <= n / 2; ++f) {
+    const Cx<T> Zf = z[p.rev[f]], Zg = conj(z[p.rev[(n - f) & (n - 1)]]);
+    const Cx<T> A = Zf + Zg, Bv = Zf - Zg;  // 2 Ka(f), 2i Kb(f)
+    Ka[f] = {A.re * scale, A.im * (sign * scale)};
+    Kb[f] = {Bv.im * scale, -Bv.re * (sign * scale)};  // Bv / 2i = (Bv.im - i Bv.re) / 2
+  }
+}
+
+// z (the transform of blocks a + i b) times the blocks' kernel spectra, in place (see the top).
+template <class T>
+void apply(Cx<T>* z, const Cx<T>* Ka, const Cx<T>* Kb, const Plan<T>& p) {
+  const int64_t n = p.n;
+  for (int64_t f = 0; f <= n / 2; ++f) {
+    const int64_t pf = p.rev[f], pg = p.rev[(n - f) & (n - 1)];
+    const Cx<T> Zf = z[pf], Zg = conj(z[pg]);
+    const Cx<T> P = mul(Zf + Zg, Ka[f]), Q = mul(Zf - Zg, Kb[f]);
+    z[pg] = conj(P - Q);  // before z[pf]: at f = 0 and n/2, pf == pg and P + Q is the value
+    z[pf] = P + Q;
+  }
+}
+
+int team(int threads, int64_t tasks) {
+  return int(std::max<int64_t>(1, std::min<int64_t>(threads, tasks)));
+}
+
+template <class T>
+Geometry geometry(int64_t B, int64_t D, int64_t L) {
+  Geometry g{B, D, L, Vec<T>::W, 0, 0};
+  g.blocks = (D + g.W - 1) / g.W;
+  g.tasks = (g.blocks + 1) / 2;
+  return g;
+}
+
+int64_t fft_size(int64_t L) {
+  int64_t m = 1;
+  while (m < L) m *= 2;
+  return 2 * m;
+}
+
+// y r(B D L) = causal convolution of x r(B D L) with k r(D L); all contiguous.
+template <class T>
+void forward_call(const T* x, const T* k, T* y, int64_t B, int64_t D, int64_t L, int threads) {
+  const Geometry g = geometry<T>(B, D, L);
+  const Plan<T>& p = plan<T>(fft_size(L));
+  const int64_t n = p.n, W = g.W;
+  // batch rows per work item: the whole batch, unless that leaves threads idle
+  const int64_t per = std::max<int64_t>(1, B / std::max<int64_t>(1, (threads + g.tasks - 1) / g.tasks));
+  const int64_t chunks = (B + per - 1) / per, items = g.tasks * chunks;
+#pragma omp parallel num_threads(team(threads, items))
+  {
+    Buf<T> z(n), Ka(n / 2 + 1), Kb(n / 2 + 1);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t it = 0; it < items; ++it) {
+      const int64_t j0 = 2 * (it / chunks), j1 = j0 + 1, b0 = (it % chunks) * per;
+      kernel_spectra(k, g, j0, p, false, z.data(), Ka.data(), Kb.data());
+      for (int64_t b = b0; b < std::min(B, b0 + per); ++b) {
+        const T* xb = x + b * D * L;
+        T* yb = y + b * D * L;
+        load(z.data(), 0, xb + j0 * W * L, g.lanes(j0), L);
+        if (g.has(j1)) load(z.data(), 1, xb + j1 * W * L, g.lanes(j1), L);
+        else zero_part(z.data(), 1, L);
+        forward(z.data(), L, p);
+        apply(z.data(), Ka.data(), Kb.data(), p);
+        inverse(z.data(), L, p);
+        store(z.data(), 0, yb + j0 * W * L, g.lanes(j0), L);
+        if (g.has(j1)) store(z.data(), 1, yb + j1 * W * L, g.lanes(j1), L);
+      }
+    }
+  }
+}
+
+// dx r(B D L) = causal correlation of dy with k (nullptr: not wanted), dk r(D L) = sum over b of
+// the correlation of dy with x (nullptr: not wanted).
+template <class T>
+void backward_call(const T* dy, const T* x, const T* k, T* dx, T* dk, int64_t B, int64_t D, int64_t L,
+                   int threads) {
+  const Geometry g = geometry<T>(B, D, L);
+  const Plan<T>& p = plan<T>(fft_size(L));
+  const int64_t n = p.n, W = g.W, h = n / 2;
+#pragma omp parallel num_threads(team(threads, g.tasks))
+  {
+    Buf<T> z(n), zx(dk ? n : 0), Ka(dx ? h + 1 : 0), Kb(dx ? h + 1 : 0), Sa(dk ? h + 1 : 0), Sb(dk ? h + 1 : 0);
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t task = 0; task < g.tasks; ++task) {
+      const int64_t j0 = 2 * task, j1 = j0 + 1;
+      if (dx) kernel_spectra(k, g, j0, p, true, z.data(), Ka.data(), Kb.data());
+      if (dk) std::fill(Sa.begin(), Sa.end(), Cx<T>{}), std::fill(Sb.begin(), Sb.end(), Cx<T>{});
+      for (int64_t b = 0; b < B; ++b) {
+        const int64_t off0 = b * D * L + j0 * W * L, off1 = b * D * L + j1 * W * L;
+        load(z.data(), 0, dy + off0, g.lanes(j0), L);
+        if (g.has(j1)) load(z.data(), 1, dy + off1, g.lanes(j1), L);
+        else zero_part(z.data(), 1, L);
+        forward(z.data(), L, p);
+        if (dk) {  // S += DY conj(X) per block: (2 DYa)(conj 2 Xa) and (2i DYb)(conj 2i Xb)
+          load(zx.data(), 0, x + off0, g.lanes(j0), L);
+          if (g.has(j1)) load(zx.data(), 1, x + off1, g.lanes(j1), L);
+          else zero_part(zx.data(), 1, L);
+          forward(zx.data(), L, p);
+          for (int64_t f = 0; f <= h; ++f) {
+            const int64_t pf = p.rev[f], pg = p.rev[(n - f) & (n - 1)];
+            const Cx<T> Yf = z[pf], Yg = conj(z[pg]), Xf = zx[pf], Xg = conj(zx[pg]);
+            Sa[f] = Sa[f] + mul_conj(Yf + Yg, Xf + Xg);
+            Sb[f] = Sb[f] + mul_conj(Yf - Yg, Xf - Xg);
+          }
+        }
+        if (dx) {
+          apply(z.data(), Ka.data(), Kb.data(), p);
+          inverse(z.data(), L, p);
+          store(z.data(), 0, dx + off0, g.lanes(j0), L);
+          if (g.has(j1)) store(z.data(), 1, dx + off1, g.lanes(j1), L);
+        }
+      }
+      if (dk) {  // the two blocks' dk as one inverse: dk_a + i dk_b, each S / 4 over n
+        const T scale = T(1) / T(4 * n);
+        for (int64_t f = 0; f <= h; ++f) {
+          const Cx<T> a = Sa[f], bb = Sb[f];
+          const Cx<T> w = {(a.re - bb.im) * scale, (a.im + bb.re) * scale};      // a + i b
+          const Cx<T> v = {(a.re + bb.im) * scale, (bb.re - a.im) * scale};      // conj(a) + i conj(b)
+          z[p.rev[(n - f) & (n - 1)]] = v;
+          z[p.rev[f]] = w;
+        }
+        inverse(z.data(), L, p);
+        store(z.data(), 0, dk + j0 * W * L, g.lanes(j0), L);
+        if (g.has(j1)) store(z.data(), 1, dk + j1 * W * L, g.lanes(j1), L);
+      }
+    }
+  }
+}
+
+}  // namespace
+
+#define MK_FFTCONV_EXPORT(T, tag)                                                                              \
+  extern "C" void mk_fftconv_fwd_##tag(const T* x, const T* k, T* y, int64_t B, int64_t D, int64_t L,          \
+                                       int threads) {                                                         \
+    forward_call<T>(x, k, y, B, D, L, threads);                                                                \
+  }                                                                                                            \
+  extern "C" void mk_fftconv_bwd_##tag(const T* dy, const T* x, const T* k, T* dx, T* dk, int64_t B,           \
+                                       int64_t D, int64_t L, int threads) {                                   \
+    backward_call<T>(dy, x, k, dx, dk, B, D, L, threads);                                                      \
+  }
+
+MK_FFTCONV_EXPORT(float, f32)
+MK_FFTCONV_EXPORT(double, f64)
