@@ -11,7 +11,7 @@ OP = "fftconv"
 def make(s, dtype, device):
     x = torch.randn(s["B"], s["D"], s["L"], device=device, dtype=dtype, requires_grad=True)
     k = torch.randn(s["D"], s["L"], device=device, requires_grad=True)  # CEMA's kernel is fp32
-    call = {b: (lambda b=b: ops.fftconv(x, k, backend=b)) for b in ("torch", "triton", "cuda")}
+    call = {b: (lambda b=b: ops.fftconv(x, k, backend=b)) for b in ("torch", "triton", "cuda", "cpu")}
     call["direct_conv"] = lambda: baselines.direct_conv(x, k)
     call["torch_fft"] = lambda: baselines.torch_fft(x, k)
     return Case({"x": x, "k": k}, call, [x, k])

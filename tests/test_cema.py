@@ -18,7 +18,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from megalodon_kernels.ops.cema import cema
-from megalodon_kernels.ops.cema import torch_impl as cema_torch
+from megalodon_kernels.ops.cema import cpu_impl as cema_cpu, torch_impl as cema_torch
+from megalodon_kernels.ops.fftconv import cpu_impl as conv_cpu
 from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.fftconv import fftconv
@@ -35,9 +36,10 @@ NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 # direct_max_len forcing each convolution path; Triton's workspace path needs L > 2048 whatever the
 # knob, and work_bc = 4096 (one column tile per pass) keeps the interpreter fast there.
 # chunk = 0 selects the torch backend's convolution forms; "chunked" is its chunked form (torch alone),
-# with chunks small enough that the cases below span several of them.
+# with chunks small enough that the cases below span several of them. The cpu backend runs its
+# defaults: the FFT form with the compiled convolution, the recurrence up to RECURRENCE_MAX_LEN steps.
 PATHS = {"direct": {"torch": dict(chunk=0, direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
-         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0)},
+         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0), "cpu": {}},
          "chunked": {"torch": dict(chunk=8, chunk_min_len=0)}}
 
 
@@ -117,7 +119,7 @@ def runs_on(backend, c: Case) -> bool:
         return False
     if backend == "triton":
         return c.xdtype in (F32, BF16) and c.cdtype == F32
-    return backend == "torch"   # no CUDA backend of the composed op: it runs as the CUDA stage ops
+    return backend in ("torch", "cpu")   # no CUDA backend of the composed op: it runs as the CUDA stage ops
 
 
 def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguous=True, seed=0,
@@ -157,7 +159,7 @@ def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=T
         assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"))
 
 
-@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on))
+@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton")))
 def test_matches_reference(backend, c):
     config = {**PATHS[c.path][backend], **c.knobs.get(backend, {})}
     check_cema(backend, c.B, c.D, c.N, c.L, c.xdtype, c.cdtype, c.with_hx, c.return_state, c.contiguous, c.seed,
@@ -190,8 +192,9 @@ def test_equals_stage_ops():
     assert_close("h vs ema_hidden", h, to_np(ema_hidden(x, p, lq, hx)), 1e-12)
 
 
-@pytest.mark.parametrize("backend, xdtype, cdtype", [("torch", F32, F32), ("torch", F64, F64), ("triton", F32, F32)],
-                         ids=["torch-fp32", "torch-fp64", "triton-fp32"])
+@pytest.mark.parametrize("backend, xdtype, cdtype", [("torch", F32, F32), ("torch", F64, F64), ("triton", F32, F32),
+                                                    ("cpu", F32, F32), ("cpu", F64, F64)],
+                         ids=["torch-fp32", "torch-fp64", "triton-fp32", "cpu-fp32", "cpu-fp64"])
 def test_streaming(backend, xdtype, cdtype):
     # two parts with the state carried == the whole sequence, for y and the final state
     gen = torch.Generator().manual_seed(13)
@@ -222,6 +225,31 @@ def test_torch_form_follows_chunk_min_len(monkeypatch):
             y, _ = cema(*(ins[n] for n in NAMES), backend="torch")
             y.sum().backward()
         assert calls == names, (chunk, min_len, L, calls)
+
+
+def test_cpu_backend_form_and_its_compiled_convolution(monkeypatch):
+    # the cpu backend's FFT form runs fftconv's compiled kernel (never the library FFTs), below
+    # chunk_min_len and above the recurrence's few steps; the other forms are the torch backend's
+    if isinstance(conv_cpu._library(), Exception):
+        pytest.skip(f"the cpu fftconv kernel cannot be built here: {conv_cpu._library()}")
+    calls = []
+    for module, names in ((conv_cpu, ("fftconv_fwd", "fftconv_bwd")), (cema_torch, ("chunked_conv_fwd",
+                          "chunked_conv_bwd", "recurrence_fwd", "fftconv_fwd", "fftconv_bwd"))):
+        for name in names:
+            tag = ("compiled " if module is conv_cpu else "") + name
+            real = getattr(module, name)
+            monkeypatch.setattr(module, name, lambda *a, _real=real, _tag=tag, **k: calls.append(_tag) or _real(*a, **k))
+    gen = torch.Generator().manual_seed(8)
+    limit = cema_cpu.DEFAULT_CONFIG["chunk_min_len"]
+    want = {(limit, 40): ["compiled fftconv_fwd", "compiled fftconv_bwd"],
+            (40, 40): ["chunked_conv_fwd", "chunked_conv_bwd"], (limit, 3): ["recurrence_fwd", "chunked_conv_bwd"]}
+    for (min_len, L), names in want.items():
+        ins = _inputs(gen, 2, 3, 4, L, F32, F32, True, True)
+        calls.clear()
+        with knobs(cema_cpu, chunk_min_len=min_len):
+            y, _ = cema(*(ins[n] for n in NAMES), backend="cpu")
+            y.sum().backward()
+        assert calls == names, (min_len, L, calls)
 
 
 @pytest.mark.parametrize("chunk", [0, 2], ids=["fft", "chunked"])

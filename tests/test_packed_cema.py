@@ -118,7 +118,8 @@ def check(backend, args, dy, dh, cu, return_state, needs=NAMES, use=("y", "h")):
 
 #: (backend, x dtype, coefficient dtype, with hx, return_state)
 CASES = [(b, x, c, hx, rs) for b, x, c in [("torch", F32, F32), ("torch", BF16, F32), ("torch", F64, F64),
-                                           ("triton", F32, F32), ("triton", BF16, F32)]
+                                           ("triton", F32, F32), ("triton", BF16, F32),
+                                           ("cpu", F32, F32), ("cpu", F64, F64)]
          for hx, rs in [(True, True), (False, False), (True, False), (False, True)]
          # the interpreter is slow: bf16 Triton takes the full mode only
          if not (b == "triton" and x == BF16 and not (hx and rs))]
@@ -158,7 +159,7 @@ def test_random_documents_torch_float64(lengths, with_hx, return_state, long_mem
     check("torch", args, dy, dh, cu, return_state)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
 def test_nothing_crosses_a_document_boundary(backend):
     """With long memory, document 1's outputs and state are the same bit for bit whatever document
     0 holds, and their gradients reach no step of document 0; the unpacked row (document 0's
@@ -179,7 +180,7 @@ def test_nothing_crosses_a_document_boundary(backend):
     assert (h_row[0] - h[1]).abs().max() > 0.5 * h[1].abs().max()
 
 
-@pytest.mark.parametrize("backend, dtype", [("torch", F64), ("triton", F32)])
+@pytest.mark.parametrize("backend, dtype", [("torch", F64), ("triton", F32), ("cpu", F64)])
 def test_one_document_is_the_unpacked_call(backend, dtype):
     args, dy, dh, _ = packed_inputs([37], dtype, dtype)
     args = leaves(args, NAMES)

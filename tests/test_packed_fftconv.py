@@ -23,7 +23,8 @@ CASES = [("torch", F32, F32, "direct"), ("torch", F32, F32, "fft"), ("torch", BF
          ("torch", F64, F64, "direct"), ("torch", F64, F64, "fft"), ("torch", F64, F32, "fft"),
          ("triton", F32, F32, "direct"), ("triton", F32, F32, "fft"), ("triton", BF16, F32, "fft"),
          ("triton", BF16, BF16, "direct"),
-         ("cuda", F32, F32, "fft"), ("cuda", BF16, F32, "fft"), ("cuda", F64, F64, "fft")]
+         ("cuda", F32, F32, "fft"), ("cuda", BF16, F32, "fft"), ("cuda", F64, F64, "fft"),
+         ("cpu", F32, F32, "fft"), ("cpu", BF16, F32, "fft"), ("cpu", F64, F64, "fft")]
 PATHS = {"direct": {"torch": dict(direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
          "fft": {"torch": dict(direct_max_len=0), "triton": dict(direct_max_len=0)}}
 #: empty documents first and in the middle, 1, short, exactly a power of two (a full row), 16/17
@@ -106,7 +107,7 @@ def test_random_documents_kernels(backend, lengths, xdtype, seed):
             backend, xdtype, F32)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda", "cpu"])
 def test_nothing_crosses_a_document_boundary(backend):
     """Changing document 0 changes nothing in document 1 (bit for bit), and the gradient of
     document 1's outputs reaches no step of document 0; the same change on the unpacked row does
@@ -127,7 +128,7 @@ def test_nothing_crosses_a_document_boundary(backend):
     assert not torch.allclose(unpacked, fftconv(bumped, k, backend=backend)[..., 6:])
 
 
-@pytest.mark.parametrize("backend, dtype", [("torch", F64), ("triton", F32), ("cuda", F32)])
+@pytest.mark.parametrize("backend, dtype", [("torch", F64), ("triton", F32), ("cuda", F32), ("cpu", F32)])
 def test_one_document_is_the_unpacked_call(backend, dtype):
     x, k, dy, _ = packed_inputs([37], dtype, dtype)
     cu = torch.tensor([0, 37], dtype=torch.int32)

@@ -36,6 +36,7 @@ from ..fftconv import TRITON_SPACE as CONV_TRITON_SPACE
 __all__ = ["cema"]
 
 BACKENDS = OpBackends("cema", {
+    "cpu": "megalodon_kernels.ops.cema.cpu_impl",
     "torch": "megalodon_kernels.ops.cema.torch_impl",
     "triton": "megalodon_kernels.ops.cema.triton_impl",
 })
@@ -46,6 +47,7 @@ autotune.register(
                                                "hx": hx is not None},
     space={"torch": {"chunk": [64, 0, 128], "chunk_min_len": [4096, 0], "power_block": [64, 32, 128],
                      "direct_max_len": [16, 0, 256]},
+           "cpu": {"chunk": [64], "chunk_min_len": [32768, 4096, 0], "power_block": [64, 32, 128]},
            # Triton: the stage kernels' knobs (cema_kernel's, and fftconv's with its num_warps as conv_warps)
            "triton": {**KERNEL_TRITON_SPACE,
                       **{("conv_warps" if k == "num_warps" else k): v for k, v in CONV_TRITON_SPACE.items()}}},
@@ -55,6 +57,12 @@ autotune.register(
 def _select(x, p, log_q, gamma, omega, hx, backend):
     return BACKENDS.select(backend, {"x": x, "p": p, "log_q": log_q, "gamma": gamma, "omega": omega, "hx": hx},
                            device=x.device, dtype=x.dtype)
+
+
+def _state_backend(backend):
+    """ema_hidden's backend for the packed state: cema's cpu backend runs the torch backend's stages
+    except the convolution (ema_hidden has no compiled CPU kernel)."""
+    return "torch" if backend == "cpu" else backend
 
 
 def _per_document(hx, bucket):
@@ -76,7 +84,7 @@ def _packed_fwd(x, p, log_q, gamma, omega, hx, cu_seqlens, return_state, weighte
     k[:, :longest.shape[-1]] = longest
     h = V = W = None
     if return_state:
-        h, V, W = packed_state(x, p, log_q, hx, cu_seqlens, weighted, backend)
+        h, V, W = packed_state(x, p, log_q, hx, cu_seqlens, weighted, _state_backend(backend))
     return y, h, k, V, W
 
 
@@ -103,7 +111,7 @@ def _packed_bwd(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, cu_seqlen
             dhx.index_add_(0, bucket.docs, ghx.to(dhx.dtype))
     if dh is not None:
         state = packed_state_grads(dh, x, p, log_q, hx, V, W, (need_x, need_p, need_lq, need_hx), cu_seqlens,
-                                   backend)
+                                   _state_backend(backend))
         dx, dp, dlq, dhx = (_add(a, b) if need else None
                             for a, b, need in zip((dx, dp, dlq, dhx), state, (need_x, need_p, need_lq, need_hx)))
     return dx, dp, dlq, dgamma, domega, dhx
@@ -206,7 +214,7 @@ def cema(x: torch.Tensor, p: torch.Tensor, log_q: torch.Tensor, gamma: torch.Ten
         omega: r(D) skip weight, any real dtype.
         hx: c(B D N) previous state, or None; c(n D N) with cu_seqlens.
         return_state: also return the last state h.
-        backend: "auto", "torch", "triton" or "cuda".
+        backend: "auto", "torch", "cpu", "triton" or "cuda".
         cu_seqlens: None, or an integer tensor (n + 1,) on x's device delimiting n documents
             packed in one row (0 first, non-decreasing, L last; empty documents allowed), with
             x of batch size 1: the EMA restarts at every document start from that document's

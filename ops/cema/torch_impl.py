@@ -19,6 +19,8 @@ read it. ``chunk`` = 0 selects the FFT form at every length. Up to ``RECURRENCE_
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from .._layout import contiguous
@@ -45,9 +47,18 @@ def not_supported_reasons(**inputs) -> list[str]:
     return []  # every device and dtype torch supports
 
 
+def _conv(conv, direct_max_len):
+    """The FFT form's convolution stage: fftconv's torch backend with its ``direct_max_len`` knob,
+    or ``conv``, another fftconv backend module without knobs (the cpu backend passes its kernel)."""
+    if conv is None:
+        return (functools.partial(fftconv_fwd, direct_max_len=direct_max_len),
+                functools.partial(fftconv_bwd, direct_max_len=direct_max_len))
+    return conv.fftconv_fwd, conv.fftconv_bwd
+
+
 def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chunk, chunk_min_len, power_block,
-             direct_max_len):
-    """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W))."""
+             direct_max_len, conv=None):
+    """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W)). ``conv``: see _conv."""
     L = x.shape[-1]
     cd = compute_dtype(x.dtype, p.dtype)
     chunked = _chunked(L, chunk, chunk_min_len)
@@ -62,10 +73,12 @@ def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chu
         y = y.addcmul_(omega.to(cd)[:, None], x.to(cd))
     else:
         k, b = cema_kernel_fwd(p, log_q, gamma, L, hx, power_block=power_block, table=table)
-        y = fftconv_fwd(x, k, cd, direct_max_len=direct_max_len)          # [B, D, L], a strided view
-        # (the first halves of the FFT rows, or a transposed matmul): the out-of-place sum is also
-        # the contiguous copy the op returns (one pass, not two)
-        y = torch.addcmul(y, omega.to(cd)[:, None], x.to(cd))
+        y = _conv(conv, direct_max_len)[0](x, k, cd)                       # [B, D, L]
+        # torch's y is a strided view (the first halves of the FFT rows, or a transposed matmul):
+        # the out-of-place sum is also the contiguous copy the op returns (one pass, not two); a
+        # compiled kernel's y is a fresh contiguous tensor, summed into in place
+        add = torch.Tensor.addcmul_ if conv is not None else torch.addcmul
+        y = add(y, omega.to(cd)[:, None], x.to(cd))
         if b is not None:
             y = y.add_(b)
     h = V = W = None
@@ -75,7 +88,7 @@ def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chu
 
 
 def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, chunk, chunk_min_len, power_block,
-             direct_max_len):
+             direct_max_len, conv=None):
     """-> (dx, dp, dlog_q, dgamma, domega, dhx), any of them None when not needed; dy/dh may be None."""
     need_x, need_p, need_lq, need_gamma, need_omega, need_hx = needs
     k, V, W = saved
@@ -94,7 +107,7 @@ def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, chunk, chun
                                                         (need_x, need_p, need_lq, need_gamma, need_hx), chunk, cd)
         else:
             need_k = need_p or need_lq or need_gamma
-            dx, dk = fftconv_bwd(dyc, x, k, need_x, need_k, direct_max_len=direct_max_len)
+            dx, dk = _conv(conv, direct_max_len)[1](dyc, x, k, need_x, need_k)
             if need_k or (need_hx and hx is not None):
                 dp, dlq, dgamma, dhx = cema_kernel_bwd(
                     dk, None if hx is None else dyc, p, log_q, gamma, L, hx,
