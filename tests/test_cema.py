@@ -250,6 +250,13 @@ def test_cpu_backend_form_and_its_compiled_convolution(monkeypatch):
             y, _ = cema(*(ins[n] for n in NAMES), backend="cpu")
             y.sum().backward()
         assert calls == names, (min_len, L, calls)
+    # a length the compiled convolution does not take runs the chunked form
+    monkeypatch.setattr(conv_cpu, "MAX_LEN", 39)
+    ins = _inputs(gen, 2, 3, 4, 40, F32, F32, True, True)
+    calls.clear()
+    y, _ = cema(*(ins[n] for n in NAMES), backend="cpu")
+    y.sum().backward()
+    assert calls == ["chunked_conv_fwd", "chunked_conv_bwd"]
 
 
 @pytest.mark.parametrize("chunk", [0, 2], ids=["fft", "chunked"])

@@ -420,6 +420,16 @@ def test_cpu_kernel_narrower_vector_builds(monkeypatch, vector):
     assert "-march=x86-64-v4" not in conv_cpu.FLAGS
 
 
+def test_cpu_backend_names_its_length_limit_and_auto_falls_back():
+    from megalodon_kernels.ops.fftconv import BACKENDS
+    x = torch.zeros(1, 1, conv_cpu.MAX_LEN + 1)
+    assert any(f"L = {conv_cpu.MAX_LEN + 1} > {conv_cpu.MAX_LEN}" in w and "backend='torch'" in w
+               for w in conv_cpu.not_supported_reasons(x))
+    assert BACKENDS.select("auto", {"x": x, "k": x[0]}, device=x.device, dtype=x.dtype).name == "torch"
+    with pytest.raises(ValueError, match=f"L = {conv_cpu.MAX_LEN + 1} > {conv_cpu.MAX_LEN}"):
+        conv_cpu.fftconv_fwd(x, x[0])
+
+
 def test_cpu_backend_without_a_compiler_says_so_and_auto_falls_back(monkeypatch, tmp_path):
     from megalodon_kernels.ops.fftconv import BACKENDS
     monkeypatch.setattr(conv_cpu, "CXX", str(tmp_path / "no-such-compiler"))

@@ -21,14 +21,21 @@ DEFAULT_CONFIG: dict = {"chunk": 64, "chunk_min_len": 32768, "power_block": 64}
 
 
 def not_supported_reasons(x, **inputs) -> list[str]:
-    return conv.not_supported_reasons(x)
+    return conv.kernel_reasons(x)  # any L: the lengths the convolution does not take run the chunked form
+
+
+def _min_len(chunk_min_len: int) -> int:
+    """The chunked form also from the first length the compiled convolution does not take."""
+    return min(chunk_min_len, conv.MAX_LEN + 1)
 
 
 def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, chunk, chunk_min_len, power_block):
     return torch_impl.cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted, chunk=chunk,
-                               chunk_min_len=chunk_min_len, power_block=power_block, direct_max_len=0, conv=conv)
+                               chunk_min_len=_min_len(chunk_min_len), power_block=power_block, direct_max_len=0,
+                               conv=conv)
 
 
 def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, chunk, chunk_min_len, power_block):
     return torch_impl.cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, chunk=chunk,
-                               chunk_min_len=chunk_min_len, power_block=power_block, direct_max_len=0, conv=conv)
+                               chunk_min_len=_min_len(chunk_min_len), power_block=power_block, direct_max_len=0,
+                               conv=conv)

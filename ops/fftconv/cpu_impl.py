@@ -43,11 +43,29 @@ def _library():
     return lib
 
 
-def not_supported_reasons(x, k=None) -> list[str]:
-    why = []
-    if x.device.type != "cpu":
-        why.append(f"x is on {x.device}: the cpu backend runs on CPU tensors")
+#: The longest L: a thread's scratch is ~4 n complex vectors of 128 bytes in the backward (two
+#: transforms and four half spectra, n = 2 * nextpow2(L)), 128 MiB at this limit (n = 2**18),
+#: whatever the number of channels. Beyond L = 16384 the buffers no longer fit the caches and the
+#: library FFTs are as fast (ops/cema/cpu_impl.py has the measured crossover).
+MAX_LEN = 1 << 17
+
+
+def kernel_reasons(x) -> list[str]:
+    """What keeps the kernel from running on x's device at all, whatever the length."""
+    why = [f"x is on {x.device}: the cpu backend runs on CPU tensors"] if x.device.type != "cpu" else []
     return why + _cpu_build.unsupported(_library(), CXX)
+
+
+def not_supported_reasons(x, k=None) -> list[str]:
+    why = kernel_reasons(x)
+    if x.shape[-1] > MAX_LEN:
+        why.append(f"L = {x.shape[-1]} > {MAX_LEN} (the cpu kernel's scratch grows with L; use backend='torch')")
+    return why
+
+
+def _check_length(L: int) -> None:
+    if L > MAX_LEN:  # a direct call (cema's cpu backend) past not_supported_reasons
+        raise ValueError(f"L = {L} > {MAX_LEN}: longer than the cpu fftconv kernel takes (use backend='torch')")
 
 
 def _kernel(kind: str, work: torch.dtype):
@@ -66,6 +84,7 @@ def fftconv_fwd(x, k, out_dtype=None):
     work = compute_dtype(x.dtype, k.dtype)
     out_dtype = out_dtype or x.dtype
     B, D, L = x.shape
+    _check_length(L)
     xc, kc = _as(x, work), _as(k, work)  # held by name until the call returns
     y = torch.empty_like(xc)
     if y.numel():
@@ -77,6 +96,7 @@ def fftconv_bwd(dy, x, k, need_x=True, need_k=True):
     """-> (dx r(B D L) or None, dk r(D L) or None), both in the compute dtype."""
     work = compute_dtype(x.dtype, k.dtype)
     B, D, L = x.shape
+    _check_length(L)
     dyc, xc, kc = _as(dy, work), _as(x, work), _as(k, work)
     dx = torch.empty_like(xc) if need_x else None
     dk = torch.empty_like(kc) if need_k else None
