@@ -77,7 +77,7 @@ def measure(fn, oracle, inputs, upstream):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--backend", default="torch", choices=["torch", "triton", "cuda"])
+    ap.add_argument("--backend", default="torch", choices=["torch", "cpu", "triton", "cuda"])
     ap.add_argument("--ops", nargs="+", default=["fftconv", "attention"], choices=["fftconv", "attention"])
     ap.add_argument("--fftconv-lengths", type=int, nargs="+", default=[10, 14, 17], help="log2 of L")
     ap.add_argument("--B", type=int, default=1)
