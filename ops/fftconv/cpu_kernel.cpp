@@ -20,14 +20,15 @@
 //
 // The forward transform is a decimation-in-frequency FFT (natural order in, bit-reversed out), the
 // inverse a decimation-in-time FFT (bit-reversed in, natural out): no permutation pass; the
-// spectral step finds f and n - f through the bit-reversal table. Both recurse depth-first, so a
-// sub-transform that fits the L1 cache is finished there before the next one starts. The first
-// forward stage knows the upper half of its input is zero padding, the last inverse stage computes
-// only the first L outputs.
+// spectral step finds f and n - f through the bit-reversal table. Both run radix-4 passes (two
+// stages per load and store of the buffer) and recurse depth-first, so a sub-transform that fits
+// the L1 cache is finished there before the next one starts. The first forward stage knows the
+// upper half of its input is zero padding, the last inverse stage computes only the first L
+// outputs. Loads and stores transpose W x W tiles in registers (time steps <-> channel lanes).
 //
 // Twiddles are cos/sin in double, rounded once to T, per transform size (a plan, built once and
 // kept). Arithmetic is in T (float for float work, double for double): the accuracy of a
-// radix-2 FFT in T, as the torch backend's library FFT.
+// Cooley-Tukey FFT in T, as the torch backend's library FFT (bench/accuracy_fp32.py).
 //
 // Work split: a task owns a pair of channel blocks (j0, j1) and runs the batch rows through them,
 // pairing (b, j0) with (b, j1); the kernel spectra of its two blocks are computed once, and in the
@@ -42,6 +43,7 @@
 #include <map>
 #include <memory>
 #include <mutex>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -89,10 +91,10 @@ constexpr double kPi = 3.141592653589793238462643383279502884;
 template <class T>
 struct Plan {
   int64_t n;
-  std::vector<T> c, s;            // w^m = exp(-2 pi i m / n) = c[m] + i s[m], m < n / 2
+  std::vector<T> c, s;            // w^m = exp(-2 pi i m / n) = c[m] + i s[m], m < n (radix-4 reads up to 3n/4)
   std::vector<int64_t> rev;       // bit reversal of [0, n)
-  explicit Plan(int64_t n_) : n(n_), c(std::max<int64_t>(n_ / 2, 1)), s(c.size()), rev(n_) {
-    for (int64_t m = 0; m < n / 2; ++m) {
+  explicit Plan(int64_t n_) : n(n_), c(n_), s(n_), rev(n_) {
+    for (int64_t m = 0; m < n; ++m) {
       const double a = 2.0 * kPi * (double(m) / double(n));
       c[m] = T(std::cos(a));
       s[m] = T(-std::sin(a));
@@ -117,58 +119,84 @@ const Plan<T>& plan(int64_t n) {
   return *p;
 }
 
+// Radix-4 butterflies: two radix-2 stages (spans 2q and q) in one pass over z[0, 4q), so each
+// pass loads and stores every element once for two stages. Twiddle m' of the sub-transform of
+// size 4q is the plan's twiddle m' * st. The outputs land where two radix-2 stages would put
+// them, so the bit-reversed order of the spectrum is unchanged.
+template <class T>
+inline Cx<T> mul_minus_i(Cx<T> a) { return {a.im, -a.re}; }  // a (-i)
+
+template <class T>
+inline void dif4(Cx<T>* z, int64_t q, const Plan<T>& p, int64_t st) {
+  for (int64_t k = 0; k < q; ++k) {
+    const Cx<T> a0 = z[k], a1 = z[k + q], a2 = z[k + 2 * q], a3 = z[k + 3 * q];
+    const Cx<T> t0 = a0 + a2, t1 = a1 + a3, t2 = a0 - a2, t3 = mul_minus_i(a1 - a3);
+    const int64_t i1 = k * st, i2 = 2 * i1, i3 = 3 * i1;
+    z[k] = t0 + t1;
+    z[k + q] = mul_tw(t0 - t1, p.c[i2], p.s[i2]);
+    z[k + 2 * q] = mul_tw(t2 + t3, p.c[i1], p.s[i1]);
+    z[k + 3 * q] = mul_tw(t2 - t3, p.c[i3], p.s[i3]);
+  }
+}
+
+template <class T>
+inline void dit4(Cx<T>* z, int64_t q, const Plan<T>& p, int64_t st) {
+  for (int64_t k = 0; k < q; ++k) {
+    const int64_t i1 = k * st, i2 = 2 * i1;
+    const Cx<T> a0 = z[k], a1 = mul_tw(z[k + q], p.c[i2], -p.s[i2]);
+    const Cx<T> a2 = z[k + 2 * q], a3 = mul_tw(z[k + 3 * q], p.c[i2], -p.s[i2]);
+    const Cx<T> e0 = a0 + a1, e1 = a0 - a1;
+    const Cx<T> f0 = mul_tw(a2 + a3, p.c[i1], -p.s[i1]), f1 = mul_minus_i(mul_tw(a2 - a3, p.c[i1], -p.s[i1]));
+    z[k] = e0 + f0;
+    z[k + 2 * q] = e0 - f0;
+    z[k + q] = e1 - f1;  // e1 + i (f1 / -i): the conjugate twiddle w^-q = i
+    z[k + 3 * q] = e1 + f1;
+  }
+}
+
 // Forward DIF of z[0, m), a sub-transform of the plan's size (twiddle m' of size m is the plan's
-// twiddle m' * step, step = n / m).
+// twiddle m' * step, step = n / m): radix-4 passes, one radix-2 pass of span 1 last when log2(m)
+// is odd.
 template <class T>
 void dif(Cx<T>* z, int64_t m, const Plan<T>& p, int64_t step) {
   if (m > kLeaf) {
-    const int64_t h = m / 2;
-    for (int64_t k = 0; k < h; ++k) {
-      const Cx<T> a = z[k], b = z[k + h];
-      z[k] = a + b;
-      z[k + h] = mul_tw(a - b, p.c[k * step], p.s[k * step]);
-    }
-    dif(z, h, p, 2 * step);
-    dif(z + h, h, p, 2 * step);
+    dif4(z, m / 4, p, step);
+    for (int j = 0; j < 4; ++j) dif(z + j * (m / 4), m / 4, p, 4 * step);
     return;
   }
-  for (int64_t h = m / 2; h >= 1; h /= 2) {
-    const int64_t st = step * (m / (2 * h));
-    for (int64_t j = 0; j < m; j += 2 * h) {
-      Cx<T>* q = z + j;
-      for (int64_t k = 0; k < h; ++k) {
-        const Cx<T> a = q[k], b = q[k + h];
-        q[k] = a + b;
-        q[k + h] = mul_tw(a - b, p.c[k * st], p.s[k * st]);
-      }
+  int64_t q = m / 4;
+  for (; q >= 1; q /= 4) {
+    for (int64_t j = 0; j < m; j += 4 * q) dif4(z + j, q, p, step * (m / (4 * q)));
+  }
+  if (m >= 2 && (m & 0x5555555555555555LL) == 0) {  // log2(m) odd: a last radix-2 pass of span 1
+    for (int64_t j = 0; j < m; j += 2) {
+      const Cx<T> a = z[j], b = z[j + 1];
+      z[j] = a + b;
+      z[j + 1] = a - b;
     }
   }
 }
 
-// Inverse DIT of z[0, m) (bit-reversed in, natural out, unscaled), conjugate twiddles.
+// Inverse DIT of z[0, m) (bit-reversed in, natural out, unscaled), conjugate twiddles: the
+// radix-2 pass of span 1 first when log2(m) is odd, then radix-4 passes.
 template <class T>
 void dit(Cx<T>* z, int64_t m, const Plan<T>& p, int64_t step) {
   if (m > kLeaf) {
-    const int64_t h = m / 2;
-    dit(z, h, p, 2 * step);
-    dit(z + h, h, p, 2 * step);
-    for (int64_t k = 0; k < h; ++k) {
-      const Cx<T> a = z[k], b = mul_tw(z[k + h], p.c[k * step], -p.s[k * step]);
-      z[k] = a + b;
-      z[k + h] = a - b;
-    }
+    for (int j = 0; j < 4; ++j) dit(z + j * (m / 4), m / 4, p, 4 * step);
+    dit4(z, m / 4, p, step);
     return;
   }
-  for (int64_t h = 1; h < m; h *= 2) {
-    const int64_t st = step * (m / (2 * h));
-    for (int64_t j = 0; j < m; j += 2 * h) {
-      Cx<T>* q = z + j;
-      for (int64_t k = 0; k < h; ++k) {
-        const Cx<T> a = q[k], b = mul_tw(q[k + h], p.c[k * st], -p.s[k * st]);
-        q[k] = a + b;
-        q[k + h] = a - b;
-      }
+  int64_t q = 1;
+  if (m >= 2 && (m & 0x5555555555555555LL) == 0) {  // log2(m) odd
+    for (int64_t j = 0; j < m; j += 2) {
+      const Cx<T> a = z[j], b = z[j + 1];
+      z[j] = a + b;
+      z[j + 1] = a - b;
     }
+    q = 2;
+  }
+  for (; 4 * q <= m; q *= 4) {
+    for (int64_t j = 0; j < m; j += 4 * q) dit4(z + j, q, p, step * (m / (4 * q)));
   }
 }
 
@@ -195,27 +223,54 @@ void inverse(Cx<T>* z, int64_t L, const Plan<T>& p) {
   for (int64_t k = 0; k < L; ++k) z[k] = z[k] + mul_tw(z[k + h], p.c[k], -p.s[k]);
 }
 
-// A row block: lanes are channels d0 .. d0 + lanes - 1 of one batch row (rows of `row_len`
-// contiguous values starting at `src`, consecutive channels `row_len` apart). part 0: real, 1: imag.
+// The transpose of a W x W tile held in W vector registers (v[r][c] -> v[c][r]), by swapping the
+// off-diagonal blocks of every scale s = W/2, ..., 1 between rows r and r + s: log2(W) rounds of W
+// two-register shuffles, instead of W * W scalar moves through memory.
+template <class V, int64_t W, int64_t S, size_t... t>
+inline __attribute__((always_inline)) void swap_blocks(V& a, V& b, std::index_sequence<t...>) {
+  const V lo = __builtin_shufflevector(a, b, ((t & S) ? W + t - S : t)...);
+  const V hi = __builtin_shufflevector(a, b, ((t & S) ? W + t : t + S)...);
+  a = lo;
+  b = hi;
+}
+
+template <class V, int64_t W, int64_t S>
+inline __attribute__((always_inline)) void transpose_round(V* v) {
+  if constexpr (S >= 1) {
+    for (int64_t r = 0; r < W; ++r) {
+      if (!(r & S)) swap_blocks<V, W, S>(v[r], v[r + S], std::make_index_sequence<W>{});
+    }
+    transpose_round<V, W, S / 2>(v);
+  }
+}
+
+template <class T>
+inline __attribute__((always_inline)) void transpose(typename Vec<T>::type* v) {
+  transpose_round<typename Vec<T>::type, Vec<T>::W, Vec<T>::W / 2>(v);
+}
+
+// A row block: lanes are channels d0 .. d0 + lanes - 1 of one batch row (rows of L contiguous
+// values starting at `src`, consecutive channels L apart). part 0: real, 1: imag. Whole tiles of
+// W steps go through registers; the last partial tile through a zero-filled stack tile.
 template <class T>
 void load(Cx<T>* z, int part, const T* src, int64_t lanes, int64_t L) {
+  typedef typename Vec<T>::type V;
   constexpr int64_t W = Vec<T>::W;
+  V v[W];
   for (int64_t t0 = 0; t0 < L; t0 += W) {
     const int64_t tn = std::min(W, L - t0);
-    T tile[W][W];  // [time][lane]
     for (int64_t l = 0; l < W; ++l) {
-      const T* row = src + l * L + t0;
-      if (l < lanes) {
-        for (int64_t i = 0; i < tn; ++i) tile[i][l] = row[i];
+      if (l >= lanes) {
+        v[l] = V{};
+      } else if (tn == W) {
+        __builtin_memcpy(&v[l], src + l * L + t0, sizeof(V));  // one unaligned vector load
       } else {
-        for (int64_t i = 0; i < tn; ++i) tile[i][l] = T(0);
+        v[l] = V{};
+        __builtin_memcpy(&v[l], src + l * L + t0, tn * sizeof(T));
       }
     }
-    for (int64_t i = 0; i < tn; ++i) {
-      typename Vec<T>::type v;
-      __builtin_memcpy(&v, tile[i], sizeof v);
-      (part ? z[t0 + i].im : z[t0 + i].re) = v;
-    }
+    transpose<T>(v);
+    for (int64_t i = 0; i < tn; ++i) (part ? z[t0 + i].im : z[t0 + i].re) = v[i];
   }
 }
 
@@ -226,17 +281,17 @@ void zero_part(Cx<T>* z, int part, int64_t L) {
 
 template <class T>
 void store(const Cx<T>* z, int part, T* dst, int64_t lanes, int64_t L) {
+  typedef typename Vec<T>::type V;
   constexpr int64_t W = Vec<T>::W;
+  V v[W];
   for (int64_t t0 = 0; t0 < L; t0 += W) {
     const int64_t tn = std::min(W, L - t0);
-    T tile[W][W];  // [time][lane]
-    for (int64_t i = 0; i < tn; ++i) {
-      const typename Vec<T>::type v = part ? z[t0 + i].im : z[t0 + i].re;
-      __builtin_memcpy(tile[i], &v, sizeof v);
-    }
-    for (int64_t l = 0; l < lanes; ++l) {
-      T* row = dst + l * L + t0;
-      for (int64_t i = 0; i < tn; ++i) row[i] = tile[i][l];
+    for (int64_t i = 0; i < W; ++i) v[i] = i < tn ? (part ? z[t0 + i].im : z[t0 + i].re) : V{};
+    transpose<T>(v);
+    if (tn == W) {
+      for (int64_t l = 0; l < lanes; ++l) __builtin_memcpy(dst + l * L + t0, &v[l], sizeof(V));
+    } else {
+      for (int64_t l = 0; l < lanes; ++l) __builtin_memcpy(dst + l * L + t0, &v[l], tn * sizeof(T));
     }
   }
 }
