@@ -13,6 +13,8 @@ import ctypes
 import os
 from pathlib import Path
 
+import torch
+
 from ..cuda.build import _Lock, _atomic_move, _digest, _run, _tool_version
 
 CXX = os.environ.get("CXX", "g++")
@@ -66,3 +68,17 @@ def unsupported(lib, cxx: str) -> list[str]:
         return []
     first = str(lib).splitlines()[0] if str(lib) else ""
     return [f"the C++ kernel could not be built with {cxx} ({type(lib).__name__}: {first}); use backend='torch'"]
+
+
+def kernel(lib, symbol: str, work: torch.dtype, what: str):
+    """The entry point ``<symbol>_f32`` or ``<symbol>_f64`` (by the work dtype) of a library
+    :func:`load` returned; a RuntimeError naming ``what`` if it could not be built."""
+    if isinstance(lib, Exception):
+        raise RuntimeError(f"the cpu {what} kernel is unavailable: {lib}")
+    return getattr(lib, f"{symbol}_{'f64' if work == torch.float64 else 'f32'}")
+
+
+def as_work(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """t as a kernel reads it: contiguous in ``dtype``. The per-call cost matters at small sizes, so
+    a tensor already in that dtype and layout is passed as it is, without a conversion call."""
+    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()

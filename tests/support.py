@@ -120,6 +120,20 @@ def backend_module(op: str, backend: str):
     return importlib.import_module(f"megalodon_kernels.ops.{op}.{backend}_impl")
 
 
+def use_cpu_build(monkeypatch, cpu_impl, march: list[str]) -> None:
+    """Make a compiled cpu backend module (ops/<op>/cpu_impl.py) build with the -march flags
+    ``march`` instead of the widest this CPU has (the kernels' vector width follows the build, so
+    the suite would otherwise run only one); skipped off x86-64 or without a compiler."""
+    import functools
+    import platform
+    if platform.machine() != "x86_64" or isinstance(cpu_impl._library(), Exception):
+        pytest.skip("x86-64 builds of the cpu kernel need an x86-64 machine with a C++ compiler")
+    base = [f for f in cpu_impl.FLAGS if not f.startswith("-march=")]
+    monkeypatch.setattr(cpu_impl, "FLAGS", base + march)
+    monkeypatch.setattr(cpu_impl, "_library", functools.lru_cache(maxsize=None)(cpu_impl._library.__wrapped__))
+    assert "-march=x86-64-v4" not in cpu_impl.FLAGS
+
+
 # --- input builders ---------------------------------------------------------------------------
 
 def perturb_(module: torch.nn.Module, seed: int, scale: float = 0.1) -> torch.nn.Module:

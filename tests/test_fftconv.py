@@ -37,7 +37,7 @@ from megalodon_kernels.ops.fftconv import torch_impl as conv_torch
 from megalodon_kernels.ops.fftconv import triton_impl as conv_triton
 from megalodon_kernels.reference import fftconv as ref
 from support import (as_input, assert_close, backend_module, finite_difference_grad, knobs, on_backends,
-                     to_np, tol)
+                     to_np, tol, use_cpu_build)
 
 F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float64
 
@@ -406,18 +406,10 @@ def test_cpu_kernel_empty_batch_and_auto_choice():
 
 @pytest.mark.parametrize("vector", [[], ["-march=x86-64-v3"]], ids=["sse2", "avx2"])
 def test_cpu_kernel_narrower_vector_builds(monkeypatch, vector):
-    # lanes per vector (so channel blocks and their tails) depend on the build, which takes the
-    # widest this CPU has: build the narrower ones too (x86-64 only)
-    import functools
-    import platform
-    if platform.machine() != "x86_64" or isinstance(conv_cpu._library(), Exception):
-        pytest.skip("x86-64 builds of the cpu kernel need an x86-64 machine with a C++ compiler")
-    base = [f for f in conv_cpu.FLAGS if not f.startswith("-march=")]
-    monkeypatch.setattr(conv_cpu, "FLAGS", base + vector)
-    monkeypatch.setattr(conv_cpu, "_library", functools.lru_cache(maxsize=None)(conv_cpu._library.__wrapped__))
+    # lanes per vector (so channel blocks and their tails) depend on the build
+    use_cpu_build(monkeypatch, conv_cpu, vector)
     for dtype in (F32, F64):
         _cpu_vs_float64(3, 13, 77, dtype, seed=4)
-    assert "-march=x86-64-v4" not in conv_cpu.FLAGS
 
 
 def test_cpu_backend_names_its_length_limit_and_auto_falls_back():

@@ -4,7 +4,6 @@ interpreter, CUDA in the emulator), with padding (NaN/inf in padded rows), prior
 several chunks; the streaming state, non-finite inputs, the chunk knob, fp32 accuracy with a large
 mean / outlier first step, the CUDA kernels in both fiber orders, the reference's own checks
 (finite differences, pooled moments, GroupNorm at step 0, streaming) and argument validation."""
-import functools
 
 import numpy as np
 import pytest
@@ -14,7 +13,7 @@ from hypothesis import given, strategies as st
 from megalodon_kernels.cuda.launch import EmulatorLauncher as emu  # the launch descriptions in the emulator
 from megalodon_kernels.ops.timestep_norm import cuda_impl as tsn_cuda, timestep_norm, torch_impl, triton_impl
 from megalodon_kernels.reference import timestep_norm as ref
-from support import PADDINGS, as_input, assert_close, err_ratio, to_np, tol
+from support import PADDINGS, as_input, assert_close, err_ratio, to_np, tol, use_cpu_build
 from support import timestep_norm_inputs as problem
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN/inf lanes the Triton kernels mask away
@@ -378,14 +377,8 @@ def test_cpu_kernel_narrower_vector_builds(monkeypatch, vector):
     # The kernel's sums have one code path per vector width (8 doubles with AVX-512, 4 with AVX,
     # 2 otherwise); the build picks the widest this CPU has, so the test suite would only run
     # that one: build the narrower ones here (x86-64 only) and check them against the torch backend.
-    import platform
-
     from megalodon_kernels.ops.timestep_norm import cpu_impl
-    if platform.machine() != "x86_64" or isinstance(cpu_impl._library(), Exception):
-        pytest.skip("x86-64 builds of the cpu kernel need an x86-64 machine with a C++ compiler")
-    base = [f for f in cpu_impl.FLAGS if not f.startswith("-march=")]
-    monkeypatch.setattr(cpu_impl, "FLAGS", base + vector)
-    monkeypatch.setattr(cpu_impl, "_library", functools.lru_cache(maxsize=None)(cpu_impl._library.__wrapped__))
+    use_cpu_build(monkeypatch, cpu_impl, vector)
     g = torch.Generator().manual_seed(3)
     B, L, D, G = 3, 77, 96, 4  # 24 features a group: 3 full lanes of 8, no tail; 77 steps
     x = (torch.randn(B, L, D, generator=g) * 3 + 100).requires_grad_()
@@ -396,7 +389,6 @@ def test_cpu_kernel_narrower_vector_builds(monkeypatch, vector):
     for be in ("cpu", "torch"):
         y, n, m, v = timestep_norm(x, scale, bias, G, backend=be)
         outs[be] = (y, m, v, *torch.autograd.grad((y * w).sum() + m.sum() + v.sum(), [x, scale, bias]))
-    assert "-march=x86-64-v4" not in cpu_impl.FLAGS
     for a, b in zip(outs["cpu"], outs["torch"]):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5 * b.abs().max().item())
 

@@ -69,14 +69,10 @@ def _check_length(L: int) -> None:
 
 
 def _kernel(kind: str, work: torch.dtype):
-    lib = _library()
-    if isinstance(lib, Exception):
-        raise RuntimeError(f"the cpu fftconv kernel is unavailable: {lib}")
-    return getattr(lib, f"mk_fftconv_{kind}_{'f64' if work == torch.float64 else 'f32'}")
+    return _cpu_build.kernel(_library(), f"mk_fftconv_{kind}", work, "fftconv")
 
 
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+_as = _cpu_build.as_work
 
 
 def fftconv_fwd(x, k, out_dtype=None):

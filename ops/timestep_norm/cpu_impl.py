@@ -70,16 +70,11 @@ def _rows(cu_seqlens):
 
 
 def _kernel(kind: str, work: torch.dtype):
-    lib = _library()
-    if isinstance(lib, Exception):
-        raise RuntimeError(f"the cpu TimestepNorm kernel is unavailable: {lib}")
-    return getattr(lib, f"mk_tsn_{kind}_{'f64' if work == torch.float64 else 'f32'}")
+    return _cpu_build.kernel(_library(), f"mk_tsn_{kind}", work, "TimestepNorm")
 
 
-# The per-call cost matters at these sizes (a forward of 2048 x 128 takes ~0.1 ms): inputs already
-# in the wanted dtype and layout are passed as they are, without a conversion call each.
-def _as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    return t if t.dtype == dtype and t.is_contiguous() else t.to(dtype).contiguous()
+# a forward of 2048 x 128 takes ~0.1 ms: inputs already in the wanted dtype and layout pass as they are
+_as = _cpu_build.as_work
 
 
 def _side(ts) -> tuple[list, int]:
