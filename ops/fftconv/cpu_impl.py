@@ -45,8 +45,8 @@ def _library():
 
 #: The longest L: a thread's scratch is ~4 n complex vectors of 128 bytes in the backward (two
 #: transforms and four half spectra, n = 2 * nextpow2(L)), 128 MiB at this limit (n = 2**18),
-#: whatever the number of channels. Beyond L = 16384 the buffers no longer fit the caches and the
-#: library FFTs are as fast (ops/cema/cpu_impl.py has the measured crossover).
+#: whatever the number of channels. Beyond L = 16384 the buffers no longer fit the caches, and
+#: cema's chunked form (no FFT) overtakes the FFT form (ops/cema/cpu_impl.py).
 MAX_LEN = 1 << 17
 
 
@@ -56,16 +56,18 @@ def kernel_reasons(x) -> list[str]:
     return why + _cpu_build.unsupported(_library(), CXX)
 
 
+def _length_reason(L: int) -> list[str]:
+    return [f"L = {L} > {MAX_LEN} (the cpu kernel's scratch grows with L; use backend='torch')"] if L > MAX_LEN else []
+
+
 def not_supported_reasons(x, k=None) -> list[str]:
-    why = kernel_reasons(x)
-    if x.shape[-1] > MAX_LEN:
-        why.append(f"L = {x.shape[-1]} > {MAX_LEN} (the cpu kernel's scratch grows with L; use backend='torch')")
-    return why
+    return kernel_reasons(x) + _length_reason(x.shape[-1])
 
 
 def _check_length(L: int) -> None:
-    if L > MAX_LEN:  # a direct call (cema's cpu backend) past not_supported_reasons
-        raise ValueError(f"L = {L} > {MAX_LEN}: longer than the cpu fftconv kernel takes (use backend='torch')")
+    why = _length_reason(L)  # a direct call (cema's cpu backend) past not_supported_reasons
+    if why:
+        raise ValueError(f"the cpu fftconv kernel cannot take {why[0]}")
 
 
 def _kernel(kind: str, work: torch.dtype):

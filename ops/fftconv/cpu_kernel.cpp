@@ -5,9 +5,9 @@
 // transform runs on a scratch buffer that stays in the core's cache: x is read once, y written
 // once, and the zero padding is never stored.
 //
-// Vectorisation runs ACROSS ROWS: a vector register holds the same time step (or frequency) of kW
+// Vectorisation runs ACROSS ROWS: a vector register holds the same time step (or frequency) of W
 // rows, so every butterfly is plain full-width vector arithmetic with a broadcast twiddle, whatever
-// the transform size. A "row block" is kW consecutive channels d of one batch row b.
+// the transform size. A "row block" is W consecutive channels d of one batch row b.
 //
 // Two real row blocks share one complex transform of size n = 2 * nextpow2(L) (n >= 2L - 1, so the
 // circular product never wraps into the first L outputs): block a in the real part, block b in
@@ -65,7 +65,7 @@ struct Vec {
 };
 
 template <class T>
-struct Cx {  // kW complex values, one per lane
+struct Cx {  // W complex values, one per lane
   typename Vec<T>::type re, im;
 };
 
@@ -93,6 +93,8 @@ struct Plan {
   int64_t n;
   std::vector<T> c, s;            // w^m = exp(-2 pi i m / n) = c[m] + i s[m], m < n (radix-4 reads up to 3n/4)
   std::vector<int64_t> rev;       // bit reversal of [0, n)
+  int64_t pos(int64_t f) const { return rev[f]; }                 // where frequency f lands
+  int64_t mirror(int64_t f) const { return rev[(n - f) & (n - 1)]; }  // where n - f lands (f = 0: 0)
   explicit Plan(int64_t n_) : n(n_), c(n_), s(n_), rev(n_) {
     for (int64_t m = 0; m < n; ++m) {
       const double a = 2.0 * kPi * (double(m) / double(n));
@@ -305,19 +307,32 @@ struct Geometry {
   bool has(int64_t j) const { return j < blocks; }
 };
 
+// Blocks j0 (real part) and j0 + 1 (imaginary part; zero when there is no such block) of the
+// (D, L) rows starting at `rows` (one batch row of x, or k).
+template <class T>
+void load_pair(Cx<T>* z, const T* rows, const Geometry& g, int64_t j0) {
+  load(z, 0, rows + j0 * g.W * g.L, g.lanes(j0), g.L);
+  if (g.has(j0 + 1)) load(z, 1, rows + (j0 + 1) * g.W * g.L, g.lanes(j0 + 1), g.L);
+  else zero_part(z, 1, g.L);
+}
+
+template <class T>
+void store_pair(const Cx<T>* z, T* rows, const Geometry& g, int64_t j0) {
+  store(z, 0, rows + j0 * g.W * g.L, g.lanes(j0), g.L);
+  if (g.has(j0 + 1)) store(z, 1, rows + (j0 + 1) * g.W * g.L, g.lanes(j0 + 1), g.L);
+}
+
 // Kernel spectra of blocks j0, j1 (natural order, f in [0, n/2]), scaled by 1 / (2n); conjugated
 // for the adjoint (a correlation).
 template <class T>
 void kernel_spectra(const T* k, const Geometry& g, int64_t j0, const Plan<T>& p, bool conjugate, Cx<T>* z,
                     Cx<T>* Ka, Cx<T>* Kb) {
-  const int64_t n = p.n, W = g.W, j1 = j0 + 1;
-  load(z, 0, k + j0 * W * g.L, g.lanes(j0), g.L);
-  if (g.has(j1)) load(z, 1, k + j1 * W * g.L, g.lanes(j1), g.L);
-  else zero_part(z, 1, g.L);
+  const int64_t n = p.n;
+  load_pair(z, k, g, j0);
   forward(z, g.L, p);
   const T scale = T(1) / T(4 * n), sign = conjugate ? T(-1) : T(1);
   for (int64_t f = 0; f <= n / 2; ++f) {
-    const Cx<T> Zf = z[p.rev[f]], Zg = conj(z[p.rev[(n - f) & (n - 1)]]);
+    const Cx<T> Zf = z[p.pos(f)], Zg = conj(z[p.mirror(f)]);
     const Cx<T> A = Zf + Zg, Bv = Zf - Zg;  // 2 Ka(f), 2i Kb(f)
     Ka[f] = {A.re * scale, A.im * (sign * scale)};
     Kb[f] = {Bv.im * scale, -Bv.re * (sign * scale)};  // Bv / 2i = (Bv.im - i Bv.re) / 2
@@ -329,7 +344,7 @@ template <class T>
 void apply(Cx<T>* z, const Cx<T>* Ka, const Cx<T>* Kb, const Plan<T>& p) {
   const int64_t n = p.n;
   for (int64_t f = 0; f <= n / 2; ++f) {
-    const int64_t pf = p.rev[f], pg = p.rev[(n - f) & (n - 1)];
+    const int64_t pf = p.pos(f), pg = p.mirror(f);
     const Cx<T> Zf = z[pf], Zg = conj(z[pg]);
     const Cx<T> P = mul(Zf + Zg, Ka[f]), Q = mul(Zf - Zg, Kb[f]);
     z[pg] = conj(P - Q);  // before z[pf]: at f = 0 and n/2, pf == pg and P + Q is the value
@@ -360,7 +375,7 @@ template <class T>
 void forward_call(const T* x, const T* k, T* y, int64_t B, int64_t D, int64_t L, int threads) {
   const Geometry g = geometry<T>(B, D, L);
   const Plan<T>& p = plan<T>(fft_size(L));
-  const int64_t n = p.n, W = g.W;
+  const int64_t n = p.n;
   // batch rows per work item: the whole batch, unless that leaves threads idle
   const int64_t per = std::max<int64_t>(1, B / std::max<int64_t>(1, (threads + g.tasks - 1) / g.tasks));
   const int64_t chunks = (B + per - 1) / per, items = g.tasks * chunks;
@@ -369,19 +384,14 @@ void forward_call(const T* x, const T* k, T* y, int64_t B, int64_t D, int64_t L,
     Buf<T> z(n), Ka(n / 2 + 1), Kb(n / 2 + 1);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t it = 0; it < items; ++it) {
-      const int64_t j0 = 2 * (it / chunks), j1 = j0 + 1, b0 = (it % chunks) * per;
+      const int64_t j0 = 2 * (it / chunks), b0 = (it % chunks) * per;
       kernel_spectra(k, g, j0, p, false, z.data(), Ka.data(), Kb.data());
       for (int64_t b = b0; b < std::min(B, b0 + per); ++b) {
-        const T* xb = x + b * D * L;
-        T* yb = y + b * D * L;
-        load(z.data(), 0, xb + j0 * W * L, g.lanes(j0), L);
-        if (g.has(j1)) load(z.data(), 1, xb + j1 * W * L, g.lanes(j1), L);
-        else zero_part(z.data(), 1, L);
+        load_pair(z.data(), x + b * D * L, g, j0);
         forward(z.data(), L, p);
         apply(z.data(), Ka.data(), Kb.data(), p);
         inverse(z.data(), L, p);
-        store(z.data(), 0, yb + j0 * W * L, g.lanes(j0), L);
-        if (g.has(j1)) store(z.data(), 1, yb + j1 * W * L, g.lanes(j1), L);
+        store_pair(z.data(), y + b * D * L, g, j0);
       }
     }
   }
@@ -394,28 +404,24 @@ void backward_call(const T* dy, const T* x, const T* k, T* dx, T* dk, int64_t B,
                    int threads) {
   const Geometry g = geometry<T>(B, D, L);
   const Plan<T>& p = plan<T>(fft_size(L));
-  const int64_t n = p.n, W = g.W, h = n / 2;
+  const int64_t n = p.n, h = n / 2;
 #pragma omp parallel num_threads(team(threads, g.tasks))
   {
     Buf<T> z(n), zx(dk ? n : 0), Ka(dx ? h + 1 : 0), Kb(dx ? h + 1 : 0), Sa(dk ? h + 1 : 0), Sb(dk ? h + 1 : 0);
 #pragma omp for schedule(dynamic, 1)
     for (int64_t task = 0; task < g.tasks; ++task) {
-      const int64_t j0 = 2 * task, j1 = j0 + 1;
+      const int64_t j0 = 2 * task;
       if (dx) kernel_spectra(k, g, j0, p, true, z.data(), Ka.data(), Kb.data());
       if (dk) std::fill(Sa.begin(), Sa.end(), Cx<T>{}), std::fill(Sb.begin(), Sb.end(), Cx<T>{});
       for (int64_t b = 0; b < B; ++b) {
-        const int64_t off0 = b * D * L + j0 * W * L, off1 = b * D * L + j1 * W * L;
-        load(z.data(), 0, dy + off0, g.lanes(j0), L);
-        if (g.has(j1)) load(z.data(), 1, dy + off1, g.lanes(j1), L);
-        else zero_part(z.data(), 1, L);
+        const int64_t row = b * D * L;
+        load_pair(z.data(), dy + row, g, j0);
         forward(z.data(), L, p);
         if (dk) {  // S += DY conj(X) per block: (2 DYa)(conj 2 Xa) and (2i DYb)(conj 2i Xb)
-          load(zx.data(), 0, x + off0, g.lanes(j0), L);
-          if (g.has(j1)) load(zx.data(), 1, x + off1, g.lanes(j1), L);
-          else zero_part(zx.data(), 1, L);
+          load_pair(zx.data(), x + row, g, j0);
           forward(zx.data(), L, p);
           for (int64_t f = 0; f <= h; ++f) {
-            const int64_t pf = p.rev[f], pg = p.rev[(n - f) & (n - 1)];
+            const int64_t pf = p.pos(f), pg = p.mirror(f);
             const Cx<T> Yf = z[pf], Yg = conj(z[pg]), Xf = zx[pf], Xg = conj(zx[pg]);
             Sa[f] = Sa[f] + mul_conj(Yf + Yg, Xf + Xg);
             Sb[f] = Sb[f] + mul_conj(Yf - Yg, Xf - Xg);
@@ -424,8 +430,7 @@ void backward_call(const T* dy, const T* x, const T* k, T* dx, T* dk, int64_t B,
         if (dx) {
           apply(z.data(), Ka.data(), Kb.data(), p);
           inverse(z.data(), L, p);
-          store(z.data(), 0, dx + off0, g.lanes(j0), L);
-          if (g.has(j1)) store(z.data(), 1, dx + off1, g.lanes(j1), L);
+          store_pair(z.data(), dx + row, g, j0);
         }
       }
       if (dk) {  // the two blocks' dk as one inverse: dk_a + i dk_b, each S / 4 over n
@@ -434,12 +439,11 @@ void backward_call(const T* dy, const T* x, const T* k, T* dx, T* dk, int64_t B,
           const Cx<T> a = Sa[f], bb = Sb[f];
           const Cx<T> w = {(a.re - bb.im) * scale, (a.im + bb.re) * scale};      // a + i b
           const Cx<T> v = {(a.re + bb.im) * scale, (bb.re - a.im) * scale};      // conj(a) + i conj(b)
-          z[p.rev[(n - f) & (n - 1)]] = v;
-          z[p.rev[f]] = w;
+          z[p.mirror(f)] = v;
+          z[p.pos(f)] = w;
         }
         inverse(z.data(), L, p);
-        store(z.data(), 0, dk + j0 * W * L, g.lanes(j0), L);
-        if (g.has(j1)) store(z.data(), 1, dk + j1 * W * L, g.lanes(j1), L);
+        store_pair(z.data(), dk, g, j0);
       }
     }
   }
