@@ -1,7 +1,7 @@
 """cema's two torch forms, FFT and chunked: fp32 accuracy at long L, and CPU time per shape.
 
     python bench/cema_forms.py accuracy [--lengths 16 18 20] [--gaps 1e-5 1e-3] [--chunk 64]
-    python bench/cema_forms.py time [--shapes 8,128,256 4,128,512 2,256,4096] [--chunk 64] [--reps 7]
+    python bench/cema_forms.py time [--shapes 8,128,256 4,128,512 2,256,4096] [--chunk 64] [--reps 7] [--cpu]
 
 ``accuracy``: for every length 2**e and gap 1-|q| (the coefficients of bench/accuracy_cema.py,
 D = 2, N = 16, with an initial state hx), runs ``ops.cema`` on the torch backend in fp32 in each
@@ -10,7 +10,9 @@ evaluation of the same fp32 inputs (the FFT form in float64, ~1e-13 accurate).
 
 ``time``: for every B,D,L (N = 16, no hx, float32), the median thread CPU time of the forward
 (no grad) and of forward+backward of each form, one thread. Thread CPU time, not wall time, so
-that a second job on the other core disturbs it less.
+that a second job on the other core disturbs it less. ``--cpu`` adds the cpu backend's FFT form
+(the torch composition with fftconv's compiled kernel; the chunked form beyond that kernel's
+longest L), the comparison behind that backend's chunk_min_len.
 """
 from __future__ import annotations
 
@@ -24,22 +26,34 @@ from pathlib import Path
 import torch
 
 from megalodon_kernels.ops import cema
-from megalodon_kernels.ops.cema import torch_impl
+from megalodon_kernels.ops.cema import cpu_impl, torch_impl
 
 sys.path.insert(0, str(Path(__file__).parent))
 from accuracy_cema import make_inputs  # noqa: E402
 
 
 @contextlib.contextmanager
-def form(chunk: int):
-    """The torch backend in the FFT form (chunk 0) or the chunked form with chunks of ``chunk``
-    at every length."""
-    saved = dict(torch_impl.DEFAULT_CONFIG)
-    torch_impl.DEFAULT_CONFIG.update(chunk=chunk, chunk_min_len=0)
+def form(chunk: int, module=torch_impl):
+    """A backend (the torch one by default) in the FFT form (chunk 0) or the chunked form with
+    chunks of ``chunk`` at every length."""
+    saved = dict(module.DEFAULT_CONFIG)
+    module.DEFAULT_CONFIG.update(chunk=chunk, chunk_min_len=0)
     try:
         yield
     finally:
-        torch_impl.DEFAULT_CONFIG.update(saved)
+        module.DEFAULT_CONFIG.update(saved)
+
+
+@contextlib.contextmanager
+def cpu_fft_form():
+    """The cpu backend's FFT form at every length its convolution takes (the recurrence for the
+    shortest calls stays, as in its default)."""
+    saved = dict(cpu_impl.DEFAULT_CONFIG)
+    cpu_impl.DEFAULT_CONFIG.update(chunk_min_len=1 << 62)
+    try:
+        yield
+    finally:
+        cpu_impl.DEFAULT_CONFIG.update(saved)
 
 
 def accuracy(args):
@@ -72,7 +86,11 @@ def _median_ms(fn, reps):
 
 
 def speed(args):
-    print("| B, D, L | FFT fwd ms | FFT fwd+bwd ms | chunked fwd ms | chunked fwd+bwd ms |\n|---|---|---|---|---|")
+    forms = [("FFT", "torch", lambda: form(0)), ("chunked", "torch", lambda: form(args.chunk))]
+    if args.cpu:
+        forms.append(("cpu FFT", "cpu", cpu_fft_form))
+    print("| B, D, L | " + " | ".join(f"{name} fwd ms | {name} fwd+bwd ms" for name, _, _ in forms) + " |")
+    print("|---|" + "---|---|" * len(forms))
     for shape in args.shapes:
         B, D, L = (int(v) for v in shape.split(","))
         gen = torch.Generator().manual_seed(0)
@@ -81,16 +99,16 @@ def speed(args):
         x = torch.randn(B, D, L, generator=gen, requires_grad=True)
         dy = torch.randn(B, D, L, generator=gen)
 
-        def fwd():
-            with torch.no_grad():
-                cema(x, *coef, backend="torch")
-
-        def fwd_bwd():
-            cema(x, *coef, backend="torch")[0].backward(dy)
-
         row = []
-        for chunk in (0, args.chunk):
-            with form(chunk):
+        for _, backend, context in forms:
+            def fwd():
+                with torch.no_grad():
+                    cema(x, *coef, backend=backend)
+
+            def fwd_bwd():
+                cema(x, *coef, backend=backend)[0].backward(dy)
+
+            with context():
                 row += [_median_ms(fwd, args.reps), _median_ms(fwd_bwd, args.reps)]
         print(f"| {B}, {D}, {L} | " + " | ".join(f"{t:.1f}" for t in row) + " |")
 
@@ -107,6 +125,7 @@ def main():
                                                    "2,256,4096"], help="B,D,L")
     t.add_argument("--chunk", type=int, default=64)
     t.add_argument("--reps", type=int, default=7)
+    t.add_argument("--cpu", action="store_true", help="also the cpu backend's FFT form (compiled convolution)")
     args = ap.parse_args()
     torch.set_num_threads(1)
     accuracy(args) if args.what == "accuracy" else speed(args)

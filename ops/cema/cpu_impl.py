@@ -3,9 +3,9 @@ with its FFT form's convolution run by fftconv's compiled kernel (ops/fftconv/cp
 
 The convolution is where the FFT form spends its time on a CPU: in the library FFTs' passes over
 spectrum-sized buffers in memory. With the compiled kernel the FFT form is faster than the chunked
-form (C x C Toeplitz matmuls) up to L = 16384 on a 1-thread x86 CPU (fwd+bwd, B 1, D 256, N 16:
-23 against 33 ms at L 4096, 99 against 117 ms at 16384); from 32768 on, where a transform's
-buffer leaves the core's caches, the chunked form is faster (202 against 274 ms at 32768). The
+form (C x C Toeplitz matmuls) below L = 16384, on par there, and slower from 32768 on, where a
+transform's buffer leaves the core's caches (fwd+bwd, B 1, D 256, N 16, one thread:
+``python bench/cema_forms.py time --shapes 1,256,4096 1,256,16384 1,256,32768 --cpu``). The
 recurrence serves the shortest calls (decoding), as in the torch backend. Every other stage, the
 saved tensors and the numerics are the torch backend's; without a working compiler the backend
 reports itself unavailable and ``auto`` takes the torch backend.
