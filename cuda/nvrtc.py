@@ -130,26 +130,31 @@ def supported_archs() -> list[int]:
 
 
 def _package_dir(name: str) -> Path | None:
+    dirs = _package_dirs(name)
+    return dirs[0] if dirs else None
+
+
+def _package_dirs(name: str) -> list[Path]:
+    """Every folder of (namespace) package ``name`` on sys.path: the ``nvidia`` wheels of one
+    environment may be split between site-packages and a ``--target`` folder on PYTHONPATH."""
     spec = importlib.util.find_spec(name)
     if spec is None or not spec.submodule_search_locations:
-        return None
-    return Path(list(spec.submodule_search_locations)[0])
+        return []
+    return [Path(p) for p in spec.submodule_search_locations]
 
 
 @functools.lru_cache(maxsize=None)
 def include_dirs() -> tuple[str, ...]:
     """The CUDA headers (cuda_bf16.h, ...), CCCL and CuTe, all from pip packages."""
-    nvidia = _package_dir("nvidia")
-    runtime = None
-    if nvidia is not None:
-        # CUDA 13 wheels share nvidia/cu13/include; CUDA 12 wheels have one folder per component
-        candidates = sorted(nvidia.glob("cu*/include")) + sorted(nvidia.glob("cuda_runtime/include"))
-        runtime = next((d for d in candidates if (d / "cuda_bf16.h").exists()), None)
+    # CUDA 13 wheels share nvidia/cu13/include; CUDA 12 wheels have one folder per component
+    includes = [d for nvidia in _package_dirs("nvidia")
+                for d in sorted(nvidia.glob("cu*/include")) + sorted(nvidia.glob("cuda_runtime/include"))]
+    runtime = next((d for d in includes if (d / "cuda_bf16.h").exists()), None)
     if runtime is None:
         raise NvrtcUnavailable("the CUDA headers are missing: pip install nvidia-cuda-runtime "
                                "(part of the megalodon-kernels[cuda] extra)")
-    cccl = next((d for d in (runtime / "cccl", runtime.parent.parent / "cuda_cccl" / "include")
-                 if (d / "cuda" / "std" / "cstdint").exists()), None)
+    cccl = next((c for d in includes for c in (d / "cccl", d.parent.parent / "cuda_cccl" / "include")
+                 if (c / "cuda" / "std" / "cstdint").exists()), None)
     if cccl is None:
         raise NvrtcUnavailable("the CCCL headers (libcu++) are missing: pip install 'nvidia-cuda-cccl==13.0.*' "
                                "(part of the megalodon-kernels[cuda] extra)")

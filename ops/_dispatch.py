@@ -29,7 +29,8 @@ them). The cache is dropped when the autotune tables are re-read or the registra
 when the chosen backend's ``DEFAULT_CONFIG`` was changed in place. While the tuner forces a
 candidate (``autotune.registry.force``) the cache is neither read nor written. So a backend's
 reasons must depend on the inputs, its module and its DEFAULT_CONFIG only, and on settings fixed
-for the process (``TRITON_INTERPRET``, whether the CUDA runtime is available).
+for the process (``TRITON_INTERPRET``, whether the CUDA runtime is available) and on the
+device's capabilities (cuda/device.py; a faked profile is part of the key).
 """
 from __future__ import annotations
 
@@ -43,6 +44,7 @@ import torch
 
 from ..autotune import cache as autotune_cache
 from ..autotune import registry as autotune_registry
+from ..cuda import device as cuda_device
 
 logger = logging.getLogger("megalodon_kernels")
 
@@ -189,7 +191,8 @@ class OpBackends:
                 raise self._error(inputs, f"{self.op}: backend {name!r} (forced by the tuner) cannot run these inputs:")
             return self._finish(name, "autotune override", device, dtype, config)
         env = _getenv(ENV_VAR) if backend == "auto" else ""
-        memo = (backend, env, _getenv(autotune_cache.ENV_CACHE), device, dtype, signature(inputs))
+        memo = (backend, env, _getenv(autotune_cache.ENV_CACHE), device, dtype, cuda_device.generation(),
+                signature(inputs))
         version = autotune_cache.version()
         if version != self._version:
             self._choices.clear()
