@@ -159,6 +159,9 @@ def include_dirs() -> tuple[str, ...]:
         raise NvrtcUnavailable("the CCCL headers (libcu++) are missing: pip install 'nvidia-cuda-cccl==13.0.*' "
                                "(part of the megalodon-kernels[cuda] extra)")
     dirs = [str(runtime), str(cccl)]
+    if cccl.name == "cccl" and cccl.parent != runtime:
+        # CuTe includes libcu++ as <cccl/cuda/std/...> when CCCL sits in a folder of its own
+        dirs.append(str(cccl.parent))
     cutlass = _package_dir("cutlass_library")
     if cutlass is not None and (cutlass / "source" / "include" / "cute" / "tensor.hpp").exists():
         dirs.append(str(cutlass / "source" / "include"))
