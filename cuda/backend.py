@@ -7,11 +7,21 @@ are ignored, so an op may pass more), the op's ``*_fwd``/``*_bwd``) over a launc
 getter and a device type; tests build the same classes over the CPU emulator
 (``device_type="cpu"``) to run the ops' autograd Functions end to end.
 
-Imports nothing from the rest of the package.
+Device limits: a backend plans its launches for :meth:`_Backend.caps` of the inputs' device (the
+GPU's compute capability, opt-in shared memory per block and grid limits from cuda/device.py; the
+emulator's profile, an A100 unless faked, for CPU tensors) and says in ``not_supported_reasons``
+what does not fit, so ``auto`` falls back; :meth:`_Backend._fit_reasons` words the common checks.
+The launchers check every launch against the same limits again (cuda/launch.py ``check_fits``),
+so a plan that missed one fails with its reason instead of trapping on the GPU.
+
+Imports only cuda/device.py and cuda/launch.py from the rest of the package.
 """
 from __future__ import annotations
 
 import torch
+
+from . import device as _device
+from .launch import fit_reason
 
 #: element types of the kernels (fp32 accumulation) ...
 DTYPES = (torch.float32, torch.bfloat16)
@@ -46,6 +56,21 @@ class _Backend:
         except Exception as exc:  # no GPU runtime here / no compiler (emulator)
             return [str(exc)]
         return []
+
+    @staticmethod
+    def caps(t) -> "_device.DeviceCaps":
+        """The capabilities of the device of ``t`` (a tensor or device) the launches plan for."""
+        return _device.launch_caps(t.device if isinstance(t, torch.Tensor) else t)
+
+    @staticmethod
+    def _fit_reasons(caps, launches) -> list[str]:
+        """Why planned launches do not fit the device: ``launches`` of (kernel, grid, block, smem)."""
+        out = []
+        for kernel, grid, block, smem in launches:
+            reason = fit_reason(caps, kernel, grid, block, smem)
+            if reason is not None and reason not in out:
+                out.append(reason)
+        return out
 
     def _reasons(self, named: dict, dtype_of: str) -> list[str]:
         reasons = self._available()

@@ -127,3 +127,21 @@ def grid_reason(grid, limits: tuple[int, int, int] = MAX_GRID) -> str | None:
         if n > limit:
             return f"grid {axis} would be {n}, above the device's limit of {limit}"
     return None
+
+
+#: What the CPU emulator's launches are checked against (the CUDA backends over CPU tensors in
+#: tests): an A100, the architecture the kernels were first written for, unless a test fakes a
+#: profile for every device (``faked(profile)`` with index None), which the emulator then reports.
+EMULATED = PROFILES["A100"]
+
+
+def emulated_caps() -> DeviceCaps:
+    """The capabilities the emulator's launches see: the every-device fake, else :data:`EMULATED`."""
+    return _faked.get(None, EMULATED)
+
+
+def launch_caps(device) -> DeviceCaps:
+    """The capabilities a CUDA backend plans for: :func:`caps` of a CUDA device, :func:`emulated_caps`
+    for a CPU device (the emulator runs the same launch descriptions on CPU tensors)."""
+    device = torch.device(device)
+    return caps(device) if device.type == "cuda" else emulated_caps()

@@ -13,7 +13,13 @@ memory, typed arguments) through a launcher. Two launchers execute the same reco
 
 Both see the arguments as the bytes of their C types (:func:`packed`), which is what
 ``cuLaunchKernel`` copies, so a record of one equals a record of the other for the same call.
-This module imports nothing from the rest of the package.
+
+Both refuse, before anything runs, a launch the device could not take (:func:`fit_reason`: the
+kernel's oldest architecture, dynamic + static shared memory above the block's opt-in limit, a grid
+dimension above its maximum) with :class:`LaunchDoesNotFit`, so a launch description that forgot a
+device limit fails with the reason instead of trapping on the GPU. The backends plan within the
+same limits first (their ``not_supported_reasons``), so ``auto`` never gets there.
+This module imports only cuda/device.py from the rest of the package.
 """
 from __future__ import annotations
 
@@ -22,6 +28,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import device as _device
+
+#: The oldest architecture NVRTC 13 targets, and so every kernel's default minimum.
+MIN_ARCH = 75
 #: C argument types of the kernels, by tag (the emulator reports the same tags for its C++ types).
 ARG_TYPES = {
     "ptr": ctypes.c_void_p, "i32": ctypes.c_int32, "i64": ctypes.c_int64, "u32": ctypes.c_uint32,
@@ -39,6 +49,9 @@ class Kernel:
 
     header: str
     name: str
+    #: the oldest compute capability the kernel runs on (80 for flash attention's SM80 tensor-core
+    #: MMA atoms and cp.async, which trap on older GPUs); everything else compiles for every arch
+    min_arch: int = MIN_ARCH
 
 
 @dataclass(frozen=True)
@@ -84,6 +97,35 @@ def dim3(v) -> tuple[int, int, int]:
     return tuple(int(x) for x in t) + (1,) * (3 - len(t))
 
 
+class LaunchDoesNotFit(ValueError):
+    """A launch the device cannot take (the message says which limit and by how much)."""
+
+
+def fit_reason(caps: "_device.DeviceCaps", kernel: Kernel, grid, block, smem: int, static_smem: int = 0) -> str | None:
+    """Why ``kernel`` cannot launch with this grid / block / dynamic shared memory on a device with
+    ``caps`` (None when it can); ``static_smem``: the kernel's own ``__shared__`` bytes when known."""
+    short = kernel.name.split("<")[0]
+    if caps.arch < kernel.min_arch:
+        return (f"{short} needs sm_{kernel.min_arch} or newer, the device ({caps.name}) is {caps.sm}")
+    total = int(smem) + int(static_smem)
+    if total > caps.smem_per_block_optin:
+        return (f"{short} needs {total} B of shared memory per block, above the {caps.smem_per_block_optin} B "
+                f"{caps.name} ({caps.sm}) allows")
+    threads = 1
+    for n in dim3(block):
+        threads *= n
+    if threads > 1024:
+        return f"{short} has {threads} threads per block, above the limit of 1024"
+    reason = _device.grid_reason(dim3(grid), caps.max_grid)
+    return None if reason is None else f"{short}: {reason}"
+
+
+def check_fits(launch_: "Launch", caps: "_device.DeviceCaps", static_smem: int = 0) -> None:
+    reason = fit_reason(caps, launch_.kernel, launch_.grid, launch_.block, launch_.smem, static_smem)
+    if reason is not None:
+        raise LaunchDoesNotFit(f"refusing a launch the device cannot take: {reason}")
+
+
 def launch(launcher, kernel: Kernel, grid, block, smem: int, args, device: torch.device) -> None:
     launcher(Launch(kernel, dim3(grid), dim3(block), int(smem), tuple(args), device))
 
@@ -119,6 +161,7 @@ class EmulatorLauncher:
     def __call__(self, launch: Launch) -> None:
         if launch.device.type != "cpu":
             raise ValueError(f"the CPU emulator needs cpu tensors, got a launch on {launch.device}")
+        check_fits(launch, _device.emulated_caps())  # what the emulated GPU could launch (an A100 unless faked)
         data = launch.packed()
         cpp_tags = self.ext.launch_kernel(launch.kernel.name, launch.grid, launch.block, launch.smem, data)
         if self.records is not None:

@@ -5,11 +5,13 @@ saying why the CUDA backend cannot run here (no CuPy / NVRTC, no CUDA torch or d
 older than NVRTC, an arch NVRTC cannot target); the ops' ``not_supported_reasons`` report that
 message and ``auto`` falls back. Nothing is imported or compiled before the first call.
 
-A launch compiles its kernel instantiation for the device's arch on first use (cuda/nvrtc.py,
-disk cache), loads the cubin into the device's primary context (the one torch uses), opts in to
-large dynamic shared memory when the launch needs it, and launches on torch's current stream of
-the tensors' device with the arguments packed as their C types (cuda/launch.py). The driver calls
-go through :class:`CupyDriver`; tests substitute a recording fake.
+A launch compiles its kernel instantiation for the device's arch (cuda/device.py, so a faked
+profile is honoured) on first use (cuda/nvrtc.py, disk cache), checks that the device can take it
+(the kernel's oldest arch, dynamic + the cubin's static shared memory, grid limits: a clear
+LaunchDoesNotFit instead of a trap), loads the cubin into the device's primary context (the one
+torch uses), opts in to large dynamic shared memory when the launch needs it, and launches on
+torch's current stream of the tensors' device with the arguments packed as their C types
+(cuda/launch.py). The driver calls go through :class:`CupyDriver`; tests substitute a recording fake.
 """
 from __future__ import annotations
 
@@ -19,8 +21,9 @@ import threading
 
 import torch
 
+from . import device as _device
 from . import nvrtc
-from .launch import DEFAULT_MAX_DYNAMIC_SMEM, Launch, c_value
+from .launch import DEFAULT_MAX_DYNAMIC_SMEM, Launch, c_value, check_fits
 
 #: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _MAX_DYNAMIC_SHARED = 8
@@ -36,16 +39,29 @@ class CupyDriver:
     def driver_version(self) -> int:
         return int(self._runtime.driverGetVersion())
 
+    def _make_context_current(self) -> None:
+        """Make the primary context of torch's current device current on this thread. torch
+        selects a device without creating or binding a context where the device is already the
+        selected one (autograd's per-device worker thread, for one), and every driver call below
+        needs a current context: the first launch of a process from a backward failed with
+        CUDA_ERROR_INVALID_CONTEXT on an H100. cudaSetDevice binds the primary context (the one
+        torch uses); the check costs one driver call per launch."""
+        if not self._driver.ctxGetCurrent():
+            self._runtime.setDevice(torch.cuda.current_device())
+
     def load(self, cubin: bytes):
+        self._make_context_current()
         return self._driver.moduleLoadData(cubin)
 
     def function(self, module, lowered_name: str):
         return self._driver.moduleGetFunction(module, lowered_name)
 
     def set_max_dynamic_smem(self, function, nbytes: int) -> None:
+        self._make_context_current()
         self._driver.funcSetAttribute(function, _MAX_DYNAMIC_SHARED, nbytes)
 
     def launch(self, function, grid, block, smem: int, stream: int, values: list) -> None:
+        self._make_context_current()
         params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
         self._driver.launchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
 
@@ -54,32 +70,38 @@ class GpuLauncher:
     EMULATOR = False
 
     def __init__(self, driver=None, compile_kernel=nvrtc.compile_kernel, arch_of=None, stream_of=None,
-                 device_type: str = "cuda"):
+                 device_type: str = "cuda", caps_of=None):
         #: "cpu" only for tests that run this launcher's code over a fake driver on CPU tensors
         self.device_type = device_type
         self.driver = driver if driver is not None else CupyDriver()
         self.compile_kernel = compile_kernel
-        self._arch_of = arch_of or _device_arch
+        #: the device's capabilities (cuda/device.py; the emulated profile for a "cpu" test launcher)
+        self._caps_of = caps_of or _device.launch_caps
+        self._arch_of = arch_of or (lambda device: self._caps_of(device).arch)
         self._stream_of = stream_of or _current_stream
         self._functions: dict = {}
         self._lock = threading.Lock()
 
     def function(self, kernel, device: torch.device):
         """The loaded kernel for ``device`` (compiled and loaded on first use)."""
-        key = (device.index, kernel)
+        arch = self._arch_of(device)
+        key = (device.index, arch, kernel)  # the arch too: a faked profile is another device
         with self._lock:
             if key not in self._functions:
-                compiled = self.compile_kernel(kernel.header, kernel.name, self._arch_of(device))
+                compiled = self.compile_kernel(kernel.header, kernel.name, arch)
                 with _on_device(device):
                     module = self.driver.load(compiled.cubin)
                     fn = self.driver.function(module, compiled.lowered_name)
-                self._functions[key] = [module, fn, DEFAULT_MAX_DYNAMIC_SMEM]
+                self._functions[key] = [module, fn, DEFAULT_MAX_DYNAMIC_SMEM, compiled.resources.static_smem]
             return self._functions[key]
 
     def __call__(self, launch: Launch) -> None:
         if launch.device.type != self.device_type:
             raise ValueError(f"the CUDA runtime needs {self.device_type} tensors, got a launch on {launch.device}")
+        caps = self._caps_of(launch.device)
+        check_fits(launch, caps)  # before compiling: an arch the kernel cannot target fails here, not in NVRTC
         entry = self.function(launch.kernel, launch.device)
+        check_fits(launch, caps, static_smem=entry[3])
         values = [c_value(tag, value) for tag, value in launch.args]
         with _on_device(launch.device):
             if launch.smem > entry[2]:

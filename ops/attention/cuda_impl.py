@@ -72,13 +72,26 @@ def bwd_smem_bytes(element: str, D: int) -> int:
     return tiles + 2 * BM * 4  # + lse, delta of the query block
 
 
+#: CuTe's SM80 tensor-core MMA atoms (mma.sync m16n8k16) and cp.async copies: on an older GPU
+#: (sm_75) they compile but reach CuTe's invalid-architecture trap, so the kernels need sm_80.
+FLASH_MIN_ARCH = 80
+#: grid y is B * H (one CTA row per (batch, head)); larger products run in batch slices
+MAX_GRID_Y = 65535
+
+
+def flash_smem_bytes(element: str, D: int) -> int:
+    """The larger dynamic shared memory of the forward and backward kernels (a device that runs
+    the flash path must fit both: training needs the backward; the kernels have no static smem)."""
+    return max(fwd_smem_bytes(element, D), bwd_smem_bytes(element, D))
+
+
 def _flash_kernels(element: str, D: int) -> dict[str, Kernel]:
     fwd, bwd = f"mk::flash::FwdCfg<{element}, {D}>", f"mk::flash::BwdCfg<{element}, {D}>"
     names = {"fwd": f"mk::flash::flash_fwd_kernel<{fwd}>",
              "dv": f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDV>",
              "dk": f"mk::flash::flash_bwd_kv_kernel<{bwd}, mk::flash::Grad::kDK>",
              "dq": f"mk::flash::flash_bwd_q_kernel<{bwd}>"}
-    return {k: Kernel("flash_attention.cuh", n) for k, n in names.items()}
+    return {k: Kernel("flash_attention.cuh", n, min_arch=FLASH_MIN_ARCH) for k, n in names.items()}
 
 
 #: (element, D) -> {"fwd", "dv", "dk", "dq": Kernel}: the GPU's (mma.sync tiles) ...
@@ -101,6 +114,33 @@ def flash_kernels(launcher, dtype: torch.dtype, dh: int) -> dict[str, Kernel] | 
     D = flash_head_dim(dh)
     table = {**FLASH, **EMULATOR_FLASH} if getattr(launcher, "EMULATOR", False) else FLASH
     return table.get((FLASH_ELEMENTS.get(dtype), D))
+
+
+def batch_slice(B: int, H: int) -> int:
+    """Batch elements per flash launch: all of them while B * H fits grid y, else the most that do."""
+    return B if B * H <= MAX_GRID_Y else max(1, MAX_GRID_Y // max(1, H))
+
+
+def flash_device_reasons(caps, dtype: torch.dtype, dh: int, H: int) -> list[str]:
+    """Why the flash kernels for q's dtype and head dim cannot run on a device with ``caps``
+    (cuda/device.py): its architecture, its shared memory per block, grid y. A pure function of
+    its inputs, called by the backend and by the device-profile tests."""
+    D = flash_head_dim(dh)
+    element = FLASH_ELEMENTS.get(dtype)
+    if D is None or element is None:
+        return []
+    if caps.arch < FLASH_MIN_ARCH:
+        return [f"the flash kernel uses SM80 tensor-core MMA and cp.async, which {caps.name} ({caps.sm}) lacks "
+                f"(sm_80 or newer; softmax attention runs on path='matmul' there)"]
+    need = flash_smem_bytes(element, D)
+    if need > caps.smem_per_block_optin:
+        fits = [d for d in FLASH_HEAD_DIMS if flash_smem_bytes(element, d) <= caps.smem_per_block_optin]
+        return [f"the flash kernel at head dim {D} ({dtype}) needs {need} B of shared memory per block, "
+                f"{caps.name} ({caps.sm}) allows {caps.smem_per_block_optin} B (head dims <= {max(fits, default=0)} "
+                f"fit; softmax runs on path='matmul')"]
+    if H > MAX_GRID_Y:
+        return [f"the flash kernel handles H <= {MAX_GRID_Y} heads (grid y), got {H}"]
+    return []
 
 
 class FlashParams(ctypes.Structure):
@@ -145,6 +185,18 @@ def _pad_last(x: torch.Tensor, n: int) -> torch.Tensor:
     return torch.nn.functional.pad(x, (0, n - x.shape[-1])).contiguous()
 
 
+def _slices(B: int, H: int, batch_index, device):
+    """[(b0, b1, batch index of the slice or None)]: batch slices whose B * H fits grid y, each with
+    the DropKey batch index of its rows (the kernel hashes b' = batch_index[b] with b counted
+    from the slice's first row, so a slice passes the global indices)."""
+    step = batch_slice(B, H)
+    if step >= B:
+        return [(0, B, batch_index)]
+    if batch_index is None:
+        batch_index = torch.arange(B, dtype=torch.int64, device=device)
+    return [(b0, min(B, b0 + step), batch_index[b0:b0 + step]) for b0 in range(0, B, step)]
+
+
 def _flash_setup(launcher, q, k, v):
     kernels = flash_kernels(launcher, q.dtype, q.shape[-1])
     if kernels is None:
@@ -164,14 +216,15 @@ def flash_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dro
     kernels, D, ldv, qp, kp, vp = _flash_setup(launcher, q, k, v)
     o = torch.empty(B, Lq, H, ldv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
-    bidx = _batch_index(batch_index, B, q.device)
-    prm = _params(B, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
-                  dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
-    prm.q, prm.k, prm.v, prm.out, prm.lse = ptr(qp), ptr(kp), ptr(vp), ptr(o), ptr(lse)
     if B * H * Lq > 0:
         element = FLASH_ELEMENTS[q.dtype]
-        launch(launcher, kernels["fwd"], (-(-Lq // BM), B * H, ldv // fwd_dv_tile(D)), FWD_THREADS,
-               fwd_smem_bytes(element, D), [struct_arg(prm)], q.device)
+        for b0, b1, bidx in _slices(B, H, _batch_index(batch_index, B, q.device), q.device):
+            prm = _params(b1 - b0, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size,
+                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
+            prm.q, prm.k, prm.v, prm.out, prm.lse = ptr(qp[b0:b1]), ptr(kp[b0:b1]), ptr(vp[b0:b1]), ptr(o[b0:b1]), ptr(
+                lse[b0:b1])
+            launch(launcher, kernels["fwd"], (-(-Lq // BM), (b1 - b0) * H, ldv // fwd_dv_tile(D)), FWD_THREADS,
+                   fwd_smem_bytes(element, D), [struct_arg(prm)], q.device)
     o = o if ldv == dv else o[..., :dv].contiguous()
     return o, (None if attn_fn == "laplace" else lse)
 
@@ -193,24 +246,27 @@ def flash_bwd(launcher, do, q, k, v, o, lse, *, scale, causal, chunk_size, block
     dq = torch.empty(B, Lq, H, D, dtype=q.dtype, device=q.device)
     dk = torch.empty(B, S, H, D, dtype=q.dtype, device=q.device)
     dvp = torch.empty(B, S, H, ldv, dtype=q.dtype, device=q.device)
-    bidx = _batch_index(batch_index, B, q.device)
-    prm = _params(B, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
-                  dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
     DV = bwd_dv_tile(D)
-    prm.q, prm.k, prm.v, prm.dout, prm.lse, prm.delta = ptr(qp), ptr(kp), ptr(vp), ptr(dop), ptr(lse_f), ptr(delta)
-    prm.dv_chunks = ldv // DV
     smem, threads = bwd_smem_bytes(FLASH_ELEMENTS[q.dtype], D), bwd_threads(D)
+    per_row = attn_fn != "laplace"  # lse and delta (B, H, L) are read per row; Laplace reads neither
 
-    def run(kernel, out, blocks, z=1):
+    def run(prm, rows, kernel, out, blocks, z=1):
         prm.out = ptr(out)  # the launch copies the struct: each kernel keeps its own output
-        launch(launcher, kernels[kernel], (blocks, B * H, z), threads, smem, [struct_arg(prm)], q.device)
+        launch(launcher, kernels[kernel], (blocks, rows * H, z), threads, smem, [struct_arg(prm)], q.device)
 
     if B * H > 0:
-        if S > 0:
-            run("dv", dvp, -(-S // BN), ldv // DV)
-            run("dk", dk, -(-S // BN))
-        if Lq > 0:
-            run("dq", dq, -(-Lq // BM))
+        for b0, b1, bidx in _slices(B, H, _batch_index(batch_index, B, q.device), q.device):
+            prm = _params(b1 - b0, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size,
+                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
+            prm.q, prm.k, prm.v, prm.dout = ptr(qp[b0:b1]), ptr(kp[b0:b1]), ptr(vp[b0:b1]), ptr(dop[b0:b1])
+            prm.lse = ptr(lse_f[b0:b1] if per_row else lse_f)
+            prm.delta = ptr(delta[b0:b1] if per_row else delta)
+            prm.dv_chunks = ldv // DV
+            if S > 0:
+                run(prm, b1 - b0, "dv", dvp[b0:b1], -(-S // BN), ldv // DV)
+                run(prm, b1 - b0, "dk", dk[b0:b1], -(-S // BN))
+            if Lq > 0:
+                run(prm, b1 - b0, "dq", dq[b0:b1], -(-Lq // BM))
     cut = lambda x, n: x if x.shape[-1] == n else x[..., :n].contiguous()  # noqa: E731
     return cut(dq, dh), cut(dk, dh), cut(dvp, dv)
 
@@ -296,7 +352,14 @@ class AttentionBackend(_Backend):
       kernel (cuda/dropkey_softmax.cuh; the package's DropKey rule with (b, h, i, j) = the
       score indices) and P v; the backward recomputes P with that kernel and uses its softmax
       backward. It materialises the L x S fp32 (fp64) scores and has no Laplace. Used where the flash
-      kernel has no instantiated configuration (fp32 on the GPU, head dim > 256, dv = 0).
+      kernel has no instantiated configuration (fp32 on the GPU, head dim > 256, dv = 0) or the
+      device cannot run it (flash_device_reasons): sm_75 (T4), whose GPUs lack the SM80 MMA and
+      cp.async the flash tiles use, and head dim 256 on GPUs with less than 112384 B of shared
+      memory per block (sm_86/89/120: 101376 B). Its kernels need nothing beyond sm_75: the scores are fp32
+      (fp64) matmuls and the softmax kernel uses warp shuffles only.
+
+    Grid y of the flash kernels is B * H; above 65535 they run in batch slices (one launch each,
+    the DropKey batch index passed so every row keeps its own mask).
       float64 q/k/v always take this path, in fp64 throughout (float64 matmuls, the fp64
       dropkey_softmax kernel): the flash kernel's tensor-core tiles have no fp64 configuration,
       so fp64 with attn_fn="laplace" (flash only) is refused.
@@ -317,8 +380,6 @@ class AttentionBackend(_Backend):
             return [f"the flash kernel handles head dims <= {FLASH_HEAD_DIMS[-1]}, got {q.shape[-1]}"]
         if v.shape[-1] == 0:
             return ["the flash kernel needs dv > 0"]
-        if q.shape[0] * q.shape[2] > 65535:  # B * H is the grid's y dimension
-            return [f"the flash kernel handles B * H <= 65535, got {q.shape[0] * q.shape[2]}"]
         try:
             kernels = flash_kernels(self.ext, q.dtype, q.shape[-1])
         except Exception as exc:  # no launcher here (no CuPy / driver / device)
@@ -326,7 +387,8 @@ class AttentionBackend(_Backend):
         if kernels is None:
             return [f"no flash kernel is instantiated for {q.dtype} at head dim {flash_head_dim(q.shape[-1])} "
                     f"(float32 runs on the matmul path on a GPU)"]
-        return []
+        # the device's architecture, shared memory and grid (cuda/device.py): what would trap or not launch
+        return flash_device_reasons(self.caps(q), q.dtype, q.shape[-1], q.shape[2])
 
     def _path(self, q, v, attn_fn, path):
         path = path or self.DEFAULT_CONFIG.get("path", "auto")

@@ -3,6 +3,12 @@
 up to L = 2^27, or 2^25 in float64); this file is their whole launch path, run by the GPU runtime
 (NVRTC) or the CPU emulator from the same records.
 
+Those limits are for a device with at least 128 KiB of shared memory per block (sm_80, 90, 100).
+With less (sm_75: 64 KiB, sm_86/89/120: 99 KiB) one block per row takes half the length (one
+block holds N complex values), the multi-pass plan splits N with a smaller row factor and ends at
+2^25 (2^23 in float64): :func:`config` of the device's capabilities (cuda/device.py) decides, the
+launches and ``not_supported_reasons`` follow it.
+
 x float32 / bfloat16 computes in float32 (complex64 spectra), float64 in double (complex128); k is
 converted to that arithmetic type. Above the one-block limit the spectra's bins are in the
 multi-pass layout, which only these kernels read.
@@ -13,6 +19,7 @@ import ctypes
 
 import torch
 
+from ...cuda import device as _device
 from ...cuda import launch as L
 from ...cuda import runtime
 from ...cuda.backend import _Backend
@@ -65,9 +72,43 @@ def real_of(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def max_len(dtype: torch.dtype) -> int:
-    """Longest L the CUDA fftconv takes for x of this dtype (2^27; 2^25 in float64)."""
-    return 1 << CFG[real_of(dtype)].multi_max_log2
+#: Shared memory the kernels' sizes were chosen for (FftCfg<R>: 128 KiB per block at most); the
+#: functions below plan for this when they are given no device (caps=None).
+DESIGN_SMEM = 128 * 1024
+
+
+def _fit_log2(caps, real: torch.dtype) -> int:
+    """Largest k with a 2^k-point complex buffer of the arithmetic type within the device's
+    opt-in shared memory per block (the kernels have no static shared memory)."""
+    smem = DESIGN_SMEM if caps is None else caps.smem_per_block_optin
+    return (smem // CFG[real].complex_bytes).bit_length() - 1
+
+
+def limits(caps, real: torch.dtype) -> tuple[int, int, int]:
+    """(one-block max log2 N, multi-pass row-pass max log2 N2, column-pass max log2 (N1 C)) on a
+    device with ``caps`` (cuda/device.py DeviceCaps; None: the 128 KiB the kernels were sized for).
+    One block holds N complex values, a row pass 2 N2, a column pass N1 C."""
+    cfg, fit = CFG[real], _fit_log2(caps, real)
+    return min(cfg.max_log2, fit), min(cfg.row_max_log2, fit - 1), fit
+
+
+def max_log2(real: torch.dtype, caps=None) -> int:
+    """Largest log2 N the kernels run on this device: the multi-pass limit, lowered where the row and
+    column passes of the largest N would not fit its shared memory (N1 above the column limit)."""
+    one, row, col = limits(caps, real)
+    return max(one, min(CFG[real].multi_max_log2, row + col))
+
+
+def max_len(dtype: torch.dtype, caps=None) -> int:
+    """Longest L the CUDA fftconv takes for x of this dtype: 2^27 (2^25 in float64) on a device with
+    128 KiB of shared memory per block or more, 2^25 (2^23) on one with 64-127 KiB (sm_75/86/89/120)."""
+    return 1 << max_log2(real_of(dtype), caps)
+
+
+def one_block_max_len(dtype: torch.dtype, caps=None) -> int:
+    """Longest L one block per row takes on this device (16384 / 8192 in float64 with 128 KiB of
+    shared memory, half that with 64-127 KiB); longer rows run the multi-pass FFT."""
+    return 1 << limits(caps, real_of(dtype))[0]
 
 
 def fft_size(L_: int) -> int:
@@ -83,50 +124,111 @@ def fft_smem_bytes(real: torch.dtype, log2n: int) -> int:
     return CFG[real].complex_bytes << log2n
 
 
-def log2n_of(L_: int, real: torch.dtype) -> int:
+def _where(real: torch.dtype, caps) -> str:
+    dev = "" if caps is None else f" on {caps.name} ({caps.sm}, {caps.smem_per_block_optin} B of shared memory per block)"
+    return (" in float64" if real == torch.float64 else "") + dev
+
+
+def log2n_of(L_: int, real: torch.dtype, caps=None) -> int:
     if L_ < 1:
         raise ValueError(f"fftconv: L must be >= 1, got {L_}")
-    limit = max_len(real)
+    limit = max_len(real, caps)
     if L_ > limit:
-        where = " in float64" if real == torch.float64 else ""
-        raise ValueError(f"fftconv: the CUDA kernels handle L <= {limit}{where} (got L = {L_}); use backend='torch'")
+        raise ValueError(f"fftconv: the CUDA kernels handle L <= {limit}{_where(real, caps)} (got L = {L_}); "
+                         f"use backend='torch'")
     return fft_size(L_).bit_length() - 1
 
 
-def multi_pass(log2n: int, real: torch.dtype) -> bool:
-    return log2n > CFG[real].max_log2
+def multi_pass(log2n: int, real: torch.dtype, caps=None) -> bool:
+    """Whether N = 2^log2n runs the multi-pass FFT (above the device's one-block limit)."""
+    return log2n > limits(caps, real)[0]
 
 
-def workspace_row_floats(L_: int, real: torch.dtype) -> int:
+def workspace_row_floats(L_: int, real: torch.dtype, caps=None) -> int:
     """One multi-pass workspace row (N complex values of the arithmetic type) in 4-byte floats;
     0 up to the one-block limit (no workspace)."""
-    return (4 if real == torch.float64 else 2) * fft_size(L_) if L_ > (1 << CFG[real].max_log2) else 0
+    N = fft_size(L_)
+    return (4 if real == torch.float64 else 2) * N if multi_pass(N.bit_length() - 1, real, caps) else 0
 
 
-def plan(log2n: int, real: torch.dtype) -> Fft4Plan:
+def plan(log2n: int, real: torch.dtype, caps=None) -> Fft4Plan:
+    """The four-step split N = N1 N2 and columns per block C on this device: N2 as large as the
+    row pass allows (at most half of log2 N, rounded up), C columns while N1 C stays within the
+    column pass's budget (k4ColElems) and the device's shared memory."""
     cfg = CFG[real]
-    n2 = min(cfg.row_max_log2, (log2n + 1) // 2)
+    _, row, col = limits(caps, real)
+    n2 = min(row, (log2n + 1) // 2)
     n1 = log2n - n2
-    return Fft4Plan(log2n, n1, n2, max(0, min(4, cfg.col_elems.bit_length() - 1 - n1)))
+    return Fft4Plan(log2n, n1, n2, max(0, min(4, cfg.col_elems.bit_length() - 1 - n1, col - n1)))
 
 
 def one_block_max_smem_bytes() -> int:
     return max(fft_smem_bytes(r, CFG[r].max_log2) for r in CFG)
 
 
-def multi_pass_max_smem_bytes(rows: bool) -> int:
+def multi_pass_max_smem_bytes(rows: bool, caps=None) -> int:
     """Worst case over every multi-pass length of the row (or column) passes' dynamic smem."""
     worst = 0
-    for r, cfg in CFG.items():
-        for log2n in range(cfg.max_log2 + 1, cfg.multi_max_log2 + 1):
-            p = plan(log2n, r)
+    for r in CFG:
+        for log2n in range(limits(caps, r)[0] + 1, max_log2(r, caps) + 1):
+            p = plan(log2n, r, caps)
             worst = max(worst, fft_smem_bytes(r, p.log2n2 + 1 if rows else p.log2n1 + p.log2c))
     return worst
 
 
+class FftConfig:
+    """What the CUDA fftconv launches for one (device, L, dtype): the path, N, the four-step plan
+    (multi-pass only), threads and dynamic shared memory of each kernel kind. A pure function of
+    its inputs (:func:`config`), which the launch path and the device-profile tests both call."""
+
+    def __init__(self, caps, L_: int, dtype: torch.dtype):
+        self.real = real_of(dtype)
+        self.log2n = log2n_of(L_, self.real, caps)
+        self.path = "multi_pass" if multi_pass(self.log2n, self.real, caps) else "one_block"
+        if self.path == "one_block":
+            self.plan = None
+            self.launches = {"one_block": (fft_threads(self.log2n), fft_smem_bytes(self.real, self.log2n))}
+        else:
+            p = self.plan = plan(self.log2n, self.real, caps)
+            if min(p.log2n1, p.log2n2) < MIN_LOG2:
+                raise ValueError(f"fftconv: L = {L_} needs a multi-pass FFT with both factors >= 32 points, which "
+                                 f"does not fit{_where(self.real, caps)}; use backend='torch'")
+            self.launches = {"col": (fft_threads(p.log2n1 + p.log2c), fft_smem_bytes(self.real, p.log2n1 + p.log2c)),
+                             "row": (fft_threads(p.log2n2 + 1), fft_smem_bytes(self.real, p.log2n2 + 1))}
+
+    @property
+    def smem(self) -> int:
+        """The largest dynamic shared memory of its launches."""
+        return max(s for _, s in self.launches.values())
+
+    def summary(self) -> tuple:
+        p = self.plan
+        split = () if p is None else (p.log2n1, p.log2n2, p.log2c)
+        return (self.path, self.log2n, split, self.smem)
+
+
+def config(caps, L_: int, dtype: torch.dtype) -> FftConfig:
+    """The configuration for x of length L and this dtype on a device with ``caps``; ValueError
+    (the reason) when no configuration fits."""
+    return FftConfig(caps, L_, dtype)
+
+
+def config_reason(caps, L_: int, dtype: torch.dtype) -> str | None:
+    try:
+        config(caps, L_, dtype)
+    except ValueError as exc:
+        return str(exc)
+    return None
+
+
+def _caps(device):
+    """The capabilities the launches plan for: the tensors' GPU, or the emulator's profile."""
+    return _device.launch_caps(device)
+
+
 def _workspace(L_: int, rows: int, max_workspace_bytes: int, real: torch.dtype, device):
     """(ws, ws_rows): at most max_workspace_bytes of rows (at least one); (None, 0) without multi-pass."""
-    row_floats = workspace_row_floats(L_, real)
+    row_floats = workspace_row_floats(L_, real, _caps(device))
     if row_floats == 0 or rows == 0:
         return None, 0
     ws_rows = max(1, min(rows, max_workspace_bytes // (4 * row_floats)))
@@ -140,7 +242,7 @@ class _Passes:
 
     def __init__(self, launcher, log2n: int, real: torch.dtype, device):
         self.launcher, self.real, self.device = launcher, real, device
-        self.p = plan(log2n, real)
+        self.p = plan(log2n, real, _caps(device))
         self.col_groups = 1 << (self.p.log2n2 - self.p.log2c)
         self.row_blocks = (1 << (self.p.log2n1 - 1)) + 1
         self.col_threads = fft_threads(self.p.log2n1 + self.p.log2c)
@@ -189,7 +291,8 @@ def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tens
     (x) is float64 (multi-pass layout of the bins above the one-block limit)."""
     D, L_ = k.shape
     real = real_of((k if like is None else like).dtype)
-    log2n = log2n_of(L_, real)
+    caps = _caps(k.device)
+    log2n = log2n_of(L_, real, caps)
     N = 1 << log2n
     kc = k.to(real).contiguous()
     kf = torch.empty(D, N + 1, dtype=torch.complex128 if real == torch.float64 else torch.complex64, device=k.device)
@@ -197,7 +300,7 @@ def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tens
         return kf
     if D >= 2**31:
         raise ValueError("fftconv: D must be < 2^31")
-    if not multi_pass(log2n, real):
+    if not multi_pass(log2n, real, caps):
         L.launch(launcher, _k(_ONE, f"fftconv_spectrum_kernel<{_R[real]}>"), D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n), [("ptr", L.ptr(kc)), ("ptr", L.ptr(kf)), ("i32", L_), ("i32", log2n)],
                  k.device)
@@ -228,12 +331,13 @@ def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20):
     if x.numel() == 0:
         return torch.empty(x.shape, dtype=x.dtype, device=x.device)
     real = real_of(x.dtype)
-    log2n = log2n_of(L_, real)
+    caps = _caps(x.device)
+    log2n = log2n_of(L_, real, caps)
     xc = x.contiguous()
     kf = spectrum(launcher, k, max_workspace_bytes, like=x)
     y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
     cpp = L.CPP_TYPES[x.dtype]
-    if not multi_pass(log2n, real):
+    if not multi_pass(log2n, real, caps):
         L.launch(launcher, _k(_ONE, f"fftconv_fwd_kernel<{cpp}>"), B * D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n), [("ptr", L.ptr(xc)), ("ptr", L.ptr(kf)), ("ptr", L.ptr(y)), ("i32", D),
                                                ("i32", L_), ("i32", log2n)], x.device)
@@ -255,7 +359,7 @@ def _bwd_dx(launcher, dyc, xc, kf, dx, prod, D, L_, log2n, real, ws, ws_rows):
     if B == 0 or D == 0 or (dx is None and prod is None):
         return
     cpp, dev, es = L.CPP_TYPES[xc.dtype], xc.device, xc.element_size()
-    if not multi_pass(log2n, real):
+    if not multi_pass(log2n, real, _caps(dev)):
         L.launch(launcher, _k(_ONE, f"fftconv_bwd_dx_kernel<{cpp}>"), B * D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n), [("ptr", L.ptr(dyc)), ("ptr", L.ptr(xc)), ("ptr", L.ptr(kf)),
                                                ("ptr", L.ptr(dx)), ("ptr", L.ptr(prod)), ("i32", D), ("i32", L_),
@@ -281,7 +385,7 @@ def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finaliz
     if D == 0:
         return
     dev = prod.device
-    if not multi_pass(log2n, real):
+    if not multi_pass(log2n, real, _caps(dev)):
         L.launch(launcher, _k(_ONE, f"fftconv_bwd_dk_kernel<{_R[real]}>"), D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n) if finalize else 0,
                  [("ptr", L.ptr(prod)), ("ptr", L.ptr(acc)), ("ptr", L.ptr(dk)), ("i32", nb), ("i32", D),
@@ -309,7 +413,7 @@ def launch_bwd(launcher, dy, x, k, need_x: bool = True, need_k: bool = True, max
     if x.numel() == 0:  # nothing to convolve: dk is an empty sum
         return (torch.empty(x.shape, dtype=x.dtype, device=dev) if need_x else None,
                 torch.zeros(D, L_, dtype=real, device=dev) if need_k else None)
-    log2n = log2n_of(L_, real)
+    log2n = log2n_of(L_, real, _caps(dev))
     N = 1 << log2n
     cplx = torch.complex128 if real == torch.float64 else torch.complex64
     xc, dyc = x.contiguous(), dy.to(x.dtype).contiguous()
@@ -366,10 +470,16 @@ class FftconvBackend(_Backend):
         elif k.dtype == torch.float64 and x.dtype != torch.float64:
             reasons.append(f"a float64 k needs float64 x for the CUDA kernels (they compute in x's precision), "
                            f"got x {x.dtype} (use backend='torch')")
-        if x.shape[-1] > max_len(x.dtype):
-            # one block per row up to 16384 (8192 in float64), the multi-pass four-step FFT above,
-            # up to 2^27 (2^25 in float64: 16-byte complex values, every pass within 128 KiB of smem)
-            reasons.append(f"the CUDA fftconv handles L <= {MAX_LEN} (2^27; L <= {FP64_MAX_LEN} = 2^25 in float64), "
+        if reasons or x.dim() != 3:
+            return reasons
+        # one block per row up to the length whose N complex values fit the device's shared memory
+        # (16384 / 8192 in float64 with 128 KiB or more, half that below), the multi-pass four-step
+        # FFT above, up to 2^27 (2^25 in float64; 2^25 / 2^23 with less than 128 KiB per block)
+        caps = self.caps(x)
+        why = config_reason(caps, x.shape[-1], x.dtype)
+        if why is not None:
+            log2 = max_log2(real_of(x.dtype), caps)
+            reasons.append(f"the CUDA fftconv handles L <= {1 << log2} = 2^{log2}{_where(real_of(x.dtype), caps)}, "
                            f"got L = {x.shape[-1]} with x {x.dtype} (use backend='torch')")
         return reasons
 
