@@ -9,6 +9,8 @@ from __future__ import annotations
 import contextlib
 import importlib
 import math
+import os
+import sys
 from typing import NamedTuple
 
 import numpy as np
@@ -44,12 +46,46 @@ TOLERANCES = {
     ("cpu", torch.bfloat16): {"fwd": 2e-2, "bwd": 4e-2},
 }
 
+#: the ops with tolerance budgets (and "model": the whole model against its float64 self)
+OPS = ("cema_kernel", "ema_hidden", "fftconv", "cema", "timestep_norm", "attention", "dropkey_softmax",
+       "rotary", "model")
+
 # Per-op widening, with the reason. Keep this small and justified.
 OP_TOLERANCE_FACTOR: dict[str, float] = {}
 
 
+class Tol(float):
+    """A tolerance that remembers which budget it came from (op, backend, dtype, kind), so
+    :func:`assert_close` can log the error it saw against it (MK_ACCURACY_LOG)."""
+
+    key: tuple = ()
+
+    def __new__(cls, value: float, key: tuple):
+        self = super().__new__(cls, value)
+        self.key = key
+        return self
+
+
+def op_of_test_file(path: str) -> str | None:
+    """The op a test file checks, by its name: tests/test_<op>.py and tests/test_packed_<op>.py;
+    tests/test_model*.py and tests/test_packed_model.py are "model". None for any other file."""
+    name = os.path.basename(path).removesuffix(".py")
+    if not name.startswith("test_"):
+        return None
+    name = name.removeprefix("test_").removeprefix("packed_")
+    if name.startswith("model"):
+        return "model"
+    return name if name in OPS else None
+
+
 def tol(backend: str, dtype: torch.dtype, kind: str, op: str | None = None) -> float:
-    return TOLERANCES[(backend, dtype)][kind] * OP_TOLERANCE_FACTOR.get(op, 1.0)
+    if op is None:
+        caller = sys._getframe(1).f_globals.get("__file__", "")
+        op = op_of_test_file(caller)
+        if op is None:
+            raise ValueError(f"tol() called from {caller!r}, which is not tests/test_<op>.py: pass op=")
+    return Tol(TOLERANCES[(backend, dtype)][kind] * OP_TOLERANCE_FACTOR.get(op, 1.0),
+               (op, backend, str(dtype).replace("torch.", ""), kind))
 
 
 def to_np(t) -> np.ndarray:
@@ -79,8 +115,23 @@ def err_ratio(actual, expected) -> tuple[float, float]:
     return max_err, max_err / scale
 
 
+def log_accuracy(name: str, max_err: float, ratio: float, tolerance: float) -> None:
+    """With MK_ACCURACY_LOG=<file>, append one JSON line per comparison (test id, budget key, errors):
+    what bench/tolerance_table.py turns into the measured table of docs/verification.md."""
+    path = os.environ.get("MK_ACCURACY_LOG")
+    if not path:
+        return
+    import json
+    key = getattr(tolerance, "key", ())
+    rec = dict(test=os.environ.get("PYTEST_CURRENT_TEST", "").rsplit(" (", 1)[0], name=name,
+               key=list(key), max_abs=max_err, rel=ratio, tol=float(tolerance))
+    with open(path, "a") as f:
+        f.write(json.dumps(rec) + "\n")
+
+
 def assert_close(name: str, actual, expected, tolerance: float) -> None:
     max_err, ratio = err_ratio(actual, expected)
+    log_accuracy(name, max_err, ratio, tolerance)
     print(f"{name}: max abs err {max_err:.3e}, relative to max|ref| {ratio:.3e} (tol {tolerance:.1e})")
     assert ratio <= tolerance, f"{name}: relative error {ratio:.3e} > {tolerance:.1e} (max abs err {max_err:.3e})"
 

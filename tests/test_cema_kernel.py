@@ -216,10 +216,10 @@ def test_progression_powers_match_exact_powers(count, step, first):
     ("cuda", 1e-5, {}),
 ], ids=["torch-gap1e-5", "torch-gap1e-6", "triton-gap1e-5", "cuda-gap1e-5"])
 def test_fp32_accuracy_at_long_length(backend, gap, config):
-    # The numerical contract: fp32 powers up to j = 2**18 with |q| = 1 - gap stay within 1e-5
-    # (norm-wise) of float64, forward and backward, also on the second half (no loss of precision
-    # with j; bench/accuracy_cema.py measures ~3e-7, and goes to 2**20). A power built by repeated
-    # multiplication or from j*arg(q) in fp32 fails this.
+    # The numerical contract: fp32 powers up to j = 2**18 with |q| = 1 - gap stay within the op's
+    # fp32 budget (norm-wise, ~7e-7 measured: tests/support.py) of float64, forward and backward,
+    # also on the second half (no loss of precision with j; bench/accuracy_cema.py goes to 2**20).
+    # A power built by repeated multiplication or from j*arg(q) in fp32 fails this.
     L, D, N, B = 1 << 18, 2, 4, 1
     gen = torch.Generator().manual_seed(7)
     ins = [t.requires_grad_() for t in cema_coefficients(gen, D, N, B, F32, min_gap=gap, max_gap=gap)]
@@ -229,11 +229,11 @@ def test_fp32_accuracy_at_long_length(backend, gap, config):
         db = torch.randn(b.shape, generator=gen)
         grads = torch.autograd.grad((k, b), ins, (dk, db))
     k_ref, b_ref, grads_ref = _oracle_long(*ins, L, dk, db)
-    assert_close("k", k, k_ref, 1e-5)
-    assert_close("b", b, b_ref, 1e-5)
-    assert_close("k[L/2:]", k[:, L // 2:], k_ref[:, L // 2:], 1e-5)
+    assert_close("k", k, k_ref, tol(backend, F32, "fwd"))
+    assert_close("b", b, b_ref, tol(backend, F32, "fwd"))
+    assert_close("k[L/2:]", k[:, L // 2:], k_ref[:, L // 2:], tol(backend, F32, "fwd"))
     for name, got, want in zip(("dp", "dlog_q", "dgamma", "dhx"), grads, grads_ref):
-        assert_close(name, got, want, 1e-5)
+        assert_close(name, got, want, tol(backend, F32, "bwd"))
 
 
 @pytest.mark.parametrize("backend, dtype", [
@@ -392,7 +392,7 @@ def test_cuda_kernels_property(ext, D, N, B, L, fp64, seed):
 def test_cuda_kernels_long_length_accuracy(ext, L):
     """|q| close to 1 (1 - |q| ~ 1e-6 .. 2e-5, decay length ~1e5 steps) and phases over the whole circle:
     powers up to q**(2**20) stay fp32-accurate (each is exp / sincospi in double, rounded once, times
-    one more such table entry). Norm-wise relative error <= 1e-5 vs float64 for k and b (and every
+    one more such table entry). Norm-wise relative error within the CUDA fp32 budget vs float64 for k and b (and every
     gradient at 2**16)."""
     B, D, N = 1, 2, 4
     p, log_q, gamma, hx = cema_coefficients(4, D, N, B, F32, min_gap=1e-6, max_gap=2e-5)
@@ -400,15 +400,15 @@ def test_cuda_kernels_long_length_accuracy(ext, L):
     j = np.arange(L, dtype=np.float64)
     k, b = cema_cuda.launch_fwd(emu(ext), p, log_q, gamma, L, hx)
     qj, qj1 = cema_powers(log_q, j), cema_powers(log_q, j + 1)                # [D, N, L]
-    assert_close("k", k, np.einsum("dn,dnl->dl", to_np(p) * to_np(gamma), qj).real, 1e-5)
-    assert_close("b", b, np.einsum("bdn,dnl->bdl", to_np(gamma)[None] * to_np(hx), qj1).real, 1e-5)
+    assert_close("k", k, np.einsum("dn,dnl->dl", to_np(p) * to_np(gamma), qj).real, tol("cuda", F32, "fwd"))
+    assert_close("b", b, np.einsum("bdn,dnl->bdl", to_np(gamma)[None] * to_np(hx), qj1).real, tol("cuda", F32, "fwd"))
     if L > 1 << 16:
         return  # the float64 references of the gradients at 2**20 cost more than the kernels
     dk, db = torch.randn(D, L, generator=g), torch.randn(B, D, L, generator=g)
     got = cema_cuda.launch_bwd(emu(ext), dk, db, p, log_q, gamma, L, hx)
     want = ref.cema_kernel_bwd(to_np(dk), to_np(db), to_np(p), to_np(log_q), to_np(gamma), L, to_np(hx))
     for name, a, r in zip(("dp", "dlog_q", "dgamma", "dhx"), got, want):
-        assert_close(name, a, r, 1e-5)
+        assert_close(name, a, r, tol("cuda", F32, "bwd"))
 
 
 @pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs x87 long double for the exact sums")

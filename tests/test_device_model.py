@@ -234,19 +234,20 @@ def test_wrong_kernel_is_caught_by_the_fp32_tolerance():
     print(f"default-precision fp32 tl.dot: error {err:.2e} relative to max|ref|")
     assert err > 1e-4  # the TF32 error the GPU would make: orders of magnitude above fp32
     with pytest.raises(AssertionError, match="relative error"):
-        assert_close("scores (default precision)", out, ref, tol("triton", torch.float32, "fwd"))
+        assert_close("scores (default precision)", out, ref, tol("triton", torch.float32, "fwd", op="attention"))
 
 
 @pytest.mark.parametrize("prec", ["ieee", "tf32x3"])
 def test_fixed_kernel_passes(prec):
     out, ref = _scores(prec)
-    assert_close(f"scores ({prec})", out, ref, tol("triton", torch.float32, "fwd"))
+    assert_close(f"scores ({prec})", out, ref, tol("triton", torch.float32, "fwd", op="attention"))
 
 
 def test_wrong_kernel_passes_without_the_model(exact_tl_dot):
     """Why the model exists: with the interpreter's exact dots the bug is invisible."""
     out, ref = _scores("default")
-    assert_close("scores (default precision, exact interpreter)", out, ref, tol("triton", torch.float32, "fwd"))
+    assert_close("scores (default precision, exact interpreter)", out, ref,
+                 tol("triton", torch.float32, "fwd", op="attention"))
 
 
 # ------------------------------------------------------------------------------------------------

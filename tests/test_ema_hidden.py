@@ -168,8 +168,8 @@ def test_property_torch(B, D, N, L, dtypes, with_hx, contiguous, power_block, se
     ("cuda", {}),
 ], ids=["torch", "triton", "cuda"])
 def test_fp32_accuracy_at_long_length(backend, config):
-    # h and its gradients at L = 2**18, 1-|q| = 1e-5, within 1e-5 of float64 (exact powers, chunked),
-    # also dx on its first half (the largest exponents)
+    # h and its gradients at L = 2**18, 1-|q| = 1e-5, within the op's fp32 budget of float64 (exact
+    # powers, chunked), also dx on its first half (the largest exponents)
     gap, L, D, N, B = 1e-5, 1 << 18, 2, 4, 1
     gen = torch.Generator().manual_seed(7)
     p, log_q, _, hx = cema_coefficients(gen, D, N, B, F32, min_gap=gap, max_gap=gap)
@@ -191,10 +191,10 @@ def test_fp32_accuracy_at_long_length(backend, config):
     want_h = pd * V + qL * hxd
     want = (torch.einsum("bdn,dnl->bdl", dhd.conj() * pd, qe).real, (dhd.conj() * V).real.sum(0),
             (dhd * (pd * W + L * qL * hxd).conj()).sum(0), dhd * qL.conj())
-    assert_close("h", h, want_h, 1e-5)
+    assert_close("h", h, want_h, tol(backend, F32, "fwd"))
     for name, got, exp in zip(("dx", "dp", "dlog_q", "dhx"), grads, want):
-        assert_close(name, got, exp, 1e-5)
-    assert_close("dx[:L/2]", grads[0][..., : L // 2], want[0][..., : L // 2], 1e-5)
+        assert_close(name, got, exp, tol(backend, F32, "bwd"))
+    assert_close("dx[:L/2]", grads[0][..., : L // 2], want[0][..., : L // 2], tol(backend, F32, "bwd"))
 
 
 @pytest.mark.parametrize("backend, xdtype, cdtype", [
@@ -347,7 +347,7 @@ def test_cuda_kernels_property(ext, D, N, B, L, x_bf16, fp64, seed):
 @pytest.mark.parametrize("L", [1 << 16, 1 << 20], ids=["L=2^16", "L=2^20"])
 def test_cuda_kernels_long_length_accuracy(ext, L):
     """|q| close to 1 (1 - |q| ~ 1e-6 .. 2e-5, decay length ~1e5 steps) and phases over the whole circle:
-    powers up to q**(2**20) stay fp32-accurate. Norm-wise relative error <= 1e-5 vs float64 for h
+    powers up to q**(2**20) stay fp32-accurate. Norm-wise relative error within the CUDA fp32 budget vs float64 for h
     (and every gradient at 2**16)."""
     B, D, N = 1, 2, 4
     p, log_q, _, hx = cema_coefficients(4, D, N, B, F32, min_gap=1e-6, max_gap=2e-5)
@@ -356,14 +356,14 @@ def test_cuda_kernels_long_length_accuracy(ext, L):
     h, V, W = hidden_cuda.launch_fwd(emu(ext), x, p, log_q, hx, True)
     qe = cema_powers(log_q, np.arange(L - 1, -1, -1, dtype=np.float64))      # q**(L-1-j)
     h_ref = to_np(p) * np.einsum("bdl,dnl->bdn", to_np(x), qe) + cema_powers(log_q, [L])[..., 0] * to_np(hx)
-    assert_close("h", h, h_ref, 1e-5)
+    assert_close("h", h, h_ref, tol("cuda", F32, "fwd"))
     if L > 1 << 16:
         return  # the float64 references of the gradients at 2**20 cost more than the kernels
     dh = _crandn(B, D, N, generator=g)
     got = hidden_cuda.launch_bwd(emu(ext), dh, p, log_q, hx, V, W, L)
     want = ref.ema_hidden_bwd(to_np(dh), to_np(x), to_np(p), to_np(log_q), to_np(hx))
     for name, a, r in zip(("dx", "dp", "dlog_q", "dhx"), got, want):
-        assert_close(name, a, r, 1e-5)
+        assert_close(name, a, r, tol("cuda", F32, "bwd"))
 
 
 @pytest.mark.skipif(np.finfo(np.longdouble).nmant < 63, reason="needs x87 long double for the exact sums")

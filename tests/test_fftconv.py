@@ -139,8 +139,8 @@ def check_fftconv(backend, B, D, L, xdtype, kdtype, contiguous=True, seed=0, gra
     dx_ref, dk_ref = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
     assert_close("dx", dx, dx_ref, tol(backend, xdtype, "bwd"))
     # dk is a sum of products of the (rounded) inputs in the arithmetic dtype, rounded to k's dtype:
-    # k's budget, or one float32 rounding when the arithmetic is float64
-    dk_tol = 1e-6 if xdtype == F64 and kdtype != F64 else tol(backend, kdtype, "bwd")
+    # k's budget, or one float32 rounding when the arithmetic is float64 (4.1e-8 measured: 1.5e-7)
+    dk_tol = 1.5e-7 if xdtype == F64 and kdtype != F64 else tol(backend, kdtype, "bwd")
     assert_close("dk", dk, dk_ref, dk_tol)
 
 
@@ -166,16 +166,18 @@ def test_property_torch(B, D, L, dtypes, path, contiguous, seed):
 # properties
 # ------------------------------------------------------------------------------------------------
 
-# (backend, path, dtype, bound): the bound on the relative error of an identity
+# (backend, path, dtype, bound): the bound on the relative error of an identity (linearity:
+# worst measured 2.2e-7 in fp32, 3.6e-16 in fp64, so 3x-4x of that, as support.budget does)
+IDENTITY_BOUND = {F32: 8e-7, F64: 1.5e-15}
 IDENTITY_RUNS = [
-    pytest.param("torch", "direct", F64, 1e-13, id="torch-direct-float64"),
-    pytest.param("torch", "fft", F64, 1e-13, id="torch-fft-float64"),
-    pytest.param("triton", "direct", F32, 1e-5, id="triton-direct-float32"),
-    pytest.param("triton", "fft", F32, 1e-5, id="triton-fft-float32"),
-    pytest.param("cuda", "fft", F32, 1e-5, id="cuda-float32"),
-    pytest.param("cuda", "fft", F64, 1e-13, id="cuda-float64"),
-    pytest.param("cpu", "fft", F32, 1e-5, id="cpu-float32"),
-    pytest.param("cpu", "fft", F64, 1e-13, id="cpu-float64"),
+    pytest.param("torch", "direct", F64, IDENTITY_BOUND[F64], id="torch-direct-float64"),
+    pytest.param("torch", "fft", F64, IDENTITY_BOUND[F64], id="torch-fft-float64"),
+    pytest.param("triton", "direct", F32, IDENTITY_BOUND[F32], id="triton-direct-float32"),
+    pytest.param("triton", "fft", F32, IDENTITY_BOUND[F32], id="triton-fft-float32"),
+    pytest.param("cuda", "fft", F32, IDENTITY_BOUND[F32], id="cuda-float32"),
+    pytest.param("cuda", "fft", F64, IDENTITY_BOUND[F64], id="cuda-float64"),
+    pytest.param("cpu", "fft", F32, IDENTITY_BOUND[F32], id="cpu-float32"),
+    pytest.param("cpu", "fft", F64, IDENTITY_BOUND[F64], id="cpu-float64"),
 ]
 
 
@@ -331,9 +333,10 @@ def test_triton_long_length():
     dx_ref, dk_ref = conv_torch.fftconv_bwd(dys, xs, ks, direct_max_len=0)
     assert_close("dx", dx, to_np(dx_ref), tol("triton", F32, "bwd"))
     assert_close("dk", dk, to_np(dk_ref), tol("triton", F32, "bwd"))
-    # the first samples of y (no error hiding in the max over a long row)
-    assert_close("y[:64]", y[..., :64], to_np(ref.fftconv(to_np(xs[..., :64]), to_np(ks[..., :64]))),
-                 tol("triton", F32, "fwd"))
+    # the first samples of y (no error hiding in the max over a long row). Their error is the whole
+    # row's FFT rounding (absolute, ~3e-7 max|y|) relative to their own smaller max: 3.3e-6 measured,
+    # hence 1e-5 here rather than the fp32 forward budget
+    assert_close("y[:64]", y[..., :64], to_np(ref.fftconv(to_np(xs[..., :64]), to_np(ks[..., :64]))), 1e-5)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -350,13 +353,12 @@ def _cpu_vs_float64(B, D, L, dtype, seed, need_x=True, need_k=True):
     y = conv_cpu.fftconv_fwd(x.to(dtype), k.to(dtype))
     dx, dk = conv_cpu.fftconv_bwd(dy.to(dtype), x.to(dtype), k.to(dtype), need_x, need_k)
     yr, dxr, dkr = _fft_ref(*(t.to(dtype).double() for t in (x, k, dy)))  # the inputs as the kernel saw them
-    bound = 1e-13 if dtype == F64 else tol("cpu", F32, "fwd")
-    assert_close("y", y, yr, bound)
+    assert_close("y", y, yr, tol("cpu", dtype, "fwd"))
     assert (dx is None) != need_x and (dk is None) != need_k
     if need_x:
-        assert_close("dx", dx, dxr, bound)
+        assert_close("dx", dx, dxr, tol("cpu", dtype, "bwd"))
     if need_k:
-        assert_close("dk", dk, dkr, bound)
+        assert_close("dk", dk, dkr, tol("cpu", dtype, "bwd"))
 
 
 # Lanes are channels: 16 float / 8 double lanes with AVX-512 (8 / 4 with AVX2, 4 / 2 with SSE2). D = 1
@@ -479,10 +481,8 @@ def _check_kernels(ext, x, k, dy, dtype, **kw):
     return y, dx, dk
 
 
-# float64: double arithmetic throughout. Measured errors are ~1e-15 relative to max|ref|; the
-# ("cuda", float64) budget is 1e-10 / 1e-9, so these tests assert a much tighter 1e-13: anything
+# float64: double arithmetic throughout, held to the measured fp64 budget (a few 1e-15): anything
 # rounded through fp32 anywhere (a twiddle, a spectrum, the workspace) would be ~1e-7.
-FP64_TIGHT = 1e-13
 
 
 def _check_kernels64(ext, x, k, dy, refs=None, **kw):
@@ -491,7 +491,7 @@ def _check_kernels64(ext, x, k, dy, refs=None, **kw):
     assert y.dtype == dx.dtype == dk.dtype == F64
     yr, dxr, dkr = _fft_ref(x, k, dy) if refs is None else refs
     for name, a, r, t in (("y", y, yr, "fwd"), ("dx", dx, dxr, "bwd"), ("dk", dk, dkr, "bwd")):
-        assert_close(name, a, r, min(tol("cuda", F64, t), FP64_TIGHT))
+        assert_close(name, a, r, tol("cuda", F64, t))
     return y, dx, dk
 
 
@@ -550,7 +550,7 @@ def test_cuda_kernels_one_block_vs_direct_reference(ext, order, dtype, B, D, L):
     dxr, dkr = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
     assert dx.dtype == dtype and dk.dtype == F32
     assert_close("dx", dx, dxr, tol("cuda", dtype, "bwd"))
-    assert_close("dk", dk, dkr, 5e-5)
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))  # dk is fp32 whatever x's dtype (k is fp32)
 
 
 def test_cuda_kernels_16k_one_block_per_row(ext, order):
@@ -563,9 +563,9 @@ def test_cuda_kernels_16k_one_block_per_row(ext, order):
     y = C.launch_fwd(emu(ext), x, k)
     dx, dk = C.launch_bwd(emu(ext), dy, x, k)
     yr, dxr, dkr = _fft_ref(x, k, dy)
-    assert_close("y", y, yr, 2e-5)
-    assert_close("dx", dx, dxr, 5e-5)
-    assert_close("dk", dk, dkr, 5e-5)
+    assert_close("y", y, yr, tol("cuda", F32, "fwd"))
+    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"))
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))
 
 
 def test_cuda_kernels_one_block_dk_over_batch_slices(ext):
@@ -577,11 +577,11 @@ def test_cuda_kernels_one_block_dk_over_batch_slices(ext):
     N = C.fft_size(L)
     dx, dk = C.launch_bwd(emu(ext), dy, x, k, max_workspace_bytes=2 * D * (N + 1) * 8)
     _, dxr, dkr = _fft_ref(x, k, dy)
-    assert_close("dx", dx, dxr, 5e-5)
-    assert_close("dk", dk, dkr, 5e-5)
+    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"))
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))
     dx_only, none = C.launch_bwd(emu(ext), dy, x, k, need_k=False)
     assert none is None
-    assert_close("dx only", dx_only, dxr, 5e-5)
+    assert_close("dx only", dx_only, dxr, tol("cuda", F32, "bwd"))
 
 
 def test_cuda_kernels_just_above_one_block_vs_direct_reference(ext):

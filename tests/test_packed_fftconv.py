@@ -64,13 +64,13 @@ def separate(x, k, dy, cu, **kw):
 
 
 def compare(packed, expected, backend, xdtype, kdtype):
-    """fp64 to 1e-10 relative; otherwise the backend's tolerance (rows of another length may pick
-    another path or tile, so the rounding may differ)."""
+    """The backend's tolerance (rows of another length may pick another path or tile, so the
+    rounding may differ); in fp64 with a float32 k, dk is rounded once to fp32 (4.5e-8 measured)."""
     for name, a, e, dtype, kind in zip(("y", "dx", "dk"), packed, expected, (xdtype, xdtype, kdtype),
                                        ("fwd", "bwd", "bwd")):
         assert a.shape == e.shape and a.dtype == dtype and torch.isfinite(a.float()).all(), name
-        if xdtype == F64:
-            bound = 1e-10 if dtype == F64 else 1e-6  # fp64 arithmetic, dk rounded once to fp32 k
+        if xdtype == F64 and dtype != F64:
+            bound = 1.5e-7  # fp64 arithmetic, dk rounded once to fp32 k
         else:
             bound = tol(backend, dtype, kind)
         assert_close(name, a, to_np(e), bound)
@@ -159,8 +159,8 @@ def test_only_the_gradient_asked_for():
     y = fftconv(x.detach(), k, cu_seqlens=cu, backend="torch")
     (dk,) = torch.autograd.grad(y, (k,), dy)
     _, dx_sep, dk_sep = separate(x, k, dy, cu, backend="torch")
-    assert_close("dx", dx, dx_sep, 1e-10)
-    assert_close("dk", dk, dk_sep, 1e-10)
+    assert_close("dx", dx, dx_sep, tol("torch", F64, "bwd"))
+    assert_close("dk", dk, dk_sep, tol("torch", F64, "bwd"))
 
 
 def test_bad_input():

@@ -38,8 +38,8 @@ def acc_of(dtype):
 
 
 def budget(backend, dtype, kind):
-    """Packed vs separate: float64 to 1e-10 relative, else the backend's tolerance in that dtype."""
-    return 1e-10 if dtype == F64 else tol(backend, dtype, kind)
+    """Packed vs separate: the backend's tolerance in that dtype."""
+    return tol(backend, dtype, kind)
 
 
 def documents(lengths, D, G, seed, *, pad, prior, padded_docs=(), int32=False):
