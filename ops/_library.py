@@ -13,6 +13,9 @@ Rules the ops follow (so that a fake implementation can describe the real one ex
   the cache answers with the same choice.
 * What the forward returns for the backward (the residuals) is an op-level contract that every
   backend produces with the same shapes and dtypes, whichever backend runs.
+* The implementation runs with the device of the op's first tensor argument current
+  (``torch.cuda.device``), entered here once for every backend and for both the forward and the
+  backward op: Triton launches on the current device, not the tensors'. CPU tensors enter nothing.
 * An output that does not exist for these arguments (``b`` without ``hx``, ``h`` without
   ``return_state``, a gradient nobody asked for) is an empty placeholder (:func:`absent`),
   decided by the arguments alone; the public function turns it back into None.
@@ -120,13 +123,46 @@ def _autocast_off():
     return stack
 
 
+#: Whether this torch build can hold CUDA (or ROCm) tensors at all: on a CPU-only build no call
+#: looks for a device (the CPU path's cost stays zero; tests set it to fake a second GPU).
+CUDA_BUILD = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
+
+
+def cuda_device(t) -> torch.device | None:
+    """The device to run a call on: its lead tensor's device when that is a CUDA device, else None
+    (tests fake a second device here; see tests/test_device_guard.py)."""
+    return t.device if t.is_cuda else None
+
+
+def _lead_argument(schema) -> tuple[str, int] | None:
+    """(name, position) of the schema's first required tensor argument: the tensor whose device a
+    call runs on (every op's inputs share one device; the public functions check it)."""
+    for i, a in enumerate(schema.arguments):
+        if isinstance(a.type, torch._C.TensorType):
+            return a.name, i
+    return None
+
+
+def _on_device(device: torch.device):
+    """Make ``device`` current while a backend runs: Triton launches on the current device, and
+    the CUDA backends allocate and launch there too. Entered only for CUDA tensors."""
+    return torch.cuda.device(device)
+
+
 def custom_op(name: str, fake, *, tags=()):
     """Register ``fn`` as ``torch.ops.megalodon_kernels.<name>`` (schema from its annotations)
     with the fake implementation ``fake``; returns the op (an :class:`Op`)."""
     def register(fn):
+        lead = None  # (name, position) of the tensor whose device the call runs on; set below
+
         @functools.wraps(fn)
         def real(*args, **kwargs):
-            with _lazy_views_resolved(), _autocast_off():
+            t = None
+            if CUDA_BUILD and lead is not None:
+                t = kwargs.get(lead[0]) if lead[0] in kwargs else args[lead[1]] if lead[1] < len(args) else None
+            device = cuda_device(t) if isinstance(t, torch.Tensor) else None
+            with (_on_device(device) if device is not None else contextlib.nullcontext()), \
+                    _lazy_views_resolved(), _autocast_off():
                 out = fn(*args, **kwargs)
             return _fresh(out, list(args) + list(kwargs.values()))
 
@@ -135,7 +171,8 @@ def custom_op(name: str, fake, *, tags=()):
 
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(), tags=tags)
         op.register_fake(fake)
-        return Op(op, fn, real)
+        lead = _lead_argument(op._opoverload._schema)
+        return Op(op, fn, real, lead)
     return register
 
 
@@ -238,10 +275,11 @@ class Op:
     same implementation and autograd glue directly (module docstring). Every other attribute is
     the ``torch.library`` op's (``register_autograd`` also arms the fast path's autograd)."""
 
-    def __init__(self, op, fn, real):
+    def __init__(self, op, fn, real, lead=None):
         self._op = op
         self._fn = fn  # the implementation as written
         self._real = real  # what the dispatcher runs: fn with lazy views on, autocast off, fresh outputs
+        self._lead = None if lead is None else lead[1]  # position of the tensor whose device the call runs on
         self._kinds = _arg_kinds(op._opoverload._schema)
         self._function = None  # the autograd.Function of the fast path, once register_autograd ran
 
@@ -278,7 +316,12 @@ class Op:
         """The implementation on ``args``; ``plain``: the thread's state is the default (autocast
         off, lazy views on), so the dispatcher's wrapper has nothing to change."""
         if plain:
-            return _fresh(self._fn(*args), args)
+            # the device guard of ``real``, inlined (on a CUDA build, CPU tensors cost one attribute read)
+            device = cuda_device(args[self._lead]) if CUDA_BUILD and self._lead is not None else None
+            if device is None:
+                return _fresh(self._fn(*args), args)
+            with _on_device(device):
+                return _fresh(self._fn(*args), args)
         return self._real(*args)
 
     def _eager_args(self, args):
