@@ -28,6 +28,7 @@ def described_kernels(emulator: bool = False) -> list[Kernel]:
     return out
 
 
-def all_kernels() -> list[Kernel]:
-    """Every instantiation a GPU can launch."""
-    return described_kernels()
+def all_kernels(arch: int | None = None) -> list[Kernel]:
+    """Every instantiation a GPU can launch; with ``arch``, those a GPU of that compute capability
+    can (the flash attention kernels need sm_80: Kernel.min_arch)."""
+    return [k for k in described_kernels() if arch is None or k.min_arch <= arch]

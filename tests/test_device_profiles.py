@@ -434,3 +434,11 @@ def test_chosen_configurations_compile_for_the_profile(profile, stress):
         c = nvrtc.compile_kernel(kernel.header, kernel.name, caps.arch)
         assert c.resources.spills == 0, f"{kernel.name} spills {c.resources.spills} B on {caps.sm}"
         assert c.resources.static_smem + smem <= caps.smem_per_block_optin, (kernel.name, caps.sm, smem)
+
+
+def test_kernels_by_arch_leave_out_only_flash_below_sm80():
+    from megalodon_kernels.cuda.instances import all_kernels
+
+    every = all_kernels()
+    assert all_kernels(80) == all_kernels(120) == every
+    assert set(every) - set(all_kernels(75)) == {k for ks in attention_cuda.FLASH.values() for k in ks.values()}
