@@ -1,6 +1,7 @@
 """rotary (RoPE / xPos) on every backend against the float64 reference: forward and dx for one
 table of cases (torch, Triton in the interpreter, CUDA in the emulator), the CUDA kernels in both
-fiber orders, the reference's own backward, the relative-position property and bad inputs."""
+fiber orders, the reference's own backward, the relative-position property, positions anywhere
+below 2^31 (xPos reference positions, a KV cache far away, the xPos limit) and bad inputs."""
 import numpy as np
 import pytest
 import torch
@@ -111,7 +112,7 @@ def test_cached_tables_equal_fresh_tables(H, per_batch):
         want = fresh(*rotation_tables(pos, d, 10000.0, None, False, F32))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=4e-7, atol=4e-7)
-    (_, cos, sin), = [v for v in _TABLES.values() if torch.equal(v[0], pos)]
+    (_, _, cos, sin), = [v for v in _TABLES.values() if torch.equal(v[0], pos)]
     with torch.no_grad():
         cos.mul_(0.5)  # bumps the shared version: the conjugate half and repeated tables are stale
     y = ops.rotary(x, pos, backend="torch")
@@ -125,15 +126,127 @@ def test_cached_tables_equal_fresh_tables(H, per_batch):
 
 
 def test_xpos_scores_depend_on_distance_only():
-    # q_t . k_u must equal q_{t+s} . k_{u+s}: the defining property of RoPE and xPos.
+    # q_t . k_u must equal q_{t+s} . k_{u+s}: the defining property of RoPE and xPos (one call per
+    # position, so the reference position is passed: the same for q and k)
     q, k = torch.randn(1, 1, 1, 16, dtype=torch.float64), torch.randn(1, 1, 1, 16, dtype=torch.float64)
 
-    def score(t, u):
-        qt = ops.rotary(q, torch.tensor([t]), xpos_scale_base=512.0)
-        ku = ops.rotary(k, torch.tensor([u]), xpos_scale_base=512.0, xpos_downscale=True)
+    def score(t, u, r, xpos=512.0):
+        qt = ops.rotary(q, torch.tensor([t]), xpos_scale_base=xpos, xpos_reference=r)
+        ku = ops.rotary(k, torch.tensor([u]), xpos_scale_base=xpos, xpos_downscale=True, xpos_reference=r)
         return float((qt * ku).sum())
 
-    assert abs(score(10, 3) - score(1010, 1003)) < 1e-9 * abs(score(10, 3)) + 1e-12
+    want = score(710, 10, 0)
+    for t, r in [(1710, 1000), (1710, 5), (10**9 + 710, 10**9 - 7000), (2**31 - 1, 2**31 - 20)]:
+        assert abs(score(t, t - 700, r) - want) < 1e-9 * abs(want) + 1e-12
+    # and it decays with the distance: not the plain RoPE score
+    assert abs(want - score(710, 10, None, None)) > 0.1 * abs(want)
+
+
+# ---------------------------------------------------------------------------------------------
+# Any position below 2^31: angles formed exactly, xPos scales from a reference position
+
+
+def scores(q, k):
+    """q_t . k_u for every pair: (B, L, H, d) x (B, M, H, d) -> (B, H, L, M), float64."""
+    return torch.einsum("blhd,bmhd->bhlm", q.double(), k.double())
+
+
+#: the last position of each window: near 0, where the scale alone left float32 (~36k... 45k), far
+FAR_ENDS = [40, 45_000, 10**6, 10**9, 2**31 - 1]
+#: q.k at far positions vs the same at positions near 0, relative to the largest score: measured
+#: (max over the cases of test_xpos_at_any_position) fp32 1.5e-7, bf16 6.5e-3 (bf16 rounding of the
+#: two outputs); docs/math.md, rotary
+SCORE_TOL = {F32: 6e-7, BF16: 2e-2}
+
+
+@pytest.mark.parametrize("backend, dtype", [pytest.param(b, d, id=f"{b}-{str(d)[6:]}") for b, d in [
+    ("torch", F32), ("torch", BF16), ("triton", F32), ("triton", BF16), ("cuda", F32), ("cuda", BF16)]])
+@pytest.mark.parametrize("xpos", [None, 512.0], ids=["rope", "xpos"])
+@pytest.mark.parametrize("end", FAR_ENDS, ids=lambda e: f"to{e}")
+def test_xpos_at_any_position(end, xpos, backend, dtype):
+    # One window of positions ending at `end` (int32 positions at 2^31 - 1), the default reference
+    # (the middle of the positions, shared by q and k): finite, equal to the long-double reference,
+    # and the scores equal those of the same vectors at positions 0..L-1.
+    B, L, H, d = 2, 24, 2, 16
+    gen = torch.Generator().manual_seed(end % 1000)
+    q0 = torch.randn(B, L, H, d, generator=gen).to(dtype)
+    k0 = torch.randn(B, L, H, d, generator=gen).to(dtype)
+    pos = torch.arange(end - L + 1, end + 1)
+    if end == 2**31 - 1:
+        pos = pos.to(torch.int32)
+    kw = dict(xpos_scale_base=xpos, backend=backend)
+    q = ops.rotary(q0, pos, **kw)
+    k = ops.rotary(k0, pos, xpos_downscale=True, **kw)
+    assert torch.isfinite(q).all() and torch.isfinite(k).all()
+    assert_close("q", q, ref.rotary(to_np(q0), pos.numpy(), 10000.0, xpos, False), tol(backend, dtype, "fwd"))
+    assert_close("k", k, ref.rotary(to_np(k0), pos.numpy(), 10000.0, xpos, True), tol(backend, dtype, "fwd"))
+    near = torch.arange(L)
+    s0 = scores(ops.rotary(q0, near, **kw), ops.rotary(k0, near, xpos_downscale=True, **kw))
+    assert_close("scores far vs near", scores(q, k), to_np(s0), SCORE_TOL[dtype])
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
+def test_xpos_kv_cache_far_away(backend):
+    # A stream at position 1e9: the keys rotated as they come (a prefill of 25, then one per
+    # decoding step) and every query with the same reference position; the scores of all pairs
+    # equal those of one call over positions 0..N-1. Whatever reference, as long as it is shared.
+    B, H, d, N, start = 2, 2, 16, 40, 10**9
+    gen = torch.Generator().manual_seed(1)
+    q0, k0 = torch.randn(B, N, H, d, generator=gen), torch.randn(B, N, H, d, generator=gen)
+    near = torch.arange(N)
+    want = to_np(scores(ops.rotary(q0, near, xpos_scale_base=512.0, backend=backend),
+                        ops.rotary(k0, near, xpos_scale_base=512.0, xpos_downscale=True, backend=backend)))
+    pieces = [(0, 25)] + [(t, t + 1) for t in range(25, N)]
+    references = {"int": start + 20, "per-sequence": torch.tensor([[start], [start + 5000]]),
+                  "behind": start - 20_000}
+    for name, r in references.items():
+        kw = dict(xpos_scale_base=512.0, xpos_reference=r, backend=backend)
+        qs, ks = [], []
+        for a, b in pieces:
+            pos = torch.arange(start + a, start + b)
+            qs.append(ops.rotary(q0[:, a:b], pos, **kw))
+            ks.append(ops.rotary(k0[:, a:b], pos, xpos_downscale=True, **kw))
+        got = scores(torch.cat(qs, 1), torch.cat(ks, 1))
+        assert torch.isfinite(got).all(), name
+        assert_close(f"scores ({name} reference)", got, want, SCORE_TOL[F32])
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16, F16, F64], ids=str)
+def test_xpos_limit(dtype):
+    # Positions up to xpos_limit from their reference: finite outputs of full precision (the
+    # reference's relative error); one position further: refused, with the way out in the message.
+    from megalodon_kernels.ops.rotary import xpos_limit
+
+    limit = xpos_limit(dtype, 64.0)
+    x = torch.randn(1, 3, 1, 8, generator=torch.Generator().manual_seed(2), dtype=torch.float64).to(dtype)
+    pos = torch.tensor([1000 - limit, 1000, 1000 + limit])  # the default reference: 1000
+    for down in (False, True):
+        y = ops.rotary(x, pos, xpos_scale_base=64.0, xpos_downscale=down, backend="torch")
+        assert torch.isfinite(y).all()
+        want = ref.rotary(to_np(x), pos.numpy(), 10000.0, 64.0, down)
+        # per position: each row's size differs by up to e^(+-2 * 52) in float32
+        for t in range(3):
+            assert_close(f"y[{t}]", y[:, t], want[:, t], tol("torch", dtype, "fwd"))
+    with pytest.raises(ValueError, match=f"within {limit} of its reference.*xpos_reference"):
+        ops.rotary(x, pos + torch.tensor([0, 0, 2]), xpos_scale_base=64.0, backend="torch")
+    with pytest.raises(ValueError, match="within"):
+        ops.rotary(x, pos, xpos_scale_base=64.0, xpos_reference=1001, backend="torch")
+
+
+def test_angles_exact_at_2_31():
+    # float64 tables at the largest int32 positions equal the long-double reference to 6e-14 (the
+    # float64 rounding of t * theta_lo, |t * theta_lo| < 2^9; measured 2.8e-14): the angle
+    # t * theta is formed exactly otherwise (the plain float64 product is off by up to 2.4e-7 rad here)
+    from megalodon_kernels.ops.rotary import rotation_tables
+
+    pos = torch.arange(2**31 - 64, 2**31, dtype=torch.int64)
+    cos, sin = rotation_tables(pos, 64, 10000.0, None, False, F64)
+    f = ref._factors(pos.numpy(), 64, 10000.0, None, False)
+    assert_close("cos", cos, f.real, 1e-13)
+    assert_close("sin", sin, f.imag, 1e-13)
+    naive = torch.cos(pos.double()[:, None] * torch.tensor([10000.0 ** (-2.0 * j / 64) for j in range(32)],
+                                                          dtype=F64))
+    assert (naive - cos[0, :, 0]).abs().max() > 1e-9  # what the exact split avoids
 
 
 # ---------------------------------------------------------------------------------------------
@@ -194,6 +307,14 @@ def test_reference_backward_matches_finite_differences():
     (dict(positions=[0, 1, 2]), TypeError, "positions must be"),
     (dict(base=-1.0), ValueError, "base must be >"),
     (dict(xpos_scale_base=0.0), ValueError, "xpos_scale_base"),
+    (dict(xpos_reference=3), ValueError, "xpos_reference is an xPos argument"),
+    (dict(xpos_scale_base=512.0, xpos_reference=3.0), TypeError, "xpos_reference must be None, an int"),
+    (dict(xpos_scale_base=512.0, xpos_reference=torch.tensor([1.0])), TypeError, "xpos_reference must be an int"),
+    (dict(xpos_scale_base=512.0, xpos_reference=torch.zeros(2, 3, dtype=torch.int64)), ValueError,
+     "xpos_reference must broadcast"),
+    (dict(xpos_scale_base=512.0, xpos_reference=torch.zeros(4, dtype=torch.int64)), ValueError,
+     "xpos_reference must broadcast"),
+    (dict(xpos_scale_base=512.0, positions=torch.tensor([0, 1, 60_000])), ValueError, "within 26770"),
     (dict(backend="cuDNN"), ValueError, "backend must be one of"),
 ])
 def test_rotary_bad_inputs(bad, exc, match):
