@@ -19,7 +19,7 @@ from megalodon_kernels.ops._packing import check_cu_seqlens
 from .cache import MegalodonCache
 from .checkpoint import load_upstream, read_state_dict
 from .config import MegalodonConfig
-from .layers import MegalodonBlock, TimestepNorm
+from .layers import MegalodonBlock, TimestepNorm, fresh_view
 from .loss import linear_cross_entropy
 from .packing import segment_ids_to_cu_seqlens
 
@@ -144,7 +144,7 @@ class Megalodon(nn.Module):
             if labels is not None:
                 return self(tokens.reshape(1, B * L), cu_seqlens=cu_seqlens, labels=labels.reshape(1, B * L),
                             ignore_index=ignore_index)
-            return self(tokens.reshape(1, B * L), cu_seqlens=cu_seqlens).view(B, L, -1)
+            return fresh_view(self(tokens.reshape(1, B * L), cu_seqlens=cu_seqlens), (B, L, -1))
         if cu_seqlens is not None:
             check_cu_seqlens(cu_seqlens, batch=B, length=L, device=tokens.device, batch_arg="tokens")
         if cache is not None:
