@@ -72,8 +72,20 @@ class _Backend:
                 out.append(reason)
         return out
 
+    @staticmethod
+    def _arch_reasons(tensors) -> list[str]:
+        """Why NVRTC cannot compile for the GPU of the first CUDA tensor (an sm_70 of a mixed
+        machine, say), as a list; nothing for CPU (emulator) tensors."""
+        t = next((t for t in tensors if t is not None and t.device.type == "cuda"), None)
+        if t is None:
+            return []
+        from . import runtime  # (imports NVRTC's module only when there is a CUDA tensor)
+
+        reason = runtime.arch_reason(t.device)
+        return [] if reason is None else [reason]
+
     def _reasons(self, named: dict, dtype_of: str) -> list[str]:
-        reasons = self._available()
+        reasons = self._available() + self._arch_reasons(named.values())
         for name, t in named.items():
             if t.device.type != self.device_type:
                 reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} "

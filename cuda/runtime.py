@@ -111,11 +111,6 @@ class GpuLauncher:
                                values)
 
 
-def _device_arch(device: torch.device) -> int:
-    major, minor = torch.cuda.get_device_capability(device)
-    return 10 * major + minor
-
-
 def _current_stream(device: torch.device) -> int:
     return torch.cuda.current_stream(device).cuda_stream
 
@@ -155,12 +150,23 @@ def _check() -> str | None:
         return (f"the NVIDIA driver supports CUDA {version // 1000}.{version % 1000 // 10} but NVRTC is {major}.{minor}: "
                 f"its cubins need a driver for CUDA {major}.x (upgrade the driver, or install the CuPy/NVRTC wheels "
                 f"for CUDA {version // 1000}: see README)")
-    archs = nvrtc.supported_archs()
-    for i in range(torch.cuda.device_count()):
-        arch = _device_arch(torch.device("cuda", i))
-        if arch not in archs:
-            return f"NVRTC {major}.{minor} cannot compile for cuda:{i} (sm_{arch}; it targets {archs})"
+    # a GPU NVRTC cannot target (sm_70 and older for NVRTC 13) is refused per call, by arch_reason
+    # of the tensors' device: the other GPUs of a mixed machine keep the CUDA backend
     return None
+
+
+def arch_reason(device) -> str | None:
+    """Why NVRTC cannot compile for the CUDA ``device`` (None when it can, or when the runtime is
+    unavailable anyway: unavailable_reason says why)."""
+    if unavailable_reason() is not None:
+        return None
+    arch = _device.caps(device).arch
+    archs = nvrtc.supported_archs()
+    if arch in archs:
+        return None
+    major, minor = nvrtc.nvrtc_version()
+    return (f"NVRTC {major}.{minor} cannot compile for {torch.device(device)} (sm_{arch}; it targets {archs}); "
+            f"use backend='triton' or 'torch' there")
 
 
 def gpu_launcher() -> GpuLauncher:

@@ -328,121 +328,39 @@ class _FakeVersionDriver:
         return self.version
 
 
-@pytest.mark.parametrize("driver,arch,want", [
-    (12080, 80, "the NVIDIA driver supports CUDA 12.8 but NVRTC is 13"),  # driver older than NVRTC's major
-    (13000, 61, "cannot compile for cuda:0 (sm_61"),                    # an arch NVRTC 13 does not target
-    (13000, 90, None),
+@pytest.mark.parametrize("driver,want", [
+    (12080, "the NVIDIA driver supports CUDA 12.8 but NVRTC is 13"),  # driver older than NVRTC's major
+    (13000, None),
 ])
-def test_availability_old_driver_and_unsupported_arch(fresh_runtime, monkeypatch, driver, arch, want):
+def test_availability_old_driver_and_unsupported_arch(fresh_runtime, monkeypatch, driver, want):
+    from types import SimpleNamespace
+
+    from megalodon_kernels.cuda import device
+
     runtime = fresh_runtime
     monkeypatch.setattr(runtime.nvrtc, "nvrtc_version", lambda: (13, 0))
     monkeypatch.setattr(runtime.nvrtc, "supported_archs", lambda: [75, 80, 86, 87, 89, 90, 100, 120])
     monkeypatch.setattr(runtime.nvrtc, "include_dirs", lambda: ())
     monkeypatch.setattr(runtime.nvrtc, "nvrtc_binding", lambda: None)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    monkeypatch.setattr(runtime, "_device_arch", lambda device: arch)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     monkeypatch.setattr(runtime, "CupyDriver", lambda: _FakeVersionDriver(driver))
     reason = runtime.unavailable_reason()
-    if want is None:
-        assert reason is None
-    else:
+    if want is not None:
         assert want in reason
         with pytest.raises(RuntimeError, match="CUDA backend is unavailable"):
             runtime.gpu_launcher()
-
-
-# --- the GPU runtime's own driver path: torch's current stream of the tensors' device ----------------
-
-class _CudaDriverModule:
-    """Stands in for CuPy's driver module below :class:`CupyDriver` (no GPU): records each call, and
-    for cuLaunchKernel reads the argument buffer it would copy (``sizes``: bytes per argument)."""
-
-    def __init__(self):
-        self.calls, self.sizes, self.context = [], [], 0
-
-    def ctxGetCurrent(self):  # no context bound on this thread until cudaSetDevice binds the primary one
-        return self.context
-
-    def setDevice(self, index):  # (the runtime module's call)
-        self.calls.append(("setDevice", index))
-        self.context = 0xC0 + index
-
-    def moduleLoadData(self, cubin):
-        self.calls.append(("moduleLoadData", cubin))
-        return 101
-
-    def moduleGetFunction(self, module, name):
-        self.calls.append(("moduleGetFunction", module, name))
-        return 202
-
-    def funcSetAttribute(self, function, attribute, value):
-        self.calls.append(("funcSetAttribute", function, attribute, value))
-
-    def launchKernel(self, function, gx, gy, gz, bx, by, bz, smem, stream, params, extra):
-        pointers = (ctypes.c_void_p * len(self.sizes)).from_address(params)
-        values = [ctypes.string_at(p, n) for p, n in zip(pointers, self.sizes)]
-        self.calls.append(("launchKernel", function, (gx, gy, gz), (bx, by, bz), smem, stream, values, extra))
-
-
-def test_gpu_launch_reaches_the_driver_on_the_current_stream_of_the_tensors_device(monkeypatch):
-    from megalodon_kernels.cuda import device, runtime
-    from megalodon_kernels.cuda.launch import Launch
-
-    module = _CudaDriverModule()
-    driver = runtime.CupyDriver.__new__(runtime.CupyDriver)  # the real class, CuPy's module faked below it
-    driver._driver = driver._runtime = module
-
-    class Stream:  # what torch.cuda.current_stream returns: a handle (0 is the legacy default stream)
-        def __init__(self, handle):
-            self.cuda_stream = handle
-
-    current = {0: Stream(0x7F00), 1: Stream(0x7F01)}  # a non-default current stream on each device
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: current[torch.device(device).index])
-    guarded = []
-
-    selected = [0]
-
-    class DeviceGuard:  # torch.cuda.device(d): the launch runs with the tensors' device current
-        def __init__(self, d):
-            self.d = torch.device(d)
-
-        def __enter__(self):
-            guarded.append(self.d)
-            self.prev, selected[0] = selected[0], self.d.index
-
-        def __exit__(self, *exc):
-            selected[0] = self.prev
-            return False
-
-    monkeypatch.setattr(torch.cuda, "device", DeviceGuard)
-    monkeypatch.setattr(torch.cuda, "current_device", lambda: selected[0])
-    archs = []
-
-    def compile_kernel(header, name, arch):
-        archs.append(arch)
-        return fake_compile(header, name, arch)
-
-    # stream_of and arch_of left to the runtime's own: runtime._current_stream, cuda/device.py caps
-    launcher = GpuLauncher(driver=driver, compile_kernel=compile_kernel)
-    k = rotary_cuda.KERNELS[0]
-    args = (("ptr", 0x1000), ("ptr", 0x2000), ("ptr", 0x3000), ("ptr", 0x4000), ("i64", 12345), ("i64", 5),
-            ("i64", 3), ("i64", 4), ("bool", True))
-    on = torch.device("cuda", 1)
-    launch = Launch(k, (7, 1, 1), (256, 1, 1), 60 * 1024, args, on)
-    module.sizes = [len(b) for b in launch.packed()]
-    with device.faked("H100"):
-        launcher(launch)
-        launcher(launch)  # loaded and opted in once
-    assert archs == [90]
-    assert module.calls[:4] == [("setDevice", 1),  # cuda:1's primary context bound before the first driver call
-                                ("moduleLoadData", f"cubin of {k.name}".encode()),
-                                ("moduleGetFunction", 101, f"lowered {k.name}"),
-                                ("funcSetAttribute", 202, 8, 60 * 1024)]  # CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
-    launches = module.calls[4:]
-    assert len(launches) == 2 and launches[0] == launches[1]
-    name, function, grid, block, smem, stream, values, extra = launches[0]
-    assert (function, grid, block, smem, extra) == (202, (7, 1, 1), (256, 1, 1), 60 * 1024, 0)
-    assert stream == 0x7F01  # cuda:1's current stream, not cuda:0's and not the default stream
-    assert values == launch.packed()  # the bytes cuLaunchKernel copies, argument by argument
-    assert guarded and set(guarded) == {on}
+        return
+    assert reason is None
+    # a mixed machine: an sm_61 GPU NVRTC 13 cannot target next to an H100; calls on the old one are
+    # refused with the reason, the H100 keeps the CUDA backend
+    old = device.DeviceCaps("Tesla P100", 61, 49152, 56)
+    on = lambda i: SimpleNamespace(device=torch.device("cuda", i))  # noqa: E731  (no CUDA tensor without a GPU)
+    with device.faked("H100"), device.faked(old, index=1):
+        assert runtime.arch_reason(torch.device("cuda", 0)) is None
+        assert "cannot compile for cuda:1 (sm_61" in runtime.arch_reason(torch.device("cuda", 1))
+        backend = rotary_cuda.RotaryBackend(runtime.gpu_launcher)
+        assert backend._arch_reasons([on(0)]) == []
+        why = backend._arch_reasons([on(1)])
+        assert len(why) == 1 and "sm_61" in why[0] and "backend='triton' or 'torch'" in why[0]
+        assert backend._arch_reasons([torch.zeros(1)]) == []  # CPU tensors: the emulator, no NVRTC arch

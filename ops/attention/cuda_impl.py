@@ -404,7 +404,7 @@ class AttentionBackend(_Backend):
 
     def not_supported_reasons(self, q, k=None, v=None, *, attn_fn="softmax", **_other_inputs) -> list[str]:
         named = {n: t for n, t in (("q", q), ("k", k), ("v", v)) if t is not None}
-        reasons = self._available()
+        reasons = self._available() + self._arch_reasons(named.values())
         if any(t.device.type != self.device_type for t in named.values()):
             bad = next(n for n, t in named.items() if t.device.type != self.device_type)
             reasons.append(f"needs {self.device_type} tensors, got {bad} on {named[bad].device} (use backend='torch')")

@@ -176,7 +176,7 @@ class CemaBackendBase(_Backend):
     FP64 = True
 
     def _cema_reasons(self, named: dict, p, N: int, length: int | None) -> list[str]:
-        reasons = self._available()
+        reasons = self._available() + self._arch_reasons(named.values())
         for name, t in named.items():
             if t is not None and t.device.type != self.device_type:
                 reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} (use backend='torch')")
