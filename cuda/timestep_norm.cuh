@@ -7,7 +7,16 @@
 // state row is a batch element b (steps b * L + [0, L)), or with packed rows (cu_seqlens, x of
 // one batch element) a document d (steps [cu_seqlens[d], cu_seqlens[d + 1]), its own prior and
 // returned state): only the scan kernels see the difference, the row kernels run over steps.
-//   1. tsn_moments_kernel   one warp per (step, g) row: gmu_t, gvar_t (two passes, fp32)
+// Shift: every statistic is taken of x - K, K per (s, g) the lower median of the finite row
+// means of the row's first kTsnShiftSteps unpadded steps (the torch backend takes the median over
+// the whole row, Triton over its first chunk: K only changes rounding). Where K/2 <= x <= 2K,
+// x - K is exact (Sterbenz) and the running mean is a small offset from K, so x - mu_t keeps the
+// precision of the data's spread instead of its magnitude (an unshifted fp32 mean near 1e3 alone
+// costs ~3e-5 absolute). cummean is relative to K; the returned mean adds K back. tsn_shift_kernel
+// writes K per (s, g) and per step (the row kernels read it at their (step, g) row); the backward
+// recomputes it from x (the same reads, the same K) instead of saving it.
+//   0. tsn_shift_kernel     one warp per (s, g): K, and K at each of the row's steps
+//   1. tsn_moments_kernel   one warp per (step, g) row: gmu_t, gvar_t of x - K (two passes, fp32)
 //   2. tsn_scan_fwd_kernel  one block per (s, g), thread c owns the time chunk c: a Kahan-
 //      compensated Welford pass gives the chunk summary, a Blelloch exclusive scan over the chunk
 //      summaries (Chan's merge, the prior at the root) gives every chunk its prefix state, and a
@@ -33,6 +42,7 @@ namespace mk {
 constexpr int kTsnMaxChunks = 128;   // threads (time chunks) of the scan kernels
 constexpr int kTsnRowThreads = 256;  // 8 warps = 8 rows per block in the row kernels
 constexpr int kTsnSlots = 64;        // row slices of the dscale/dbias partial sums (8 x 8)
+constexpr int kTsnShiftSteps = 32;   // unpadded steps whose row means choose the shift K (one per lane)
 
 // 1 / n for a count n >= 1 and 1 / sqrt(v) for v = var + eps > 0, in the accumulation type.
 // fp32: fast reciprocal (MUFU.RCP, ~1 ulp for these integer counts): IEEE division and __frcp_rn
@@ -187,12 +197,75 @@ __device__ __forceinline__ int tsn_chunks(int len) {
 }
 
 // ------------------------------------------------------------------------------------------------
+// Shift
+// ------------------------------------------------------------------------------------------------
+
+// One warp per state row and group sg = s * G + g (nG of them). K = the lower median of the
+// finite raw row means of the row's first kTsnShiftSteps unpadded steps (0 when there is none),
+// written to kshift[sg] and to kstep[(step, g)] for every step of the row. A median, not the
+// first mean, so an outlier first step does not move K away from the bulk of the data.
+template <class T>
+__global__ void __launch_bounds__(kTsnRowThreads) tsn_shift_kernel(const T* __restrict__ x,
+                                                                   const bool* __restrict__ pad,
+                                                                   const std::int64_t* __restrict__ cu_seqlens,
+                                                                   acc_t<T>* __restrict__ kshift,
+                                                                   acc_t<T>* __restrict__ kstep, int nG, int L,
+                                                                   int G, int Dg) {
+  using A = acc_t<T>;
+  MK_STATIC_SMEM(A, s_means, kTsnRowThreads);  // kTsnShiftSteps candidates per warp
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  A* means = s_means + warp * kTsnShiftSteps;
+  const int warps = gridDim.x * (blockDim.x >> 5);
+  for (int sg = blockIdx.x * (blockDim.x >> 5) + warp; sg < nG; sg += warps) {  // uniform over the warp
+    const int s = sg / G;
+    const int g = sg - s * G;
+    const TsnSteps steps = tsn_steps(cu_seqlens, s, L);
+    // 1. the finite row means of the first unpadded steps, in step order, into means[0, got)
+    int got = 0;
+    for (int t0 = 0; t0 < steps.len && got < kTsnShiftSteps; t0 += 32) {
+      const int t = t0 + lane;
+      const bool live = t < steps.len && !pad[steps.start + t];
+      A m = A(0);
+      if (live) {
+        const T* xr = x + ((steps.start + t) * G + g) * static_cast<std::int64_t>(Dg);
+        for (int j = 0; j < Dg; ++j) m += to_acc(xr[j]);
+        m /= static_cast<A>(Dg);
+      }
+      const bool ok = live && m - m == A(0);  // finite: inf - inf and NaN - NaN are NaN
+      const unsigned int bal = __ballot_sync(kFullMask, ok);
+      const int slot = got + __popc(bal & ((1u << lane) - 1u));
+      if (ok && slot < kTsnShiftSteps) means[slot] = m;
+      got = imin(kTsnShiftSteps, got + __popc(bal));
+    }
+    __syncwarp();
+    // 2. the lower median: the candidate with (got - 1) / 2 others before it in (value, slot) order
+    A pick = A(0);
+    if (lane < got) {
+      const A v = means[lane];
+      int rank = 0;
+      for (int k = 0; k < got; ++k) {
+        const A w = means[k];
+        rank += (w < v || (w == v && k < lane)) ? 1 : 0;
+      }
+      if (rank == (got - 1) / 2) pick = v;
+    }
+    const A K = warp_sum(pick);  // exactly one lane holds it (0 + v + 0 ... is exact); 0 if got = 0
+    if (lane == 0) kshift[sg] = K;
+    for (int t = lane; t < steps.len; t += 32) kstep[(steps.start + t) * G + g] = K;
+    __syncwarp();  // means[] is rewritten for the warp's next row
+  }
+}
+
+// ------------------------------------------------------------------------------------------------
 // Forward
 // ------------------------------------------------------------------------------------------------
 
-// stats[row] = (gmu, gvar) for row = (b * L + t) * G + g; padded steps get (0, 0) and are never read.
+// stats[row] = (gmu, gvar) of x - K for row = (b * L + t) * G + g; padded steps get (0, 0) and are
+// never read.
 template <class T>
 __global__ void __launch_bounds__(kTsnRowThreads) tsn_moments_kernel(const T* __restrict__ x, const bool* __restrict__ pad,
+                                                                      const acc_t<T>* __restrict__ kstep,
                                                                       pair_t<acc_t<T>>* __restrict__ stats,
                                                                       std::int64_t rows, int G, int Dg) {
   using A = acc_t<T>;
@@ -204,12 +277,13 @@ __global__ void __launch_bounds__(kTsnRowThreads) tsn_moments_kernel(const T* __
     A gmu = A(0), gvar = A(0);
     if (!pad[bt]) {  // uniform over the warp
       const T* xr = x + row * Dg;
+      const A k = kstep[row];
       A s = A(0);
-      for (int j = lane; j < Dg; j += 32) s += to_acc(xr[j]);
+      for (int j = lane; j < Dg; j += 32) s += to_acc(xr[j]) - k;
       gmu = warp_sum(s) / static_cast<A>(Dg);
       A q = A(0);
       for (int j = lane; j < Dg; j += 32) {
-        const A c = to_acc(xr[j]) - gmu;
+        const A c = (to_acc(xr[j]) - k) - gmu;
         q += c * c;
       }
       gvar = warp_sum(q) / static_cast<A>(Dg);
@@ -226,10 +300,11 @@ struct ChanOp {
 // One block per (s, g): blockIdx.x = s * G + g; blockDim.x threads (a power of two <=
 // kTsnMaxChunks), the first tsn_chunks(len) of them own a chunk each. cu_seqlens: nullptr, or
 // the (n + 1) document bounds (then s is the document d and the prior/state arrays are per
-// document).
+// document). stats and cummean are relative to kshift[sg]; the prior and the returned mean are not.
 template <class A>
 __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
     const pair_t<A>* __restrict__ stats, const bool* __restrict__ pad, const std::int64_t* __restrict__ cu_seqlens,
+    const A* __restrict__ kshift,
     const std::int64_t* __restrict__ prev_count, const A* __restrict__ prev_mean, const A* __restrict__ prev_var,
     A* __restrict__ cummean, A* __restrict__ cumrstd, std::int64_t* __restrict__ count, A* __restrict__ mean_out,
     A* __restrict__ var_out, int L, int G, A eps) {
@@ -258,7 +333,7 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
   // 2. prefix of every chunk: prior (+) chunks before it
   const long long n0 = prev_count[s];
   const A pvar = prev_var[sg];
-  const Summary<A> prior{n0, prev_mean[sg], static_cast<A>(n0) * pvar};
+  const Summary<A> prior{n0, prev_mean[sg] - kshift[sg], static_cast<A>(n0) * pvar};
   blelloch_exclusive_scan(s_sum, prior, ChanOp<A>{});
   const Summary<A> pre = s_sum[c];
 
@@ -274,7 +349,10 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
     cumrstd[at(t)] = acc_rsqrt(var + eps);
   }
   if (c == nch - 1) {  // the row's last chunk ends with the final state
-    mean_out[sg] = r.mu;
+    // K read again rather than held across the scan. A row with nothing observed has no live
+    // step, so K = 0 and the prior mean comes back bit for bit (a select on that here made ptxas
+    // spill in double)
+    mean_out[sg] = r.mu + kshift[sg];
     var_out[sg] = r.n > 0 ? r.m2 * rcp_count(static_cast<A>(r.n)) : pvar;
     if (g == 0) count[s] = r.n;
   }
@@ -282,6 +360,7 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_fwd_kernel(
 
 template <class T>
 __global__ void __launch_bounds__(256) tsn_normalize_kernel(const T* __restrict__ x, const bool* __restrict__ pad,
+                                                            const acc_t<T>* __restrict__ kstep,
                                                             const acc_t<T>* __restrict__ cummean,
                                                             const acc_t<T>* __restrict__ cumrstd,
                                                             const acc_t<T>* __restrict__ scale,
@@ -296,7 +375,7 @@ __global__ void __launch_bounds__(256) tsn_normalize_kernel(const T* __restrict_
     A out = A(0);
     if (!pad[bt]) {
       const std::int64_t sg = bt * G + i / Dg;
-      out = (to_acc(x[e]) - cummean[sg]) * cumrstd[sg] * scale[i] + bias[i];
+      out = ((to_acc(x[e]) - kstep[sg]) - cummean[sg]) * cumrstd[sg] * scale[i] + bias[i];
     }
     y[e] = from_acc<T>(out);
   }
@@ -306,10 +385,11 @@ __global__ void __launch_bounds__(256) tsn_normalize_kernel(const T* __restrict_
 // Backward
 // ------------------------------------------------------------------------------------------------
 
-// grads[row] = (gmu, ds, db): ds = sum_i dy_i scale_i (x_i - mu_t), db = sum_i dy_i scale_i.
+// grads[row] = (gmu, ds, db): ds = sum_i dy_i scale_i (x_i - mu_t), db = sum_i dy_i scale_i; gmu
+// and mu_t relative to K.
 template <class T>
 __global__ void __launch_bounds__(kTsnRowThreads) tsn_row_grads_kernel(
-    const T* __restrict__ x, const T* __restrict__ dy, const bool* __restrict__ pad,
+    const T* __restrict__ x, const T* __restrict__ dy, const bool* __restrict__ pad, const acc_t<T>* __restrict__ kstep,
     const acc_t<T>* __restrict__ scale, const acc_t<T>* __restrict__ cummean, acc_t<T>* __restrict__ grads,
     std::int64_t rows, int G, int Dg) {
   using A = acc_t<T>;
@@ -325,9 +405,10 @@ __global__ void __launch_bounds__(kTsnRowThreads) tsn_row_grads_kernel(
       const T* gr = dy + row * Dg;
       const A* sc = scale + static_cast<std::int64_t>(g) * Dg;
       const A mu = cummean[row];
+      const A k = kstep[row];
       A sx = A(0), sds = A(0), sdb = A(0);
       for (int j = lane; j < Dg; j += 32) {
-        const A xv = to_acc(xr[j]);
+        const A xv = to_acc(xr[j]) - k;
         const A gs = to_acc(gr[j]) * sc[j];
         sx += xv;
         sds += gs * (xv - mu);
@@ -357,7 +438,8 @@ struct CarryMap {
 template <class A>
 __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
     A* __restrict__ grads, const bool* __restrict__ pad, const std::int64_t* __restrict__ cu_seqlens,
-    const std::int64_t* __restrict__ prev_count, const A* __restrict__ prev_mean, const A* __restrict__ cummean,
+    const A* __restrict__ kshift, const std::int64_t* __restrict__ prev_count, const A* __restrict__ prev_mean,
+    const A* __restrict__ cummean,
     const A* __restrict__ cumrstd, const A* __restrict__ dmean, const A* __restrict__ dvar,
     A* __restrict__ dprev_mean, A* __restrict__ dprev_var, int L, int G) {
   // 128 chunks: 1 KiB + 2 (fp32) or 4 KiB (fp64) + 1 or 2 KiB of static shared memory
@@ -375,7 +457,7 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
   const int t1 = imin(steps.len, t0 + chunk);
   const bool* pb = pad + steps.start;
   auto at = [&](int t) { return (steps.start + t) * G + g; };
-  const A pmean = prev_mean[sg];
+  const A pmean = prev_mean[sg] - kshift[sg];  // in cummean's frame (relative to K)
   auto mu_before = [&](int t) { return t == 0 ? pmean : cummean[at(t - 1)]; };
 
   // counts: live steps per chunk, exclusive prefix (+ prev_count) = count entering each chunk
@@ -459,6 +541,7 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
 template <class T>
 __global__ void __launch_bounds__(256) tsn_dx_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                                      const bool* __restrict__ pad,
+                                                     const acc_t<T>* __restrict__ kstep,
                                                      const acc_t<T>* __restrict__ cumrstd,
                                                      const acc_t<T>* __restrict__ grads,
                                                      const acc_t<T>* __restrict__ scale, T* __restrict__ dx,
@@ -474,7 +557,7 @@ __global__ void __launch_bounds__(256) tsn_dx_kernel(const T* __restrict__ x, co
     if (!pad[bt]) {
       const std::int64_t row = bt * G + i / Dg;
       const A gmu = grads[3 * row], dgmu = grads[3 * row + 1], dgvar = grads[3 * row + 2];
-      out = to_acc(dy[e]) * scale[i] * cumrstd[row] + dgmu * inv_dg + A(2) * dgvar * (to_acc(x[e]) - gmu) * inv_dg;
+      out = to_acc(dy[e]) * scale[i] * cumrstd[row] + dgmu * inv_dg + A(2) * dgvar * ((to_acc(x[e]) - kstep[row]) - gmu) * inv_dg;
     }
     dx[e] = from_acc<T>(out);
   }
@@ -485,6 +568,7 @@ __global__ void __launch_bounds__(256) tsn_dx_kernel(const T* __restrict__ x, co
 template <class T>
 __global__ void __launch_bounds__(256) tsn_param_partial_kernel(const T* __restrict__ x, const T* __restrict__ dy,
                                                                 const bool* __restrict__ pad,
+                                                                const acc_t<T>* __restrict__ kstep,
                                                                 const acc_t<T>* __restrict__ cummean,
                                                                 const acc_t<T>* __restrict__ cumrstd,
                                                                 acc_t<T>* __restrict__ part, std::int64_t BL, int D,
@@ -502,7 +586,8 @@ __global__ void __launch_bounds__(256) tsn_param_partial_kernel(const T* __restr
     const std::int64_t e = bt * D + i;
     const std::int64_t row = bt * G + g;
     const A d = to_acc(dy[e]);
-    kahan_add(ss, cs, d * (to_acc(x[e]) - cummean[row]) * cumrstd[row]);
+    const A dr = d * cumrstd[row];  // (this order: no spills in fp32 on sm_80)
+    kahan_add(ss, cs, dr * ((to_acc(x[e]) - kstep[row]) - cummean[row]));
     kahan_add(sb, cb, d);
   }
   part[static_cast<std::int64_t>(slot) * D + i] = ss;

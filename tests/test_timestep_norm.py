@@ -58,9 +58,8 @@ CASES = [
     *(case(2, 70, 100, 1, 7, pad=pad, fresh_first=True, id=f"L70-D100-G1-pad_{pad}")
       for pad in ("left", "middle", "random", "all", "mixed")),
     case(3, 45, 20, 5, 11, pad="mixed", contiguous=False, backends=NO_TRITON, id="strided-L45-D20-G5-mixed"),
-    # the CUDA kernels' accuracy under a large common mean: test_cuda_kernels_streaming_and_large_common_mean
-    case(2, 40, 24, 2, 5, pad="random", center=1e3, contiguous=False, backends=("torch", "triton", "cpu"),
-         id="strided-mean1e3-L40-D24-G2"),
+    # a large common mean: every backend takes its statistics relative to a shift K
+    case(2, 40, 24, 2, 5, pad="random", center=1e3, contiguous=False, id="strided-mean1e3-L40-D24-G2"),
     case(2, 45, 8, 2, 13, pad="mixed", center=1.0, id="L45-D8-G2-mixed"),
 ]
 
@@ -463,8 +462,10 @@ def test_cuda_kernels_streaming_and_large_common_mean(ext, dtype):
     y, *_ = tsn_cuda.launch_fwd(emu(ext), x, scale, bias, pc, pm, pv, mask, G, 1e-5)
     y1, c1, m1, v1, _ = tsn_cuda.launch_fwd(emu(ext), x[:, :111], scale, bias, pc, pm, pv, mask[:, :111], G, 1e-5)
     y2, *_ = tsn_cuda.launch_fwd(emu(ext), x[:, 111:], scale, bias, c1, m1, v1, mask[:, 111:], G, 1e-5)
-    # fp64: the offset of 1000 costs ~1e-13 relative in the group variances, far below 1e-10
-    streamed_tol, ref_tol = (2e-5, 1e-4) if dtype == F32 else (tol("cuda", F64, "fwd"),) * 2
+    # fp64: the offset of 1000 costs ~1e-13 relative in the group variances, far below 1e-10.
+    # fp32 with the shift K: y 3.1e-7 against the reference; streamed 3.6e-6, the carried mean
+    # (~1003, returned in fp32: half an ulp is 3e-5) starting the second call (measured here)
+    streamed_tol, ref_tol = (1.5e-5, 1.3e-6) if dtype == F32 else (tol("cuda", F64, "fwd"),) * 2
     assert_close("streamed", torch.cat([y1, y2], 1), to_np(y), streamed_tol)
     yr, *_ = ref.timestep_norm(to_np(x), scale.numpy(), bias.numpy(), G, pc.numpy(), pm.numpy(), pv.numpy(),
                                mask.numpy())

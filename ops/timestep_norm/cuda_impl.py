@@ -8,6 +8,11 @@ Packed rows (``cu_seqlens``, int64 (n + 1,) document bounds the op has validated
 element): the kernels read the bounds themselves, one scan block per (document, group), so a
 packed call is the same launches as an unpacked one; the state in and out (prev_count, prev_mean,
 prev_var, count, mean, var and their gradients) is per document.
+
+Shift: the kernels take every statistic relative to a per-(row, group) shift K (as the torch and
+Triton backends do; the header says how it is chosen): tsn_shift_kernel writes K per state row
+and per step, the saved cummean is relative to it, and the backward launches the same kernel on
+the saved x again (a read of at most 32 unpadded steps per row and group) rather than saving K.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ def _k(name: str, cpp: str) -> L.Kernel:
 
 
 #: element-typed kernels take x's type T, the scans and the reduction its accumulation type A
-_ELEMENT = ("tsn_moments_kernel", "tsn_normalize_kernel", "tsn_row_grads_kernel", "tsn_dx_kernel",
+_ELEMENT = ("tsn_shift_kernel", "tsn_moments_kernel", "tsn_normalize_kernel", "tsn_row_grads_kernel", "tsn_dx_kernel",
             "tsn_param_partial_kernel")
 _ACC = ("tsn_scan_fwd_kernel", "tsn_scan_bwd_kernel", "tsn_param_reduce_kernel")
 _ACC_CPP = {torch.float32: "float", torch.float64: "double"}
@@ -80,6 +85,21 @@ def workspace_elems(B: int, Lq: int, D: int, G: int) -> int:
     return 3 * B * Lq * G + 2 * SLOTS * D
 
 
+def _shift(launcher, x, mask, cu_seqlens, n, Lq, G):
+    """(kshift (n, G), kstep (B, L, G)): the shift K of every state row and group, and K at every
+    step (tsn_shift_kernel), in the accumulation type."""
+    B, _, D = x.shape
+    acc = L.acc_dtype(x)
+    kshift = torch.empty(n, G, dtype=acc, device=x.device)
+    kstep = torch.empty(B, Lq, G, dtype=acc, device=x.device)
+    if n * G > 0:
+        p = L.ptr
+        L.launch(launcher, _kernel("tsn_shift_kernel", x), _row_grid(n * G), ROW_THREADS, 0,
+                 [("ptr", p(x)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(kshift)), ("ptr", p(kstep)),
+                  ("i32", n * G), ("i32", Lq), ("i32", G), ("i32", D // G)], x.device)
+    return kshift, kstep
+
+
 def _row_grid(rows: int) -> int:
     return L.grid_1d(-(-rows // 8))
 
@@ -114,17 +134,20 @@ def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, paddin
         return y, count, mean, var, saved
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
     p = L.ptr
+    kshift, kstep = _shift(launcher, xc, mask, cu_seqlens, n, Lq, G)
     if rows > 0:
         L.launch(launcher, _kernel("tsn_moments_kernel", x), _row_grid(rows), ROW_THREADS, 0,
-                 [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
+                 [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(ws)), ("i64", rows), ("i32", G),
+                  ("i32", Dg)], dev)
     L.launch(launcher, _kernel("tsn_scan_fwd_kernel", x), n * G, chunks, 0,
-             [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(pc)), ("ptr", p(pm)), ("ptr", p(pv)),
+             [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(kshift)), ("ptr", p(pc)),
+              ("ptr", p(pm)), ("ptr", p(pv)),
               ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(count)), ("ptr", p(mean)), ("ptr", p(var)),
               ("i32", Lq), ("i32", G), (A, float(eps))], dev)
     if total > 0:
         L.launch(launcher, _kernel("tsn_normalize_kernel", x), _elem_grid(total), 256, 0,
-                 [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(scale_f)),
-                  ("ptr", p(bias_f)), ("ptr", p(y)), ("i64", total), ("i32", D), ("i32", Dg)], dev)
+                 [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(cummean)), ("ptr", p(cumrstd)),
+                  ("ptr", p(scale_f)), ("ptr", p(bias_f)), ("ptr", p(y)), ("i64", total), ("i32", D), ("i32", Dg)], dev)
     return y, count, mean, var, saved
 
 
@@ -147,22 +170,27 @@ def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
     part = ws[3 * rows:]  # the dscale/dbias partial sums follow the per-row gradients
     p = L.ptr
+    # the forward's K again (the same kernel on the same x and mask; padded-only or absent rows
+    # have no step that reads it)
+    kshift, kstep = _shift(launcher, xc, mask, cu_seqlens, n, Lq, G)
     if n > 0:
         if rows > 0:
             L.launch(launcher, _kernel("tsn_row_grads_kernel", xc), _row_grid(rows), ROW_THREADS, 0,
-                     [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(scale_f)), ("ptr", p(cummean)),
-                      ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
+                     [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(scale_f)),
+                      ("ptr", p(cummean)), ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
         L.launch(launcher, _kernel("tsn_scan_bwd_kernel", xc), n * G, chunks, 0,
-                 [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(pc)), ("ptr", p(pm)),
+                 [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(kshift)), ("ptr", p(pc)),
+                  ("ptr", p(pm)),
                   ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(dm)), ("ptr", p(dv)), ("ptr", p(dpm)),
                   ("ptr", p(dpv)), ("i32", Lq), ("i32", G)], dev)
         if total > 0:
             L.launch(launcher, _kernel("tsn_dx_kernel", xc), _elem_grid(total), 256, 0,
-                     [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(cumrstd)), ("ptr", p(ws)),
-                      ("ptr", p(scale_f)), ("ptr", p(dx)), ("i64", total), ("i32", D), ("i32", Dg)], dev)
+                     [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(cumrstd)),
+                      ("ptr", p(ws)), ("ptr", p(scale_f)), ("ptr", p(dx)), ("i64", total), ("i32", D), ("i32", Dg)],
+                     dev)
     L.launch(launcher, _kernel("tsn_param_partial_kernel", xc), (-(-D // 32), SLOTS // 8), (32, 8), 0,
-             [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(cummean)), ("ptr", p(cumrstd)),
-              ("ptr", p(part)), ("i64", B * Lq), ("i32", D), ("i32", Dg)], dev)
+             [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(cummean)),
+              ("ptr", p(cumrstd)), ("ptr", p(part)), ("i64", B * Lq), ("i32", D), ("i32", Dg)], dev)
     L.launch(launcher, _kernel("tsn_param_reduce_kernel", xc), _elem_grid(D), 256, 0,
              [("ptr", p(part)), ("ptr", p(dscale)), ("ptr", p(dbias)), ("i32", D), ("i32", SLOTS)], dev)
     return dx, dscale, dbias, dpm, dpv
