@@ -216,13 +216,16 @@ def flash_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dro
     kernels, D, ldv, qp, kp, vp = _flash_setup(launcher, q, k, v)
     o = torch.empty(B, Lq, H, ldv, dtype=q.dtype, device=q.device)
     lse = torch.empty(B, H, Lq, dtype=torch.float32, device=q.device)
+    _params(B, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+            dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=None)  # the arguments' checks, also when empty
+    bidx_all = _batch_index(batch_index, B, q.device)
     if B * H * Lq > 0:
         element = FLASH_ELEMENTS[q.dtype]
-        for b0, b1, bidx in _slices(B, H, _batch_index(batch_index, B, q.device), q.device):
+        for b0, b1, bidx in _slices(B, H, bidx_all, q.device):
             prm = _params(b1 - b0, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size,
                           block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
-            prm.q, prm.k, prm.v, prm.out, prm.lse = ptr(qp[b0:b1]), ptr(kp[b0:b1]), ptr(vp[b0:b1]), ptr(o[b0:b1]), ptr(
-                lse[b0:b1])
+            prm.q, prm.k, prm.v = ptr(qp[b0:b1]), ptr(kp[b0:b1]), ptr(vp[b0:b1])
+            prm.out, prm.lse = ptr(o[b0:b1]), ptr(lse[b0:b1])
             launch(launcher, kernels["fwd"], (-(-Lq // BM), (b1 - b0) * H, ldv // fwd_dv_tile(D)), FWD_THREADS,
                    fwd_smem_bytes(element, D), [struct_arg(prm)], q.device)
     o = o if ldv == dv else o[..., :dv].contiguous()
@@ -249,13 +252,16 @@ def flash_bwd(launcher, do, q, k, v, o, lse, *, scale, causal, chunk_size, block
     DV = bwd_dv_tile(D)
     smem, threads = bwd_smem_bytes(FLASH_ELEMENTS[q.dtype], D), bwd_threads(D)
     per_row = attn_fn != "laplace"  # lse and delta (B, H, L) are read per row; Laplace reads neither
+    _params(B, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+            dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=None)  # the arguments' checks, also when empty
 
     def run(prm, rows, kernel, out, blocks, z=1):
         prm.out = ptr(out)  # the launch copies the struct: each kernel keeps its own output
         launch(launcher, kernels[kernel], (blocks, rows * H, z), threads, smem, [struct_arg(prm)], q.device)
 
+    bidx_all = _batch_index(batch_index, B, q.device)
     if B * H > 0:
-        for b0, b1, bidx in _slices(B, H, _batch_index(batch_index, B, q.device), q.device):
+        for b0, b1, bidx in _slices(B, H, bidx_all, q.device):
             prm = _params(b1 - b0, Lq, S, H, ldv, scale=scale, causal=causal, chunk_size=chunk_size,
                           block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, batch_index=bidx)
             prm.q, prm.k, prm.v, prm.dout = ptr(qp[b0:b1]), ptr(kp[b0:b1]), ptr(vp[b0:b1]), ptr(dop[b0:b1])
