@@ -19,7 +19,10 @@ accurate as one at 0 (the plain float64 product would be off by up to 2.4e-7 rad
 scale is measured from r, never from 0: zeta_0 = 2/7, so zeta**(t / 512) alone leaves float32 at
 t ~ 36k; zeta**((t - r) / b) stays within float range while |t - r| <= :func:`xpos_limit` (26770
 positions for b = 512 in float32/bfloat16), and the op refuses positions further than that
-from their reference (ValueError on the CPU, a device-side assert elsewhere).
+from their reference (ValueError on the CPU, a device-side assert elsewhere). Accuracy
+(tests/test_rotary.py): q.k at positions ending at 45k, 1e6, 1e9 or 2^31 - 1 equal the same
+vectors' scores at positions from 0 to 1.5e-7 relative to the largest score in float32 (6.5e-3 in
+bfloat16, its output rounding), on every backend; float64 tables are within 3e-14 at 2^31 - 1.
 """
 from __future__ import annotations
 
