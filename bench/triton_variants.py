@@ -31,6 +31,10 @@ from ..ops.timestep_norm import triton_impl as timestep_norm_impl
 from .aot import Variant
 
 DTYPES = ("fp16", "bf16", "fp32")
+#: the launch offsets of split grids (ops/_triton_common.grid_launches): 0 in every launch whose grid
+#: fits CUDA's y/z limit, which the JIT sees as divisible by 16
+GRID_OFFSETS = (("Y0", "i32"), ("Z0", "i32"))
+GRID_DIV16 = frozenset({"Y0", "Z0"})
 
 
 def nbytes(*tensors) -> int:
@@ -56,9 +60,9 @@ def _rotary_variants(space):
             op="rotary", kernel="_rotary_kernel", fn=rotary_impl._rotary_kernel,
             arg_types=(("x_ptr", f"*{dt}"), ("cos_ptr", "*fp32"), ("sin_ptr", "*fp32"), ("out_ptr", f"*{dt}"),
                        ("n_rows", "i32"), ("L", "i32"), ("n_pairs", "i32"), ("half_d", "i32"),
-                       ("tab_batch_stride", "i32"), ("sign", "fp32")),
+                       ("tab_batch_stride", "i32"), ("sign", "fp32"), *GRID_OFFSETS),
             constexprs=(("OUT_BF16", dt == "bf16"), ("BLOCK_ROWS", br), ("BLOCK_PAIRS", bp)),
-            div16=frozenset({"n_rows", "L", "n_pairs", "half_d", "tab_batch_stride"}),
+            div16=frozenset({"n_rows", "L", "n_pairs", "half_d", "tab_batch_stride"}) | GRID_DIV16,
             num_warps=nw, label=f"{dt} rows={br} pairs={bp} warps={nw}",
         ))
     return variants
@@ -99,10 +103,10 @@ def _dropkey_softmax_variants(space):
                     op="dropkey_softmax", kernel="_dropkey_softmax_fwd_kernel",
                     fn=dropkey_impl._dropkey_softmax_fwd_kernel,
                     arg_types=(("x_ptr", f"*{dt}"), ("y_ptr", f"*{dt}"), ("L", "i32"), ("S", "i32"),
-                               ("Hf", "i32"), ("shift", "i32"), ("seed_k", "i32"), ("thr_i", "i32")),
+                               ("Hf", "i32"), ("shift", "i32"), ("seed_k", "i32"), ("thr_i", "i32"), *GRID_OFFSETS),
                     constexprs=(("OUT_BF16", dt == "bf16"), ("CAUSAL", causal), ("DROP", drop), ("ONE_PASS", one),
                                 ("BLOCK_M", bm), ("BLOCK_S", bs)),
-                    div16=frozenset({"L", "S"}), num_warps=nw, label="fwd " + tag,
+                    div16=frozenset({"L", "S"}) | GRID_DIV16, num_warps=nw, label="fwd " + tag,
                 ))
                 if drop:  # the backward has no DropKey replay: one variant per CAUSAL
                     continue
@@ -111,10 +115,10 @@ def _dropkey_softmax_variants(space):
                     op="dropkey_softmax", kernel="_dropkey_softmax_bwd_kernel",
                     fn=dropkey_impl._dropkey_softmax_bwd_kernel,
                     arg_types=(("dy_ptr", f"*{dt}"), ("y_ptr", f"*{dt}"), ("dx_ptr", f"*{dt}"), ("L", "i32"),
-                               ("S", "i32"), ("shift", "i32")),
+                               ("S", "i32"), ("shift", "i32"), *GRID_OFFSETS),
                     constexprs=(("OUT_BF16", dt == "bf16"), ("CAUSAL", causal), ("ONE_PASS", one),
                                 ("BLOCK_M", bm), ("BLOCK_S", bs)),
-                    div16=frozenset({"L", "S"}), num_warps=nw, label="bwd " + tag,
+                    div16=frozenset({"L", "S"}) | GRID_DIV16, num_warps=nw, label="bwd " + tag,
                 ))
     return variants
 
@@ -170,7 +174,7 @@ def _timestep_norm_variants(space):
             c = (("PACKED", packed), ("OUT_BF16", dt == "bf16"), ("BLOCK_T", T), ("BLOCK_D", bd)) + \
                 (() if packed else (("cu_ptr", None),))
             cu = (("cu_ptr", "*i64"),) if packed else ()
-            div16 = frozenset({"D", "Dg"} if packed else {"L", "D", "Dg"})
+            div16 = frozenset({"D", "Dg"} if packed else {"L", "D", "Dg"}) | GRID_DIV16
             tag = f"{dt} T={T} D={bd} warps={nw}" + (" packed" if packed else "")
             variants.append(Variant(
                 op="timestep_norm", kernel="_timestep_norm_fwd_kernel",
@@ -179,7 +183,7 @@ def _timestep_norm_variants(space):
                            ("pad_ptr", "*u8"), ("pc_ptr", "*i64"), ("pm_ptr", "*fp32"), ("pv_ptr", "*fp32"),
                            ("mu_ptr", "*fp32"), ("rstd_ptr", "*fp32"), ("gmu_ptr", "*fp32"), ("k_ptr", "*fp32"),
                            ("mean_ptr", "*fp32"), ("var_ptr", "*fp32"), *cu,
-                           ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32"), ("eps", "fp32")),
+                           ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32"), ("eps", "fp32"), *GRID_OFFSETS),
                 constexprs=c, div16=div16, num_warps=nw, label="fwd " + tag,
             ))
             variants.append(Variant(
@@ -190,7 +194,7 @@ def _timestep_norm_variants(space):
                            ("rstd_ptr", "*fp32"), ("gmu_ptr", "*fp32"), ("mu0_ptr", "*fp32"), ("k_ptr", "*fp32"),
                            ("dmean_ptr", "*fp32"), ("dvar_ptr", "*fp32"), ("dscale_ptr", "*fp32"),
                            ("dbias_ptr", "*fp32"), ("dpm_ptr", "*fp32"), ("dpv_ptr", "*fp32"), *cu,
-                           ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32")),
+                           ("L", "i32"), ("D", "i32"), ("G", "i32"), ("Dg", "i32"), *GRID_OFFSETS),
                 constexprs=c, div16=div16, num_warps=nw, label="bwd " + tag,
             ))
     return variants
@@ -238,8 +242,8 @@ def _timestep_norm_bytes():
 def _cema_kernel_variants(space):
     """fp32 only: the coefficients are fp32 on the Triton path."""
     common = (("p_ptr", "*fp32"), ("lq_ptr", "*fp32"), ("f_ptr", "*i64"), ("g_ptr", "*fp32"),
-              ("hx_ptr", "*fp32"), ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"))
-    div16 = frozenset({"D", "N", "L"})
+              ("hx_ptr", "*fp32"), ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"), *GRID_OFFSETS)
+    div16 = frozenset({"D", "N", "L"}) | GRID_DIV16
     variants = []
     for bm, br, nw, aw, bn in product(space["block_m"], space["block_r"], space["num_warps"],
                                       space["analysis_warps"], cema_kernel_impl.N_TILES):
@@ -281,7 +285,7 @@ def _cema_kernel_bytes():
 # -------------------------------------------------------------------------------------- ema_hidden
 
 def _ema_hidden_variants(space):
-    div16 = frozenset({"D", "N", "L"})
+    div16 = frozenset({"D", "N", "L"}) | GRID_DIV16
     variants = []
     for bm, br, nw, aw, bn in product(space["block_m"], space["block_r"], space["num_warps"],
                                       space["analysis_warps"], cema_kernel_impl.N_TILES):
@@ -298,7 +302,8 @@ def _ema_hidden_variants(space):
         variants.append(Variant(
             op="ema_hidden", kernel="_ema_hidden_dx_kernel", fn=ema_hidden_impl._ema_hidden_dx_kernel,
             arg_types=(("dh_ptr", "*fp32"), ("p_ptr", "*fp32"), ("lq_ptr", "*fp32"), ("f_ptr", "*i64"),
-                       ("dx_ptr", "*fp32"), ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"), ("M", "i32")),
+                       ("dx_ptr", "*fp32"), ("D", "i32"), ("N", "i32"), ("L", "i32"), ("B", "i32"), ("M", "i32"),
+                       *GRID_OFFSETS),
             constexprs=(("BLOCK_M", bm), ("BLOCK_R", br), ("BLOCK_N", bn)),
             div16=div16, num_warps=nw, label=f"dx {size} warps={nw}"))
     return variants
@@ -481,7 +486,7 @@ ATTENTION_HEAD_DIMS = ((64, 64), (128, 128), (256, 256), (256, 2048))
 
 _ATTENTION_SCALARS = (("L", "i32"), ("S", "i32"), ("H", "i32"), ("DH", "i32"), ("DV", "i32"), ("shift", "i32"),
                       ("causal", "i32"), ("chunk", "i32"), ("bc", "i32"), ("seed_k", "i32"), ("thr_i", "i32"),
-                      ("scale", "fp32"))
+                      ("scale", "fp32"), *GRID_OFFSETS)
 
 
 def _attention_launches(dh, dv, BLOCK_M, BLOCK_N, exact=False):
@@ -531,9 +536,9 @@ def _attention_variants(space):
                     variants.append(Variant(
                         op="attention", kernel="_attn_bwd_delta_kernel", fn=impl._attn_bwd_delta_kernel,
                         arg_types=(("o_ptr", f"*{dt}"), ("do_ptr", f"*{dt}"), ("delta_ptr", "*fp32"), *cu,
-                                   ("L", "i32"), ("H", "i32"), ("DV", "i32")),
+                                   ("L", "i32"), ("H", "i32"), ("DV", "i32"), *GRID_OFFSETS),
                         constexprs=(("PACKED", packed), ("BLOCK_M", bm), ("BLOCK_DV", bdv)) + cu_none,
-                        div16=frozenset({*lengths[:1], "DV"}), num_warps=nw, num_stages=ns_b, maxnreg=mr,
+                        div16=frozenset({*lengths[:1], "DV"}) | GRID_DIV16, num_warps=nw, num_stages=ns_b, maxnreg=mr,
                         label=f"bwd delta {dt} m={bm} dv={bdv} warps={nw} maxnreg={mr}{suffix}"))
                 for (name, fn, ptrs, extra, tiles), drop, lap in product(launches, (False, True), (False, True)):
                     consts = (("OUT_BF16", dt == "bf16"), ("DROP", drop), ("LAPLACE", lap), ("PREC", prec)) + extra \
@@ -550,7 +555,7 @@ def _attention_variants(space):
                     variants.append(Variant(
                         op="attention", kernel=name, fn=fn, arg_types=types + _ATTENTION_SCALARS,
                         constexprs=consts + (("PACKED", packed),) + cu_none,
-                        div16=frozenset({*lengths, "DH", "DV"}), num_warps=nw, num_stages=ns, maxnreg=cap,
+                        div16=frozenset({*lengths, "DH", "DV"}) | GRID_DIV16, num_warps=nw, num_stages=ns, maxnreg=cap,
                         label=f"{name} {dt} (dh={dh} dv={dv}) {tag} warps={nw} stages={ns}"
                               + ("" if fwd else f" maxnreg={cap}") + suffix))
     return variants

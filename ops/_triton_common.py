@@ -49,6 +49,21 @@ def device_reasons(*tensors: torch.Tensor) -> list[str]:
             "(the interpreter; slow, for testing)"]
 
 
+#: CUDA's limit on a launch grid's y and z extents (every architecture; x goes to 2**31 - 1). Tests
+#: lower it to run the split launches of :func:`grid_launches` on small tensors.
+GRID_YZ_LIMIT = 65535
+
+
+def grid_launches(nx: int, ny: int, nz: int = 1) -> list[tuple[tuple[int, int, int], int, int]]:
+    """The launches that cover a logical (nx, ny, nz) grid: [(grid, y0, z0)], each grid's y and z
+    at most :data:`GRID_YZ_LIMIT`; the kernel adds ``y0`` / ``z0`` to ``tl.program_id(1)`` / ``(2)``.
+    One launch unless y or z is above the limit (e.g. attention's rows * heads of a packed row
+    of 100k documents, or dropkey_softmax's B * H); none when the grid is empty."""
+    lim = GRID_YZ_LIMIT
+    return [((nx, min(lim, ny - y0), min(lim, nz - z0)), y0, z0)
+            for y0 in range(0, ny, lim) for z0 in range(0, nz, lim) if nx > 0]
+
+
 def dtype_reasons(name: str, t: torch.Tensor, allowed=SUPPORTED_DTYPES) -> list[str]:
     if t.dtype not in allowed:
         names = ", ".join(str(d).replace("torch.", "") for d in allowed)

@@ -45,7 +45,7 @@ import math
 import torch
 
 from ...autotune import registry as autotune
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 from ..dropkey_rule import seed_key, threshold
 
 #: Every config this backend may launch with, declared with the op's autotune registration in
@@ -188,12 +188,14 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_fwd_kernel(
         q_ptr, k_ptr, v_ptr, o_ptr, lse_ptr, bidx_ptr, cu_ptr,
-        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
+        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale, Y0, Z0,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
         PACKED: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
-        pid_m, bh, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        # Y0, Z0: the first (row, head) plane and dv tile of this launch (grid_launches splits
+        # grids above CUDA's y/z limit of 65535 into several launches)
+        pid_m, bh, pid_d = tl.program_id(0), Y0 + tl.program_id(1), Z0 + tl.program_id(2)
         b, h = bh // H, bh % H
         row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
         i0 = pid_m * BLOCK_M
@@ -251,10 +253,10 @@ if HAVE_TRITON:
         store_rounded(p_o, b_acc, m_i[:, None] & m_dv[None, :], OUT_BF16)
 
     @triton.jit
-    def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_ptr, L, H, DV, PACKED: tl.constexpr,
+    def _attn_bwd_delta_kernel(o_ptr, do_ptr, delta_ptr, cu_ptr, L, H, DV, Y0, PACKED: tl.constexpr,
                                BLOCK_M: tl.constexpr, BLOCK_DV: tl.constexpr):
         """delta[b, h, i] = sum_d dO * O (fp32), the softmax backward's row term."""
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        pid_m, bh = tl.program_id(0), Y0 + tl.program_id(1)
         b, h = bh // H, bh % H
         row_q, Lq, _, _ = _rows(cu_ptr, b, L, L, PACKED)
         if PACKED:
@@ -276,14 +278,14 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_bwd_dkdv_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dk_ptr, dv_ptr, bidx_ptr, cu_ptr,
-        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
+        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale, Y0, Z0,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
         PACKED: tl.constexpr, COMPUTE_DK: tl.constexpr, COMPUTE_DV: tl.constexpr, ONE_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         """One program: BLOCK_N keys of one (b, h) [and one dv tile]; scores held transposed
         ([BN, BM]) so dV = P^T dO and dK = dS^T q are plain dots."""
-        pid_n, bh, pid_d = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+        pid_n, bh, pid_d = tl.program_id(0), Y0 + tl.program_id(1), Z0 + tl.program_id(2)
         b, h = bh // H, bh % H
         row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
         j0 = pid_n * BLOCK_N
@@ -362,13 +364,13 @@ if HAVE_TRITON:
     @triton.jit
     def _attn_bwd_dq_kernel(
         q_ptr, k_ptr, v_ptr, do_ptr, lse_ptr, delta_ptr, dq_ptr, bidx_ptr, cu_ptr,
-        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale,
+        L, S, H, DH, DV, shift, causal, chunk, bc, seed_k, thr_i, scale, Y0,
         OUT_BF16: tl.constexpr, DROP: tl.constexpr, LAPLACE: tl.constexpr, PREC: tl.constexpr,
         PACKED: tl.constexpr, ONE_DV: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_DH: tl.constexpr, BLOCK_DV: tl.constexpr,
     ):
         """One program: BLOCK_M queries of one (b, h); dQ = scale dS K over their visible key blocks."""
-        pid_m, bh = tl.program_id(0), tl.program_id(1)
+        pid_m, bh = tl.program_id(0), Y0 + tl.program_id(1)
         b, h = bh // H, bh % H
         row_q, Lq, row_k, Sk = _rows(cu_ptr, b, L, S, PACKED)
         i0 = pid_m * BLOCK_M
@@ -542,14 +544,14 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact=_exact(q.dtype))
     (bm, bn), bdh, bdv = t["fwd"], t["BLOCK_DH"], t["BLOCK_DV"]
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
-    grid = (triton.cdiv(span, bm), rows * H, max(1, triton.cdiv(dv, bdv)))
-    _attn_fwd_kernel[grid](
-        q, k, v, o, lse if lse is not None else o, _rule_batch_index(batch_index, rows, q.device),
-        cu_seqlens, L, S, H, dh, dv, *args,
-        OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=attn_fn == "laplace", PREC=_prec(q.dtype),
-        PACKED=cu_seqlens is not None,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages,
-    )
+    bidx = _rule_batch_index(batch_index, rows, q.device)
+    for grid, y0, z0 in grid_launches(triton.cdiv(span, bm), rows * H, max(1, triton.cdiv(dv, bdv))):
+        _attn_fwd_kernel[grid](
+            q, k, v, o, lse if lse is not None else o, bidx, cu_seqlens, L, S, H, dh, dv, *args, y0, z0,
+            OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=attn_fn == "laplace", PREC=_prec(q.dtype),
+            PACKED=cu_seqlens is not None,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages,
+        )
     return o, lse
 
 
@@ -577,9 +579,11 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     delta = None
     if not laplace and span_q > 0:
         delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
-        _attn_bwd_delta_kernel[(triton.cdiv(span_q, bm_q), rows * H)](
-            o.contiguous(), do, delta, cu_seqlens, L, H, dv, PACKED=cu_seqlens is not None, BLOCK_M=bm_q,
-            BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
+        oc = o.contiguous()
+        for grid, y0, _ in grid_launches(triton.cdiv(span_q, bm_q), rows * H):
+            _attn_bwd_delta_kernel[grid[:2]](
+                oc, do, delta, cu_seqlens, L, H, dv, y0, PACKED=cu_seqlens is not None, BLOCK_M=bm_q,
+                BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
     # Softmax needs lse/delta pointers; Laplace passes q as a never-read placeholder.
     lse_p = lse if lse is not None else q
     delta_p = delta if delta is not None else q
@@ -588,17 +592,15 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     if span_k > 0:
         nb = triton.cdiv(span_k, bn_k)
         kv = dict(BLOCK_M=bm_k, BLOCK_N=bn_k, **flags)
-        if one:  # dk and dv together, one dv tile
-            _attn_bwd_dkdv_kernel[(nb, rows * H, 1)](*ptrs, dk, dvv, bidx, cu_seqlens, L, S, H, dh, dv, *args,
-                                                     COMPUTE_DK=True, COMPUTE_DV=True, ONE_DV=True, **kv)
-        else:  # dk with dP summed over dv tiles in-kernel, then dv: one program per (key block, dv tile)
-            _attn_bwd_dkdv_kernel[(nb, rows * H, 1)](*ptrs, dk, dvv, bidx, cu_seqlens, L, S, H, dh, dv, *args,
-                                                     COMPUTE_DK=True, COMPUTE_DV=False, ONE_DV=False, **kv)
-            _attn_bwd_dkdv_kernel[(nb, rows * H, triton.cdiv(dv, bdv))](
-                *ptrs, dk, dvv, bidx, cu_seqlens, L, S, H, dh, dv, *args, COMPUTE_DK=False, COMPUTE_DV=True,
-                ONE_DV=False, **kv)
+        # one dv tile: dk and dv together; else dk with dP summed over dv tiles in-kernel, then dv
+        # with one program per (key block, dv tile)
+        passes = [(True, True, 1)] if one else [(True, False, 1), (False, True, triton.cdiv(dv, bdv))]
+        for compute_dk, compute_dv, tiles in passes:
+            for grid, y0, z0 in grid_launches(nb, rows * H, tiles):
+                _attn_bwd_dkdv_kernel[grid](*ptrs, dk, dvv, bidx, cu_seqlens, L, S, H, dh, dv, *args, y0, z0,
+                                            COMPUTE_DK=compute_dk, COMPUTE_DV=compute_dv, ONE_DV=one, **kv)
     if span_q > 0:
-        _attn_bwd_dq_kernel[(triton.cdiv(span_q, bm_q), rows * H)](*ptrs, dq, bidx, cu_seqlens, L, S, H, dh, dv,
-                                                                   *args, ONE_DV=one, BLOCK_M=bm_q, BLOCK_N=bn_q,
-                                                                   **flags)
+        for grid, y0, _ in grid_launches(triton.cdiv(span_q, bm_q), rows * H):
+            _attn_bwd_dq_kernel[grid[:2]](*ptrs, dq, bidx, cu_seqlens, L, S, H, dh, dv, *args, y0, ONE_DV=one,
+                                          BLOCK_M=bm_q, BLOCK_N=bn_q, **flags)
     return dq, dk, dvv

@@ -46,7 +46,7 @@ import torch
 
 from ...autotune import registry as autotune
 from .._complex import interleaved
-from .._triton_common import HAVE_TRITON, device_reasons, tl, triton
+from .._triton_common import HAVE_TRITON, device_reasons, grid_launches, tl, triton
 
 #: every config this backend may launch with, declared with the op's autotune registration in
 #: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
@@ -140,11 +140,11 @@ if HAVE_TRITON:
     @triton.jit
     def _cema_fwd_kernel(
         p_ptr, lq_ptr, f_ptr, g_ptr, hx_ptr, k_ptr, b_ptr,
-        D, N, L, B,
+        D, N, L, B, Y0,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         d = tl.program_id(0)
-        o_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_m = (Y0 + tl.program_id(1)) * BLOCK_M + tl.arange(0, BLOCK_M)  # Y0: see grid_launches
         o_r = tl.arange(0, BLOCK_R)
         o_n, m_n, o_c, b_a, b_f, b_p = load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N)
         b_gr = tl.load(g_ptr + 2 * o_c, mask=m_n, other=0.0)
@@ -266,9 +266,9 @@ def cema_kernel_fwd(p, log_q, gamma, length, hx, *, block_m=32, block_r=32, num_
     hxr = interleaved(hx) if hx is not None else g
     b = torch.empty(B, D, L, dtype=p.dtype, device=p.device) if hx is not None else k
     M = triton.cdiv(L, block_r)
-    grid = (D, triton.cdiv(M, block_m))
-    _cema_fwd_kernel[grid](p, lq, f, g, hxr, k, b, D, N, L, B,
-                           BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n(N), num_warps=num_warps)
+    for grid, y0, _ in grid_launches(D, triton.cdiv(M, block_m)):
+        _cema_fwd_kernel[grid[:2]](p, lq, f, g, hxr, k, b, D, N, L, B, y0,
+                                   BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n(N), num_warps=num_warps)
     return k, (b if hx is not None else None)
 
 

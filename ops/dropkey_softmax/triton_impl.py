@@ -22,7 +22,7 @@ import math
 import torch
 
 from ...autotune import registry as autotune
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 from ..dropkey_rule import seed_key, threshold
 
 #: every config this backend may launch with, declared with the op's autotune registration in
@@ -50,10 +50,11 @@ if HAVE_TRITON:
         return u >= thr
 
     @triton.jit
-    def _row_block(L, S, shift, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
+    def _row_block(L, S, shift, Y0, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr):
         """This program's query rows: (row indices [BM], row mask, row start offsets, and the end
-        of the key range any of them can see - keys past it are never read, written as 0)."""
-        bh = tl.program_id(1)
+        of the key range any of them can see - keys past it are never read, written as 0). Its
+        plane is Y0 + program_id(1): grid_launches splits more than 65535 planes into launches."""
+        bh = Y0 + tl.program_id(1)
         o_i = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query rows
         m_i = o_i < L
         p_row = bh.to(tl.int64) * L * S + o_i.to(tl.int64) * S  # [BM] row starts
@@ -74,14 +75,14 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dropkey_softmax_fwd_kernel(
-        x_ptr, y_ptr, L, S, Hf, shift, seed_k, thr_i,
+        x_ptr, y_ptr, L, S, Hf, shift, seed_k, thr_i, Y0,
         OUT_BF16: tl.constexpr, CAUSAL: tl.constexpr, DROP: tl.constexpr, ONE_PASS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
-        o_i, m_i, p_row, hi = _row_block(L, S, shift, CAUSAL, BLOCK_M)
+        o_i, m_i, p_row, hi = _row_block(L, S, shift, Y0, CAUSAL, BLOCK_M)
         thr = thr_i.to(tl.uint32, bitcast=True)
         if DROP:
-            row_key = dropkey_row_keys(seed_k, tl.program_id(1), Hf, o_i)
+            row_key = dropkey_row_keys(seed_k, Y0 + tl.program_id(1), Hf, o_i)
         if ONE_PASS:
             o_j = tl.arange(0, BLOCK_S)
             m_st, allowed = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
@@ -127,11 +128,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _dropkey_softmax_bwd_kernel(
-        dy_ptr, y_ptr, dx_ptr, L, S, shift,
+        dy_ptr, y_ptr, dx_ptr, L, S, shift, Y0,
         OUT_BF16: tl.constexpr, CAUSAL: tl.constexpr, ONE_PASS: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_S: tl.constexpr,
     ):
-        o_i, m_i, p_row, hi = _row_block(L, S, shift, CAUSAL, BLOCK_M)
+        o_i, m_i, p_row, hi = _row_block(L, S, shift, Y0, CAUSAL, BLOCK_M)
         if ONE_PASS:
             o_j = tl.arange(0, BLOCK_S)
             m_st, vis = _visible(o_i, m_i, o_j, S, shift, CAUSAL)
@@ -186,12 +187,12 @@ def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_elems=4096, nu
         return y
     bm, bs, one = _tiling(S, block_elems)
     thr = threshold(dropkey_p)
-    grid = (triton.cdiv(L, bm), BH)
-    _dropkey_softmax_fwd_kernel[grid](
-        x, y, L, S, Hf, S - L, _i32(seed_key(seed)), _i32(thr),
-        OUT_BF16=x.dtype == torch.bfloat16, CAUSAL=bool(causal), DROP=thr > 0, ONE_PASS=one,
-        BLOCK_M=bm, BLOCK_S=bs, num_warps=num_warps,
-    )
+    for grid, y0, _ in grid_launches(triton.cdiv(L, bm), BH):
+        _dropkey_softmax_fwd_kernel[grid[:2]](
+            x, y, L, S, Hf, S - L, _i32(seed_key(seed)), _i32(thr), y0,
+            OUT_BF16=x.dtype == torch.bfloat16, CAUSAL=bool(causal), DROP=thr > 0, ONE_PASS=one,
+            BLOCK_M=bm, BLOCK_S=bs, num_warps=num_warps,
+        )
     return y
 
 
@@ -203,10 +204,10 @@ def dropkey_softmax_bwd(dy, y, *, causal, dropkey_p, seed, block_elems=4096, num
     if dx.numel() == 0:
         return dx
     bm, bs, one = _tiling(S, block_elems)
-    grid = (triton.cdiv(L, bm), BH)
-    _dropkey_softmax_bwd_kernel[grid](
-        dy, y, dx, L, S, S - L,
-        OUT_BF16=y.dtype == torch.bfloat16, CAUSAL=bool(causal), ONE_PASS=one,
-        BLOCK_M=bm, BLOCK_S=bs, num_warps=num_warps,
-    )
+    for grid, y0, _ in grid_launches(triton.cdiv(L, bm), BH):
+        _dropkey_softmax_bwd_kernel[grid[:2]](
+            dy, y, dx, L, S, S - L, y0,
+            OUT_BF16=y.dtype == torch.bfloat16, CAUSAL=bool(causal), ONE_PASS=one,
+            BLOCK_M=bm, BLOCK_S=bs, num_warps=num_warps,
+        )
     return dx

@@ -28,7 +28,7 @@ import torch
 
 from ...autotune import registry as autotune
 from .._complex import interleaved
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, triton
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, tl, triton
 from ..cema_kernel.triton_impl import MAX_LENGTH, MAX_N, block_n, phase_fraction
 from .torch_impl import coefficient_grads
 
@@ -109,11 +109,11 @@ if HAVE_TRITON:
     @triton.jit
     def _ema_hidden_dx_kernel(
         dh_ptr, p_ptr, lq_ptr, f_ptr, dx_ptr,
-        D, N, L, B, M,
+        D, N, L, B, M, Y0,
         BLOCK_M: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_N: tl.constexpr,
     ):
         d = tl.program_id(0)
-        o_m = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
+        o_m = (Y0 + tl.program_id(1)) * BLOCK_M + tl.arange(0, BLOCK_M)  # Y0: see grid_launches
         o_r = tl.arange(0, BLOCK_R)
         o_n, m_n, o_c, b_a, b_f, b_p = load_coefficients(lq_ptr, f_ptr, p_ptr, d, N, BLOCK_N)
         pad = M * BLOCK_R - L
@@ -163,9 +163,9 @@ def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True
     if need_x:
         dx = torch.empty(B, D, L, dtype=p.dtype, device=p.device)
         M = triton.cdiv(L, block_r)
-        _ema_hidden_dx_kernel[(D, triton.cdiv(M, block_m))](
-            interleaved(dh), p.contiguous(), interleaved(log_q), phase_fraction(log_q), dx, D, N, L, B, M,
-            BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n(N), num_warps=num_warps,
-        )
+        args = (interleaved(dh), p.contiguous(), interleaved(log_q), phase_fraction(log_q), dx, D, N, L, B, M)
+        for grid, y0, _ in grid_launches(D, triton.cdiv(M, block_m)):
+            _ema_hidden_dx_kernel[grid[:2]](*args, y0, BLOCK_M=block_m, BLOCK_R=block_r, BLOCK_N=block_n(N),
+                                            num_warps=num_warps)
     # the O(B D N) coefficient gradients are small products of the saved sums: shared with torch
     return (dx, *coefficient_grads(dh, p, log_q, hx, V, W, L, need_p, need_lq))

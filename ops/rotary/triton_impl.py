@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from ...autotune import registry as autotune
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 
 #: every config this backend may launch with, declared with the op's autotune registration in
 #: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
@@ -27,12 +27,12 @@ if HAVE_TRITON:
     @triton.jit
     def _rotary_kernel(
         x_ptr, cos_ptr, sin_ptr, out_ptr,
-        n_rows, L, n_pairs, half_d, tab_batch_stride, sign,
+        n_rows, L, n_pairs, half_d, tab_batch_stride, sign, Y0,
         OUT_BF16: tl.constexpr,
         BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
     ):
         o_r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row = b * L + l
-        o_p = tl.program_id(1) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)  # pair = h * d/2 + j
+        o_p = (Y0 + tl.program_id(1)) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)  # pair = h * d/2 + j (Y0: grid_launches)
         m = (o_r[:, None] < n_rows) & (o_p[None, :] < n_pairs)
         # [BR, BP] offsets of the pair's first feature in x (contiguous (B, L, H, d))
         p_x = x_ptr + o_r[:, None].to(tl.int64) * (2 * n_pairs) + 2 * o_p[None, :]
@@ -56,12 +56,12 @@ def _launch(x, cos, sin, sign, block_rows, block_pairs, num_warps):
     out = torch.empty_like(x)
     n_rows, n_pairs = B * L, H * d // 2
     tab_batch_stride = 0 if cos.shape[0] == 1 else L * (d // 2)
-    grid = (triton.cdiv(n_rows, block_rows), triton.cdiv(n_pairs, block_pairs))
-    _rotary_kernel[grid](
-        x, cos, sin, out, n_rows, L, n_pairs, d // 2, tab_batch_stride, sign,
-        OUT_BF16=x.dtype == torch.bfloat16,
-        BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs, num_warps=num_warps,
-    )
+    for grid, y0, _ in grid_launches(triton.cdiv(n_rows, block_rows), triton.cdiv(n_pairs, block_pairs)):
+        _rotary_kernel[grid[:2]](
+            x, cos, sin, out, n_rows, L, n_pairs, d // 2, tab_batch_stride, sign, y0,
+            OUT_BF16=x.dtype == torch.bfloat16,
+            BLOCK_ROWS=block_rows, BLOCK_PAIRS=block_pairs, num_warps=num_warps,
+        )
     return out
 
 

@@ -42,7 +42,7 @@ from __future__ import annotations
 import torch
 
 from ...autotune import registry as autotune
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, store_rounded, tl, triton
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 
 #: every config this backend may launch with, declared with the op's autotune registration in
 #: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
@@ -137,11 +137,11 @@ if HAVE_TRITON:
     def _timestep_norm_fwd_kernel(
         x_ptr, y_ptr, scale_ptr, bias_ptr, pad_ptr, pc_ptr, pm_ptr, pv_ptr,
         mu_ptr, rstd_ptr, gmu_ptr, k_ptr, mean_ptr, var_ptr, cu_ptr,
-        L, D, G, Dg, eps,
+        L, D, G, Dg, eps, Y0,
         PACKED: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         b = tl.program_id(0)  # batch row, or document when PACKED
-        g = tl.program_id(1)
+        g = Y0 + tl.program_id(1)  # group (Y0: grid_launches splits more than 65535 groups)
         start, steps = _row_span(cu_ptr, b, L, PACKED)
         o_f = tl.arange(0, BLOCK_D)
         m_f = o_f < Dg
@@ -190,11 +190,11 @@ if HAVE_TRITON:
     def _timestep_norm_bwd_kernel(
         x_ptr, dy_ptr, dx_ptr, scale_ptr, pad_ptr, pc_ptr, nend_ptr, mu_ptr, rstd_ptr, gmu_ptr, mu0_ptr, k_ptr,
         dmean_ptr, dvar_ptr, dscale_ptr, dbias_ptr, dpm_ptr, dpv_ptr, cu_ptr,
-        L, D, G, Dg,
+        L, D, G, Dg, Y0,
         PACKED: tl.constexpr, OUT_BF16: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
     ):
         b = tl.program_id(0)  # batch row, or document when PACKED
-        g = tl.program_id(1)
+        g = Y0 + tl.program_id(1)  # group (Y0: grid_launches splits more than 65535 groups)
         start, steps = _row_span(cu_ptr, b, L, PACKED)
         o_f = tl.arange(0, BLOCK_D)
         m_f = o_f < Dg
@@ -299,10 +299,10 @@ def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_m
     pc = prev_count.to(torch.int64).contiguous()
     pad = padding_mask.contiguous().view(torch.uint8)
     T, BD = _tiling(Dg, block_elems)
-    if n * G:
-        _timestep_norm_fwd_kernel[(n, G)](
-            x, y, scale.to(f32).contiguous(), bias.to(f32).contiguous(), pad, pc, pm, pv,
-            mu, rstd, gmu, K, mean, var, cu_seqlens, L, D, G, Dg, float(eps),
+    sc, bi = scale.to(f32).contiguous(), bias.to(f32).contiguous()
+    for grid, y0, _ in grid_launches(n, G):
+        _timestep_norm_fwd_kernel[grid[:2]](
+            x, y, sc, bi, pad, pc, pm, pv, mu, rstd, gmu, K, mean, var, cu_seqlens, L, D, G, Dg, float(eps), y0,
             PACKED=cu_seqlens is not None, OUT_BF16=x.dtype == torch.bfloat16, BLOCK_T=T, BLOCK_D=BD,
             num_warps=num_warps,
         )
@@ -332,11 +332,11 @@ def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, cu_seqlens=None, block
     dmean = torch.zeros(n, G, dtype=f32, device=dev) if dmean is None else dmean.to(f32).contiguous()
     dvar = torch.zeros(n, G, dtype=f32, device=dev) if dvar is None else dvar.to(f32).contiguous()
     T, BD = _tiling(Dg, block_elems)
-    if n * G:
-        _timestep_norm_bwd_kernel[(n, G)](
-            x, dy, dx, scale.to(f32).contiguous(), padding_mask.contiguous().view(torch.uint8), pc, n_end,
-            mu, rstd, gmu, mu0.contiguous(), K, dmean, dvar, dscale_p, dbias_p, dpm, dpv, cu_seqlens,
-            L, D, G, Dg,
+    sc, pad, mu0 = scale.to(f32).contiguous(), padding_mask.contiguous().view(torch.uint8), mu0.contiguous()
+    for grid, y0, _ in grid_launches(n, G):
+        _timestep_norm_bwd_kernel[grid[:2]](
+            x, dy, dx, sc, pad, pc, n_end, mu, rstd, gmu, mu0, K, dmean, dvar, dscale_p, dbias_p, dpm, dpv,
+            cu_seqlens, L, D, G, Dg, y0,
             PACKED=cu_seqlens is not None, OUT_BF16=x.dtype == torch.bfloat16, BLOCK_T=T, BLOCK_D=BD,
             num_warps=num_warps,
         )
