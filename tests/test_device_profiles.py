@@ -442,3 +442,46 @@ def test_kernels_by_arch_leave_out_only_flash_below_sm80():
     every = all_kernels()
     assert all_kernels(80) == all_kernels(120) == every
     assert set(every) - set(all_kernels(75)) == {k for ks in attention_cuda.FLASH.values() for k in ks.values()}
+
+
+@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
+    "ops/attention/__init__.py _select does not pass attn_fn to the backends' not_supported_reasons, so "
+    "auto picks the CUDA backend for attn_fn='laplace' where only its flash path could run it (sm_75, "
+    "fp32 on a GPU, head dim 256 with 99 KiB of shared memory) and the call raises instead of falling "
+    "back; the fix adds 'attn_fn': attn_fn to the select inputs"))
+def test_laplace_under_auto_falls_back_where_flash_cannot_run(use_emulated_cuda):
+    from megalodon_kernels import ops
+
+    g = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 8, 1, 16, generator=g).to(BF16) for _ in range(3))
+    with device.faked("T4"):
+        o = ops.attention(q, k, v, attn_fn="laplace")
+    ref = ops.attention(q, k, v, attn_fn="laplace", backend="torch")
+    torch.testing.assert_close(o.float(), ref.float(), atol=2e-2, rtol=2e-2)
+
+
+def test_fftconv_dispatch_follows_the_device(use_emulated_cuda):
+    # through the op's dispatcher: on an A10 the CUDA backend runs L = 16384 by the multi-pass FFT
+    # (one block would need 128 KiB) and equals the torch backend; above its longest length auto
+    # goes elsewhere and backend="cuda" says why, naming the GPU
+    import importlib
+
+    from megalodon_kernels import ops
+    from megalodon_kernels.ops._dispatch import NoBackendError
+
+    backends = importlib.import_module("megalodon_kernels.ops.fftconv").BACKENDS
+    g = torch.Generator().manual_seed(3)
+    x, k = torch.randn(1, 1, 16384, generator=g), torch.randn(1, 16384, generator=g) / 100
+    with device.faked("A10"):
+        assert backends.select("auto", {"x": x, "k": k}, device=x.device, dtype=x.dtype).name == "cuda"
+        assert fftconv_cuda.config(device.emulated_caps(), 16384, F32).path == "multi_pass"
+        y = ops.fftconv(x, k)
+        huge = torch.zeros(1).expand(1, 1, 2**25 + 1)  # no memory behind it
+        kh = torch.zeros(1).expand(1, 2**25 + 1)
+        assert backends.select("auto", {"x": huge, "k": kh}, device=huge.device, dtype=huge.dtype).name != "cuda"
+        with pytest.raises(NoBackendError, match="L <= 33554432 = 2\\^25 on NVIDIA A10"):
+            backends.select("cuda", {"x": huge, "k": kh}, device=huge.device, dtype=huge.dtype)
+    with device.faked("A100"):
+        assert backends.select("auto", {"x": huge, "k": kh}, device=huge.device, dtype=huge.dtype).name == "cuda"
+    ref = ops.fftconv(x, k, backend="torch")
+    assert (y - ref).abs().max() <= 1e-6 * ref.abs().max()
