@@ -85,8 +85,8 @@ def measured_dict(logs: list[str]) -> str:
             worst[key] = max(worst[key], rec["rel"])
     short = {"float32": "F32", "float64": "F64", "bfloat16": "BF16", "float16": "F16"}
     rows = sorted({k[:3] for k in worst})
-    return "\n".join(f'    ("{op}", "{b}", {short[d]}): ({worst.get((op, b, d, "fwd"), 0.0):.1e}, '
-                     f'{worst.get((op, b, d, "bwd"), 0.0):.1e}),' for op, b, d in rows)
+    return "\n".join(f'    ("{op}", "{b}", {short[d]}): ({worst.get((op, b, d, "fwd"), 0.0):.2e}, '
+                     f'{worst.get((op, b, d, "bwd"), 0.0):.2e}),' for op, b, d in rows if d in ("float32", "float64"))
 
 
 def doc_table(logs: list[str]) -> str:

@@ -200,12 +200,17 @@ def test_laplace_tail_keeps_relative_accuracy(dtype, backend):
     expected = ref.attention(to_np(qd), to_np(kd), to_np(vd), causal=False, attn_fn="laplace")
     print(f"reference output range [{expected.min():.2e}, {expected.max():.2e}]")
     assert expected.max() < 1e-6
-    assert_close("o", o, expected, tol(backend, dtype, "fwd"))
+    # fp32: the tail value (1 + erf(z)) / 2 at z ~ -5 moves by ~2 z^2 = 50 ulp per ulp of the rounded
+    # score, so its relative error is ~5x the op's elsewhere: its own budget, 3x-4x the measured
+    # (torch 2.1e-6 / 1.7e-6, Triton 3.5e-6 / 2.6e-6 forward / gradients)
+    tail_f32 = {"torch": {"fwd": 8e-6, "bwd": 6e-6}, "triton": {"fwd": 1.2e-5, "bwd": 8e-6}}[backend]
+    budget = (lambda kind: tail_f32[kind]) if dtype == F32 else (lambda kind: tol(backend, dtype, kind))
+    assert_close("o", o, expected, budget("fwd"))
     do = torch.ones_like(o)
     grads = torch.autograd.grad(o, (qd, kd, vd), do)
     expected = ref.attention_bwd(to_np(do), to_np(qd), to_np(kd), to_np(vd), causal=False, attn_fn="laplace")
     for name, g, e in zip(("dq", "dk", "dv"), grads, expected):
-        assert_close(name, g, e, tol(backend, dtype, "bwd"))
+        assert_close(name, g, e, budget("bwd"))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])
