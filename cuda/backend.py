@@ -10,18 +10,18 @@ getter and a device type; tests build the same classes over the CPU emulator
 Device limits: a backend plans its launches for :meth:`_Backend.caps` of the inputs' device (the
 GPU's compute capability, opt-in shared memory per block and grid limits from cuda/device.py; the
 emulator's profile, an A100 unless faked, for CPU tensors) and says in ``not_supported_reasons``
-what does not fit, so ``auto`` falls back; :meth:`_Backend._fit_reasons` words the common checks.
-The launchers check every launch against the same limits again (cuda/launch.py ``check_fits``),
-so a plan that missed one fails with its reason instead of trapping on the GPU.
+what does not fit, so ``auto`` falls back (the per-op plans: fftconv's ``config``, attention's
+``flash_device_reasons``; a GPU NVRTC cannot target: :meth:`_Backend._arch_reasons`). The
+launchers check every launch against the same limits again (cuda/launch.py ``check_fits``), so a
+plan that missed one fails with its reason instead of trapping on the GPU.
 
-Imports only cuda/device.py and cuda/launch.py from the rest of the package.
+Imports only cuda/device.py (and, for CUDA tensors, cuda/runtime.py) from the rest of the package.
 """
 from __future__ import annotations
 
 import torch
 
 from . import device as _device
-from .launch import fit_reason
 
 #: element types of the kernels (fp32 accumulation) ...
 DTYPES = (torch.float32, torch.bfloat16)
@@ -61,16 +61,6 @@ class _Backend:
     def caps(t) -> "_device.DeviceCaps":
         """The capabilities of the device of ``t`` (a tensor or device) the launches plan for."""
         return _device.launch_caps(t.device if isinstance(t, torch.Tensor) else t)
-
-    @staticmethod
-    def _fit_reasons(caps, launches) -> list[str]:
-        """Why planned launches do not fit the device: ``launches`` of (kernel, grid, block, smem)."""
-        out = []
-        for kernel, grid, block, smem in launches:
-            reason = fit_reason(caps, kernel, grid, block, smem)
-            if reason is not None and reason not in out:
-                out.append(reason)
-        return out
 
     @staticmethod
     def _arch_reasons(tensors) -> list[str]:
