@@ -4,12 +4,15 @@
         Tune every registered op (or the given ones) on the shape set, here, and merge the entries
         into this device's table (default: the user cache dir). GPU sets refuse to run without a
         GPU: a table is only valid for the device it was measured on.
-    show [--table FILE]     print the tables this machine uses (or one file) and why others are not used
-    verify [--table FILE]   re-check every winner against the reference on this machine
+    show [--table FILE]     print the tables this machine uses (or one file) and why others are not used;
+                            entries not measured over today's candidates are marked STALE
+    verify [--table FILE]   re-check every winner against the reference on this machine; a stale
+                            entry is a problem too (``auto`` does not use it), exit status 1
     clear [--dir DIR]       delete the tables in the user cache dir (shipped tables are never touched)
 
-Tuning layer: ``regenerate`` and ``verify`` import the ops and ``autotune.tuning``, inside the
-commands, so that ``show`` and ``clear`` stay as light as the runtime.
+Tuning layer: ``regenerate`` and ``verify`` import ``autotune.tuning``, inside the commands, so
+that ``show`` and ``clear`` stay light. ``show`` and ``verify`` import the ops: whether an entry
+is stale depends on the candidates the ops register today.
 """
 from __future__ import annotations
 
@@ -103,11 +106,31 @@ def _fmt_ms(seconds) -> str:
     return "-" if seconds is None else f"{seconds * 1e3:.3f} ms"
 
 
+def _stale_entries(table: dict) -> dict[str, str]:
+    """Entry id -> why it is stale, for the entries of ``table`` not measured over today's candidates."""
+    device_type = str(table["device"].get("type"))
+    found = ((eid, cache.staleness(entry, device_type)) for eid, entry in table["entries"].items())
+    return {eid: why for eid, why in found if why is not None}
+
+
+def _stale_summary(table: dict, stale: dict) -> None:
+    if not stale:
+        return
+    ops = sorted({table["entries"][eid]["op"] for eid in stale})
+    hint = cache.regenerate_hint(" ".join(ops), str(table["device"].get("type")))
+    _say(f"  {len(stale)} of {len(table['entries'])} entries are STALE (not measured over today's candidates of "
+         f"{', '.join(ops)}): `auto` ignores them and uses its default order. On this device, tune them again "
+         f"with: {hint}")
+
+
 def _print_table(path: Path, table: dict) -> None:
     _say(f"{path}\n  device {describe(table['device'])}; measured {table['date']}; versions "
          + ", ".join(f"{k} {v}" for k, v in sorted(table["versions"].items())))
+    stale = _stale_entries(table)
     for eid, entry in sorted(table["entries"].items()):
         _say(f"  {eid}   (tuned on {' '.join(f'{k}={v}' for k, v in entry['shape'].items())})")
+        if eid in stale:
+            _say(f"    STALE, not used: {stale[eid]}")
         for c in entry["candidates"]:
             marks = ("W" if entry["winner"] and (c["backend"], c["config"]) == (entry["winner"]["backend"],
                      entry["winner"]["config"]) else " ") + ("d" if entry["default"] and (c["backend"], c["config"])
@@ -118,9 +141,11 @@ def _print_table(path: Path, table: dict) -> None:
             _say(f"    {marks} {c['backend']:<7} {str(c['config'] or '{}'):<36} {c['status']:<11} err {err:<8} "
                  f"median {_fmt_ms(c['median_s'])}{extra}{note}")
     _say("  (W = winner, d = the default `auto` uses without a table)")
+    _stale_summary(table, stale)
 
 
 def show(args) -> int:
+    _load_ops()  # staleness is judged against the candidates the ops register today
     if args.table:
         try:
             table = cache.read_table(args.table)
@@ -156,7 +181,7 @@ def verify(args) -> int:
         tables = [(p, t) for d in _local_devices() for p, state, t in cache.tables_for(identity(d)) if state == "used"]
     from .tuning.tuner import verify_entry
 
-    failures = checked = 0
+    failures = checked = stale_count = 0
     for path, table in tables:
         device = next((d for d in _local_devices() if identity(d) == table["device"]), None)
         if device is None:
@@ -164,13 +189,20 @@ def verify(args) -> int:
             failures += 1
             continue
         _say(f"{path}:")
+        stale = _stale_entries(table)
         for eid, entry in sorted(table["entries"].items()):
-            ok, message = verify_entry(entry, device)
             checked += 1
+            if eid in stale:  # `auto` passes over it, so its winner is not what runs: nothing to re-check
+                stale_count += 1
+                _say(f"  STALE {eid}: {stale[eid]}; not used by `auto`")
+                continue
+            ok, message = verify_entry(entry, device)
             failures += not ok
             _say(f"  {'ok  ' if ok else 'FAIL'} {eid}: {message}")
-    _say(f"verified {checked} entr{'y' if checked == 1 else 'ies'}, {failures} problem(s)")
-    return 1 if failures else 0
+        _stale_summary(table, stale)
+    _say(f"verified {checked} entr{'y' if checked == 1 else 'ies'}, {failures + stale_count} problem(s)"
+         + (f" ({stale_count} stale)" if stale_count else ""))
+    return 1 if failures or stale_count else 0
 
 
 def clear(args) -> int:

@@ -15,6 +15,8 @@ A table (schema version :data:`SCHEMA_VERSION`)::
          "shape": {...}, "check_shape": {...}, "seed": 0, "date": "...",
          "winner": {"backend": "torch", "config": {}},           # lowest p20; null when none was correct
          "default": {"backend": "torch", "config": {}},          # what "auto" picks without a table
+         "candidate_set": {"space": {"torch": {}, "triton": {...}}, "versions": {},   # what it was measured
+                           "fingerprint": "9c1e04d2b7a3f0e1"},                         # over (see below)
          "candidates": [{"backend": "torch", "config": {}, "status": "ok", "note": "",
                          "error": 3e-8, "tolerance": 5e-5,
                          "median_s": 4.1e-4, "p20_s": 4.0e-4, "p80_s": 4.3e-4, "reps": 50}]}}}
@@ -27,6 +29,18 @@ another schema version is skipped with ONE warning per file. Tables are data onl
 ``json`` (NaN/Infinity and duplicate names refused), never pickled or evaluated, and every config is
 checked against the op's declared space when it is looked up (out of space: the entry is rejected).
 
+Stale entries. An entry records the candidate set it was measured over (:func:`candidate_set`):
+the op's declared space (backends, knobs, values, each knob's default) and the versions that
+change what a candidate's measurement means on that device type (Triton's major.minor on CUDA,
+where it generates the Triton candidates' code; nothing on CPU, where Triton is never timed). The
+library, torch and Python versions are not part of it: a release that adds a backend or a knob
+changes the space, and a patch release that does not must not throw away every table. An entry
+whose candidate set differs from today's registration, or that records none (tables written
+before entries carried one), is stale: :func:`lookup` passes over it (``auto`` then falls back to
+its default order), logging once per (table, op) why and which command re-tunes it; ``show`` and
+``verify`` flag it. Without this a table tuned before an op gained its ``cpu`` backend would keep
+pinning ``torch`` forever. The check is computed once per entry per table load and registration.
+
 Writes merge into the existing file under an exclusive ``fcntl.flock`` on a lock file in the same
 directory, and replace it atomically (temporary file in the same directory, then ``os.replace``),
 so several processes tuning at once all land their entries and a reader never sees half a file.
@@ -37,6 +51,9 @@ and clear) makes it read them again. :func:`version` changes with every refresh 
 """
 from __future__ import annotations
 
+import functools
+import hashlib
+import importlib.metadata
 import json
 import logging
 import math
@@ -62,7 +79,7 @@ except ImportError:  # not POSIX: writes stay atomic, but concurrent writers may
 __all__ = [
     "SCHEMA_VERSION", "ENV_CACHE", "SHIPPED_DIR", "TableError", "AutotuneWarning", "user_dir", "search_dirs",
     "table_name", "entry_id", "dtype_name", "read_table", "validate", "lookup", "find_entry", "tables_for",
-    "write_entries", "refresh", "clear", "utc_now", "version",
+    "write_entries", "refresh", "clear", "utc_now", "version", "candidate_set", "staleness", "regenerate_hint",
 ]
 
 logger = logging.getLogger("megalodon_kernels")
@@ -120,6 +137,119 @@ def entry_id(op: str, dtype, key: Mapping) -> str:
 
 def utc_now() -> str:
     return datetime.now(timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+# --- the candidate set an entry was measured over -------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _triton_release() -> str | None:
+    """Installed Triton's major.minor, read from the package metadata (importing Triton is slow and
+    the runtime layer must not); None when it is not installed."""
+    for dist in ("triton", "pytorch-triton", "pytorch-triton-rocm", "triton-xpu"):
+        try:
+            return ".".join(importlib.metadata.version(dist).split(".")[:2])
+        except importlib.metadata.PackageNotFoundError:
+            continue
+        except Exception:  # broken metadata: treat as unknown, which is a version of its own
+            return "unknown"
+    return None
+
+
+def _order(value) -> tuple:
+    return type(value).__name__, value
+
+
+def _canonical_space(space: Mapping) -> dict:
+    """backend -> knob -> [default, other values sorted]: the first value is what the tuner
+    compares the others with (the backend's DEFAULT_CONFIG), the order of the rest means nothing."""
+    return {backend: {name: [values[0], *sorted(values[1:], key=_order)] for name, values in knobs.items()}
+            for backend, knobs in space.items()}
+
+
+def _fingerprint(space: Mapping, versions: Mapping) -> str:
+    text = json.dumps({"space": space, "versions": versions}, sort_keys=True, separators=(",", ":"),
+                      allow_nan=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
+
+
+def candidate_set(space: Mapping, device_type: str) -> dict:
+    """What an entry for an op with this declared ``space`` (``Tunable.space``) measured on a
+    ``device_type`` device is measured over: ``{"space", "versions", "fingerprint"}``.
+
+    ``versions`` holds only what changes the candidates' code on that device without changing the
+    space: Triton's major.minor on CUDA when the op has Triton candidates (a Triton release changes
+    register allocation and spilling, so the fastest config can change). On CPU Triton is the
+    interpreter and never timed, and the compiled ``cpu`` backends are built from the library's own
+    sources, which a release that changes them changes the space of, or not at all."""
+    canon = _canonical_space(space)
+    versions = {}
+    if device_type == "cuda" and "triton" in canon:
+        versions["triton"] = _triton_release()
+    return {"space": canon, "versions": versions, "fingerprint": _fingerprint(canon, versions)}
+
+
+def _space_changes(old: Mapping, new: Mapping) -> list[str]:
+    """What differs between two canonical spaces, in words (for the log, ``show`` and ``verify``)."""
+    out = []
+    for backend in sorted(set(old) | set(new)):
+        if backend not in old:
+            out.append(f"backend {backend} added")
+            continue
+        if backend not in new:
+            out.append(f"backend {backend} removed")
+            continue
+        for name in sorted(set(old[backend]) | set(new[backend])):
+            was, now = old[backend].get(name), new[backend].get(name)
+            if was is None or now is None:
+                out.append(f"{backend} knob {name} {'added' if was is None else 'removed'}")
+                continue
+            added = [v for v in now if not any(registry.same_value(v, w) for w in was)]
+            dropped = [v for v in was if not any(registry.same_value(v, w) for w in now)]
+            if added:
+                out.append(f"{backend} {name} values {added} added")
+            if dropped:
+                out.append(f"{backend} {name} values {dropped} removed")
+            if not registry.same_value(was[0], now[0]):
+                out.append(f"{backend} {name} default {was[0]!r} -> {now[0]!r}")
+    return out
+
+
+def regenerate_hint(op: str, device_type: str) -> str:
+    """The command that re-tunes ``op`` into the user's table (which overrides a shipped one)."""
+    shapes = "cpu" if device_type == "cpu" else "h100 (or a100)"
+    return f"python -m megalodon_kernels.autotune regenerate --shapes {shapes} --ops {op}"
+
+
+def staleness(entry: Mapping, device_type: str, tunable=None) -> str | None:
+    """Why ``entry`` (of a table for a ``device_type`` device) was not measured over today's
+    candidates of its op, or None when it was. ``tunable``: the op's registration (default: the
+    registry's); an op that is not registered has no candidates today, so its entries are stale."""
+    tunable = tunable if tunable is not None else registry.get(entry["op"])
+    if tunable is None:
+        return f"op {entry['op']} is not registered for autotuning in this version"
+    recorded = entry.get("candidate_set")
+    if recorded is None:
+        return "no candidate set recorded (an older table: it may predate the op's backends and knobs)"
+    today = _today(tunable, device_type)
+    if recorded["fingerprint"] == today["fingerprint"]:
+        return None
+    changes = _space_changes(recorded["space"], today["space"])
+    for name in sorted(set(recorded["versions"]) | set(today["versions"])):
+        was, now = recorded["versions"].get(name), today["versions"].get(name)
+        if was != now:
+            changes.append(f"{name} {was} -> {now}")
+    return "measured over another candidate set than today's: " + ("; ".join(changes) or "the set changed")
+
+
+_today_memo: dict[tuple, tuple] = {}  # (op, device type) -> (registration, its candidate set)
+
+
+def _today(tunable, device_type: str) -> dict:
+    memo = _today_memo.get((tunable.op, device_type))
+    if memo is None or memo[0] is not tunable:  # registered again: another space, perhaps
+        memo = (tunable, candidate_set(tunable.space, device_type))
+        _today_memo[(tunable.op, device_type)] = memo
+    return memo[1]
 
 
 # --- validation: every field, every type; the message names the path --------------------------
@@ -217,11 +347,32 @@ def _candidates(where, v):
         _candidate(f"{where}[{i}]", c)
 
 
+def _space(where, v):
+    if not isinstance(v, dict):
+        _fail(where, "an object backend -> {knob: [values]}", v)
+    for backend, knobs in v.items():
+        if not isinstance(knobs, dict):
+            _fail(f"{where}.{backend}", "an object knob -> [values]", knobs)
+        for name, values in knobs.items():
+            if not isinstance(values, list) or not values or not all(
+                    registry.is_scalar(x) and not (isinstance(x, float) and not math.isfinite(x)) for x in values):
+                _fail(f"{where}.{backend}.{name}", "a non-empty list of int/float/str/bool", values)
+
+
+def _candidate_set(where, v):
+    """An entry's recorded candidate set; its fingerprint must be that of its space and versions
+    (a hand-edited set whose fingerprint still says "today" would otherwise pass as fresh)."""
+    _check_dict(where, v, {"space": _space, "versions": _versions, "fingerprint": _str})
+    if v["fingerprint"] != _fingerprint(v["space"], v["versions"]):
+        raise TableError(f"{where}.fingerprint: {v['fingerprint']!r} is not the fingerprint of its space and "
+                         f"versions ({_fingerprint(v['space'], v['versions'])!r})")
+
+
 def _entry(where, eid, v):
     _check_dict(where, v, {
         "op": _str, "dtype": _str, "key": _scalars, "shape": _scalars, "check_shape": _scalars, "seed": _int,
         "date": _str, "winner": _choice, "default": _choice, "candidates": _candidates,
-    })
+    }, {"candidate_set": _candidate_set})
     if v["dtype"] not in DTYPES:
         _fail(f"{where}.dtype", f"one of {list(DTYPES)}", v["dtype"])
     try:
@@ -312,6 +463,7 @@ def refresh() -> None:
     global _refreshes
     _index.clear()
     _rejected.clear()
+    _stale.clear()
     _refreshes += 1
 
 
@@ -409,14 +561,52 @@ def _space_problems(tunable, entry: dict, path: str, eid: str) -> list[str]:
     return _rejected[memo]
 
 
+_stale: dict[tuple, tuple] = {}  # (path, entry id, device type) -> (registration, why stale or None)
+_stale_logged: set = set()
+
+
+def _is_stale(tunable, entry: dict, path: str, eid: str, device_type: str) -> bool:
+    """Whether lookups must pass over this entry (see "Stale entries" above); decided once per
+    entry per table load and registration, logged once per (table, op, today's candidate set)."""
+    memo = (path, eid, device_type)
+    cached = _stale.get(memo)
+    if cached is None or cached[0] is not tunable:
+        cached = (tunable, staleness(entry, device_type, tunable))
+        _stale[memo] = cached
+        tag = (path, tunable.op, _today(tunable, device_type)["fingerprint"])
+        if cached[1] is not None and tag not in _stale_logged:
+            _stale_logged.add(tag)
+            # The user's own table: they can act on it (warning). A shipped table for this machine
+            # predates this release's candidates: the default order is what they get (info).
+            shipped = Path(path).parent == Path(SHIPPED_DIR)
+            logger.log(logging.INFO if shipped else logging.WARNING,
+                       "autotune: ignoring %s's entries in %s that were not measured over today's candidates "
+                       "(%s: %s); `auto` uses its default order for them. To tune them again: %s",
+                       tunable.op, path, eid, cached[1], regenerate_hint(tunable.op, device_type))
+    return cached[1] is not None
+
+
+def _device_type(device) -> str:
+    if isinstance(device, torch.device):
+        return device.type
+    if isinstance(device, Mapping):
+        return str(device.get("type"))
+    return torch.device(device).type
+
+
 def find_entry(op: str, device, dtype, key: Mapping) -> tuple[dict, str] | None:
-    """The highest-priority acceptable entry for (op, device, dtype, key) and its file, or None."""
+    """The highest-priority acceptable entry for (op, device, dtype, key) and its file, or None.
+    Acceptable: every correct candidate's config is in today's space and the entry is not stale."""
     tunable = registry.get(op)
     if tunable is None:
         return None
     eid = entry_id(op, dtype, key)
-    for entry, path in _entries_for(device).get(eid, ()):
-        if not _space_problems(tunable, entry, path, eid):
+    found = _entries_for(device).get(eid, ())
+    if not found:
+        return None
+    device_type = _device_type(device)
+    for entry, path in found:
+        if not _space_problems(tunable, entry, path, eid) and not _is_stale(tunable, entry, path, eid, device_type):
             return entry, path
     return None
 

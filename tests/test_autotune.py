@@ -101,6 +101,7 @@ def entry(key, winner_config, *, backend="torch", dtype="float32", op=OP, extra=
         "op": op, "dtype": dtype, "key": key, "shape": {"B": 4, **key}, "check_shape": {"B": 1, **key},
         "seed": 0, "date": "2025-01-01T00:00:00Z", "winner": {"backend": backend, "config": winner_config},
         "default": None, "candidates": cands,
+        "candidate_set": cache.candidate_set(SPACE, "cpu"),  # measured over today's fake_scale space
     }
 
 
@@ -190,6 +191,11 @@ BAD_TABLES = {
     "winner-not-a-candidate": _mutated(_set(["entries", EID, "winner", "config"], {"block": 16})),
     "id-mismatch": _mutated(lambda t: t["entries"].update({"x/float32/D=8": t["entries"].pop(EID)})),
     "key-with-float": _mutated(_set(["entries", EID, "key", "L"], 512.0)),
+    "candidate-set-a-list": _mutated(_set(["entries", EID, "candidate_set"], [])),
+    "candidate-space-values-not-a-list": _mutated(_set(["entries", EID, "candidate_set", "space", "torch", "block"], 16)),
+    # a space edited by hand whose fingerprint still claims to be another set's
+    "candidate-set-fingerprint-forged": _mutated(_set(["entries", EID, "candidate_set", "space", "torch", "block"],
+                                                      [16, 32])),
     "nan-time": _good_text().replace('"median_s": 0.001', '"median_s": NaN'),
     "duplicate-names": _good_text().replace('"op": "fake_scale"', '"op": "fake_scale", "op": "fake_scale"'),
 }

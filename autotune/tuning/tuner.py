@@ -24,6 +24,10 @@ For one (op, shape, dtype) the tuner
    table of measurement noise would only churn configs (seen here: two configs running identical
    code "differed" by 4x under load).
 
+The entry records the candidate set it was measured over (``cache.candidate_set``: the op's
+space and, on CUDA, Triton's release); once the registration offers other candidates, lookups
+pass over the entry and ``show``/``verify`` call it stale.
+
 Shapes whose key was already tuned in this run are not tuned again: a new batch size or a length
 in the same power-of-two bucket is the same key.
 
@@ -339,6 +343,8 @@ def tune_shape(tunable: registry.Tunable, shape: Mapping, dtype: torch.dtype, de
         "date": cache.utc_now(),
         "winner": {"backend": best["backend"], "config": best["config"]} if best else None,
         "default": default, "candidates": records,
+        # what these candidates were (lookups pass over the entry once the op's candidates change)
+        "candidate_set": cache.candidate_set(tunable.space, device.type),
     }
     progress(_summary(entry))
     return eid, entry
