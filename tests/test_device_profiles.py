@@ -444,11 +444,6 @@ def test_kernels_by_arch_leave_out_only_flash_below_sm80():
     assert set(every) - set(all_kernels(75)) == {k for ks in attention_cuda.FLASH.values() for k in ks.values()}
 
 
-@pytest.mark.xfail(strict=True, raises=ValueError, reason=(
-    "ops/attention/__init__.py _select does not pass attn_fn to the backends' not_supported_reasons, so "
-    "auto picks the CUDA backend for attn_fn='laplace' where only its flash path could run it (sm_75, "
-    "fp32 on a GPU, head dim 256 with 99 KiB of shared memory) and the call raises instead of falling "
-    "back; the fix adds 'attn_fn': attn_fn to the select inputs"))
 def test_laplace_under_auto_falls_back_where_flash_cannot_run(use_emulated_cuda):
     from megalodon_kernels import ops
 

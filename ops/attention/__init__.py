@@ -44,7 +44,9 @@ BACKENDS = OpBackends("attention", {
 
 autotune.register(
     "attention",
-    key=lambda q, k, v, chunk_size, causal, block_causal, dropkey: {
+    # attn_fn is not part of the key: the shipped tables were tuned for softmax and Laplace runs the
+    # same tiles (a backend that cannot run Laplace says so in not_supported_reasons)
+    key=lambda q, k, v, chunk_size, causal, block_causal, dropkey, attn_fn="softmax": {
         "H": q.shape[2], "dh": q.shape[3], "dv": v.shape[3], "L": autotune.pow2_bucket(q.shape[1]),
         "S": autotune.pow2_bucket(k.shape[1]), "C": chunk_size or 0, "causal": causal,
         "block_causal": block_causal, "dropkey": dropkey},
@@ -57,9 +59,11 @@ autotune.register(
 ATTN_FNS = ("softmax", "laplace")
 
 
-def _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend):
+def _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend):
+    # attn_fn is an input of the choice: the CUDA backend has Laplace attention on its flash path only
     return BACKENDS.select(backend, {"q": q, "k": k, "v": v, "chunk_size": chunk_size, "causal": causal,
-                                     "block_causal": block_causal, "dropkey": dropkey_p > 0.0},
+                                     "block_causal": block_causal, "dropkey": dropkey_p > 0.0,
+                                     "attn_fn": attn_fn},
                            device=q.device, dtype=q.dtype)
 
 
@@ -81,7 +85,7 @@ def _packed_fwd(q, k, v, cu_seqlens, *, scale, causal, chunk_size, block_causal,
     """(o r(1 L H dv), lse r(1 H L) or None for laplace) of a packed call: one backend call per
     bucket of document rows (the backend chosen for the rows' shapes), valid rows scattered back."""
     L, H = q.shape[1], q.shape[2]
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
     if getattr(impl.module, "PACKED_NATIVE", False):
         return impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
                                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
@@ -90,7 +94,7 @@ def _packed_fwd(q, k, v, cu_seqlens, *, scale, causal, chunk_size, block_causal,
     lse = q.new_empty(1, H, L, dtype=acc_dtype(q.dtype)) if attn_fn == "softmax" else None
     for bucket, extra in _document_rows(cu_seqlens, L, dropkey_p):
         qr, kr, vr = (bucket.rows(t, 1) for t in (q, k, v))
-        impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, backend)
+        impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
         o_rows, lse_rows = impl.module.attention_fwd(qr, kr, vr, scale=scale, causal=causal, chunk_size=chunk_size,
                                                      block_causal=block_causal, dropkey_p=dropkey_p, seed=seed,
                                                      attn_fn=attn_fn, **extra, **impl.config)
@@ -106,7 +110,7 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
     (and lse = 0), so their dS is 0 and they add nothing to dk / dv; the causal mask keeps the
     padded keys out of every valid row."""
     L = q.shape[1]
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)  # the forward's choice
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)  # the forward's choice
     if getattr(impl.module, "PACKED_NATIVE", False):
         return impl.module.attention_bwd(do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size,
                                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
@@ -115,7 +119,7 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
     for bucket, extra in _document_rows(cu_seqlens, L, dropkey_p):
         dor, qr, kr, vr, orr = (bucket.rows(t, 1) for t in (do, q, k, v, o))
         lser = None if lse is None else bucket.rows(lse, 2)
-        impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, backend)
+        impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
         grads = impl.module.attention_bwd(dor, qr, kr, vr, orr, lser, scale=scale, causal=causal,
                                           chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                                           seed=seed, attn_fn=attn_fn, **extra, **impl.config)
@@ -145,7 +149,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, ch
                              block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                              backend=backend)
         return o, (lse if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))), seed_tensor(seed)
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
     seed = resolve_seed(None) if seed == DRAW_SEED else seed
     o, lse = impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
                                        block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
@@ -169,7 +173,7 @@ def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
         return _packed_bwd(do, q, k, v, o, lse if attn_fn == "softmax" else None, cu_seqlens, scale=scale,
                            causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                            seed=seed_value(seed), attn_fn=attn_fn, backend=backend)
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, backend)
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
     dq, dk, dv = impl.module.attention_bwd(
         do, q, k, v, o, lse if attn_fn == "softmax" else None, scale=scale, causal=causal, chunk_size=chunk_size,
         block_causal=block_causal, dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn, **impl.config)
