@@ -24,9 +24,13 @@
 //   3. tsn_normalize_kernel y = (x - mu_t) * rstd_t * scale + bias, 0 on padded steps.
 // Backward (docs/math.md, TimestepNorm): the reverse recursion of the carries (u, v) = (dL/dmu, dL/dvar) is affine,
 //   (u, v)_before_t = M_t (u, v)_after_t,  M_t(u, v) = (c1 u + b_t v + beta_t, c1 v + alpha_t),
-// so each chunk composes its steps' maps into one exact affine map (the chunk Jacobian plus an
-// offset), the maps carry (dmean, dvar) across chunks, and a last pass per chunk writes dgmu_t and
-// dgvar_t; then dx elementwise and deterministic dscale/dbias partial sums.
+// c1 = (n_t - 1) / n_t. It runs in the torch backend's scaled form, U = u / n and V = v / n (n the
+// count where the carry is taken), where every step only ADDS terms: V_(t-1) = V_t + b_t and
+// U_(t-1) = U_t + a_t - q_t V_(t-1). Multiplying by c1 at every step instead compounded its
+// roundings along a chunk of L / 128 steps (fp32 dx 6.6e-5 at L = 2^20). So each chunk composes its
+// steps into (U, V) -> (U + Bc V + ou, V + ov) with Kahan-compensated sums, the maps carry
+// (dmean, dvar) / n_end across chunks, and a last pass per chunk writes dgmu_t and dgvar_t; then
+// dx elementwise and deterministic dscale/dbias partial sums.
 // Where upstream's kernels go wrong and these do not: padded steps hold the carried state in
 // cummean/cumrstd (so cummean[t-1] is the mean entering t); a padded step is an identity map, so
 // no 0/0 from empty leading chunks; no thread returns before a barrier; no +inf sentinel, genuine
@@ -426,26 +430,32 @@ __global__ void __launch_bounds__(kTsnRowThreads) tsn_row_grads_kernel(
   }
 }
 
-// Affine map (u, v) -> (A u + Bc v + ou, A v + ov) on the carries (dL/dmu, dL/dvar).
+// The map (U, V) -> (U + Bc V + ou, V + ov) of a run of steps on the scaled carries, each sum with
+// its Kahan compensation.
 template <class A>
 struct CarryMap {
-  A A1, Bc, ou, ov;
+  A Bc, ou, ov, c_Bc, c_ou, c_ov;
 };
 
 // One block per (s, g), the chunks of tsn_scan_fwd_kernel. Overwrites grads[row] (gmu, ds, db)
 // with (gmu, dgmu, dgvar) on unmasked steps, writes dprev_mean and dprev_var (per document with
-// cu_seqlens; an empty one passes (dmean, dvar) through).
+// cu_seqlens; a row with nothing observed passes (dmean, dvar) through). Scaled carries: at a live
+// step t with n = the count after it, r = rstd_t, (gmu, ds, db) its row gradients and mu_b the mean
+// entering it,
+//   a_t = -r db / n,  b_t = -r^3 ds / (2 n),  q_t = 2 (gmu - mu_b) / n (0 at a first observation)
+//   V_(t-1) = V_t + b_t,  U_(t-1) = U_t + a_t - q_t V_(t-1)
+//   dgvar_t = V_(t-1),    dgmu_t = U_t + a_t + (n - 1) q_t V_(t-1)
+// from (U, V) = (dmean, dvar) / n_end at the row's end; before the first step (u, v) = n0 (U, V).
 template <class A>
 __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
     A* __restrict__ grads, const bool* __restrict__ pad, const std::int64_t* __restrict__ cu_seqlens,
     const A* __restrict__ kshift, const std::int64_t* __restrict__ prev_count, const A* __restrict__ prev_mean,
-    const A* __restrict__ cummean,
-    const A* __restrict__ cumrstd, const A* __restrict__ dmean, const A* __restrict__ dvar,
-    A* __restrict__ dprev_mean, A* __restrict__ dprev_var, int L, int G) {
-  // 128 chunks: 1 KiB + 2 (fp32) or 4 KiB (fp64) + 1 or 2 KiB of static shared memory
-  MK_STATIC_SMEM(long long, s_live, kTsnMaxChunks);
+    const A* __restrict__ cummean, const A* __restrict__ cumrstd, const A* __restrict__ dmean,
+    const A* __restrict__ dvar, A* __restrict__ dprev_mean, A* __restrict__ dprev_var, int L, int G) {
+  // 128 chunks: 1 KiB + 3 (fp32) or 6 KiB (fp64) + 1 or 2 KiB of static shared memory
+  MK_STATIC_SMEM(long long, s_live, kTsnMaxChunks + 1);  // [kTsnMaxChunks]: the row's final count
   MK_STATIC_SMEM(CarryMap<A>, s_map, kTsnMaxChunks);
-  MK_STATIC_SMEM(pair_t<A>, s_carry, kTsnMaxChunks);  // carries (u, v) at the END of each chunk
+  MK_STATIC_SMEM(pair_t<A>, s_carry, kTsnMaxChunks);  // scaled carries (U, V) at the END of each chunk
   const int sg = blockIdx.x;
   const int s = sg / G;
   const int g = sg - s * G;
@@ -464,37 +474,38 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
   long long live = 0;
   for (int t = t0; t < t1; ++t) live += pb[t] ? 0 : 1;
   s_live[c] = live;
-  blelloch_exclusive_scan(s_live, static_cast<long long>(prev_count[s]),
-                          [](long long a, long long x) { return a + x; });
+  const long long n0 = prev_count[s];
+  blelloch_exclusive_scan(s_live, n0, [](long long a, long long x) { return a + x; });
   const long long n_end = s_live[c] + live;  // count after the chunk's last step
+  if (c == static_cast<int>(blockDim.x) - 1) s_live[kTsnMaxChunks] = n_end;  // past the row's chunks: the total
 
-  // step map coefficients at live step t with n = count after t
-  auto step = [&](int t, long long n, A& c1, A& c2, A& bt, A& alpha, A& beta, pair_t<A>& dg) {
-    const A nf = static_cast<A>(n);
-    c2 = A(1) / nf;
-    c1 = static_cast<A>(static_cast<double>(n - 1) / static_cast<double>(n));
+  // the terms of live step t with n = count after t: a_t, b_t, q_t and (n - 1) q_t
+  auto step = [&](int t, long long n, A& a, A& b, A& q, A& cross) {
+    const A inv_n = A(1) / static_cast<A>(n);
     const std::int64_t row = at(t);
-    const A gmu = grads[3 * row];
     const A ds = grads[3 * row + 1];
     const A db = grads[3 * row + 2];
     const A r = cumrstd[row];
-    const A r3h = A(0.5) * r * r * r;
-    bt = A(-2) * c1 * c2 * (gmu - mu_before(t));
-    alpha = -c1 * r3h * ds;
-    beta = -c1 * r * db - bt * r3h * ds;
-    dg = Pair<A>::make(r * db, r3h * ds);  // the direct terms subtracted from (u, v)
+    a = -r * db * inv_n;
+    b = A(-0.5) * r * r * r * ds * inv_n;
+    // the prior mean enters only through an earlier observation: with n = 1 (nothing before)
+    // an arbitrary prev_mean of a count-0 prior must not reach anything, not even as 0 * inf
+    const A d = n > 1 ? A(2) * (grads[3 * row] - mu_before(t)) : A(0);
+    q = d * inv_n;
+    cross = d * static_cast<A>(static_cast<double>(n - 1) / static_cast<double>(n));
   };
 
   // 1. chunk map, composed backwards from the chunk's end (identity for an all-padded chunk)
-  CarryMap<A> F{A(1), A(0), A(0), A(0)};
+  CarryMap<A> F{A(0), A(0), A(0), A(0), A(0), A(0)};
   {
     long long n = n_end;
     for (int t = t1 - 1; t >= t0; --t) {
       if (pb[t]) continue;
-      A c1, c2, bt, alpha, beta;
-      pair_t<A> dg;
-      step(t, n, c1, c2, bt, alpha, beta, dg);
-      F = CarryMap<A>{c1 * F.A1, c1 * F.Bc + bt * F.A1, c1 * F.ou + bt * F.ov + beta, c1 * F.ov + alpha};
+      A a, b, q, cross;
+      step(t, n, a, b, q, cross);
+      kahan_add(F.ov, F.c_ov, b);
+      kahan_add(F.ou, F.c_ou, a - q * F.ov);
+      kahan_add(F.Bc, F.c_Bc, -q);
       --n;
     }
   }
@@ -503,37 +514,39 @@ __global__ void __launch_bounds__(kTsnMaxChunks) tsn_scan_bwd_kernel(
 
   // 2. carries across chunks, from the end of the row (nch <= 128 steps, one thread)
   if (c == 0) {
-    A u = dmean[sg], v = dvar[sg];
-    for (int k = nch - 1; k >= 0; --k) {
-      s_carry[k] = Pair<A>::make(u, v);
-      const CarryMap<A> M = s_map[k];
-      const A nu = M.A1 * u + M.Bc * v + M.ou;
-      v = M.A1 * v + M.ov;
-      u = nu;
+    const long long total = s_live[kTsnMaxChunks];
+    if (total == n0) {  // nothing observed: mean and var ARE the prior's, gradients pass straight through
+      dprev_mean[sg] = dmean[sg];
+      dprev_var[sg] = dvar[sg];
+    } else {
+      const A inv_end = A(1) / static_cast<A>(total);
+      A U = dmean[sg] * inv_end, V = dvar[sg] * inv_end, cU = A(0), cV = A(0);
+      for (int k = nch - 1; k >= 0; --k) {
+        s_carry[k] = Pair<A>::make(U, V);
+        const CarryMap<A> M = s_map[k];
+        kahan_add(U, cU, M.Bc * V + M.ou);
+        kahan_add(V, cV, M.ov);
+      }
+      dprev_mean[sg] = static_cast<A>(n0) * U;  // 0 without a prior
+      dprev_var[sg] = static_cast<A>(n0) * V;
     }
-    dprev_mean[sg] = u;
-    dprev_var[sg] = v;
   }
   __syncthreads();
 
   // 3. the chunk again from its true end carries: dgmu_t, dgvar_t (the threads past the row's
-  // chunks have no steps and no carries)
-  if (c >= nch) return;  // no barrier below
-  A u = s_carry[c].x, v = s_carry[c].y;
+  // chunks have no steps and no carries; nor does a row with nothing observed)
+  if (c >= nch || s_live[kTsnMaxChunks] == n0) return;  // no barrier below
+  A U = s_carry[c].x, V = s_carry[c].y, cU = A(0), cV = A(0);
   long long n = n_end;
   for (int t = t1 - 1; t >= t0; --t) {
     if (pb[t]) continue;
-    A c1, c2, bt, alpha, beta;
-    pair_t<A> dg;
-    step(t, n, c1, c2, bt, alpha, beta, dg);
-    const A du = u - dg.x;
-    const A dv = v - dg.y;
+    A a, b, q, cross;
+    step(t, n, a, b, q, cross);
+    kahan_add(V, cV, b);  // V_(t-1)
     const std::int64_t row = at(t);
-    const A gmu = grads[3 * row];
-    grads[3 * row + 1] = c2 * du + A(2) * c1 * c2 * dv * (gmu - mu_before(t));  // dgmu
-    grads[3 * row + 2] = c2 * dv;                                               // dgvar
-    u = c1 * du + bt * dv;
-    v = c1 * dv;
+    grads[3 * row + 1] = U + a + cross * V;  // dgmu
+    grads[3 * row + 2] = V;                  // dgvar
+    kahan_add(U, cU, a - q * V);             // U_(t-1)
     --n;
   }
 }
