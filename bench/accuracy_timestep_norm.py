@@ -27,7 +27,7 @@ Run::
 
 ``--backend`` picks the fp32 run's backend (the oracle stays float64 torch / NumPy): triton runs in
 the interpreter on CPU, cuda in the emulator (bench/emulated_cuda.py, with its device model). The
-emulator is slow: cuda fwd+bwd took 9 s at L = 2^14, 80 s at 2^17 and 11 minutes at 2^20 on the
+emulator is slow: cuda fwd+bwd took 9 s at L = 2^14, 88 s at 2^17 and 11 minutes at 2^20 on the
 2-core development machine (the float64 oracle: 8 s at 2^20).
 """
 from __future__ import annotations
