@@ -30,9 +30,10 @@ another schema version is skipped with ONE warning per file. Tables are data onl
 checked against the op's declared space when it is looked up (out of space: the entry is rejected).
 
 Stale entries. An entry records the candidate set it was measured over (:func:`candidate_set`):
-the op's declared space (backends, knobs, values, each knob's default) and the versions that
-change what a candidate's measurement means on that device type (Triton's major.minor on CUDA,
-where it generates the Triton candidates' code; nothing on CPU, where Triton is never timed). The
+the op's declared space (backends, knobs, values, each knob's default) less the backends that
+never run on the table's device type (Triton and cuda on CPU, cpu on CUDA), and the versions that
+change what a candidate's measurement means there (Triton's major.minor on CUDA, where it
+generates the Triton candidates' code; nothing on CPU). The
 library, torch and Python versions are not part of it: a release that adds a backend or a knob
 changes the space, and a patch release that does not must not throw away every table. An entry
 whose candidate set differs from today's registration, or that records none (tables written
@@ -80,6 +81,7 @@ __all__ = [
     "SCHEMA_VERSION", "ENV_CACHE", "SHIPPED_DIR", "TableError", "AutotuneWarning", "user_dir", "search_dirs",
     "table_name", "entry_id", "dtype_name", "read_table", "validate", "lookup", "find_entry", "tables_for",
     "write_entries", "refresh", "clear", "utc_now", "version", "candidate_set", "staleness", "regenerate_hint",
+    "NEVER_ON",
 ]
 
 logger = logging.getLogger("megalodon_kernels")
@@ -172,16 +174,26 @@ def _fingerprint(space: Mapping, versions: Mapping) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:16]
 
 
+#: Backends that never run on a device type, so they cannot change a measurement there: on CPU
+#: tensors Triton is the interpreter (the tuner never times it, ``auto`` never picks it) and the
+#: ``cuda`` backends need CUDA tensors; the compiled ``cpu`` backends need CPU tensors. Leaving them
+#: out keeps a CPU table valid when a Triton config is added or pruned, and a GPU table when a
+#: ``cpu`` knob changes.
+NEVER_ON = {"cpu": ("cuda", "triton"), "cuda": ("cpu",)}
+
+
 def candidate_set(space: Mapping, device_type: str) -> dict:
     """What an entry for an op with this declared ``space`` (``Tunable.space``) measured on a
     ``device_type`` device is measured over: ``{"space", "versions", "fingerprint"}``.
 
-    ``versions`` holds only what changes the candidates' code on that device without changing the
-    space: Triton's major.minor on CUDA when the op has Triton candidates (a Triton release changes
-    register allocation and spilling, so the fastest config can change). On CPU Triton is the
-    interpreter and never timed, and the compiled ``cpu`` backends are built from the library's own
-    sources, which a release that changes them changes the space of, or not at all."""
-    canon = _canonical_space(space)
+    ``space``: the declared space less the backends that never run on that device type
+    (:data:`NEVER_ON`). ``versions`` holds only what changes the candidates' code on that device
+    without changing the space: Triton's major.minor on CUDA when the op has Triton candidates (a
+    Triton release changes register allocation and spilling, so the fastest config can change).
+    The compiled ``cpu`` backends are built from the library's own sources: a release that changes
+    what they can be tuned over changes the space."""
+    never = NEVER_ON.get(device_type, ())
+    canon = _canonical_space({b: knobs for b, knobs in space.items() if b not in never})
     versions = {}
     if device_type == "cuda" and "triton" in canon:
         versions["triton"] = _triton_release()

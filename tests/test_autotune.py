@@ -192,7 +192,7 @@ BAD_TABLES = {
     "id-mismatch": _mutated(lambda t: t["entries"].update({"x/float32/D=8": t["entries"].pop(EID)})),
     "key-with-float": _mutated(_set(["entries", EID, "key", "L"], 512.0)),
     "candidate-set-a-list": _mutated(_set(["entries", EID, "candidate_set"], [])),
-    "candidate-space-values-not-a-list": _mutated(_set(["entries", EID, "candidate_set", "space", "torch", "block"], 16)),
+    "candidate-values-not-a-list": _mutated(_set(["entries", EID, "candidate_set", "space", "torch", "block"], 16)),
     # a space edited by hand whose fingerprint still claims to be another set's
     "candidate-set-fingerprint-forged": _mutated(_set(["entries", EID, "candidate_set", "space", "torch", "block"],
                                                       [16, 32])),

@@ -41,8 +41,8 @@ def run(case, backend, config):
     return {"y": 2.0 * case.inputs["x"]}
 
 
-HARNESS = registry.Harness(make_case=make_case, run=run, reference=lambda c: {"y": 2.0 * c.inputs["x"].double().numpy()},
-                           tolerance={"float32": 1e-6})
+HARNESS = registry.Harness(make_case=make_case, run=run,
+                           reference=lambda c: {"y": 2.0 * c.inputs["x"].double().numpy()}, tolerance={"float32": 1e-6})
 
 
 def register(space):
@@ -87,7 +87,8 @@ def write(path, ident, *entries):
 
 
 def stale_lines(caplog):
-    return [r for r in caplog.records if r.name == "megalodon_kernels" and "not measured over today's" in r.getMessage()]
+    return [r for r in caplog.records
+            if r.name == "megalodon_kernels" and "not measured over today's" in r.getMessage()]
 
 
 def test_entry_measured_over_todays_candidates_is_used(fake_op, dirs, caplog):
@@ -156,13 +157,25 @@ def test_a_stale_user_entry_falls_through_to_a_fresh_shipped_one(fake_op, dirs, 
     ({"torch": {"block": [16]}}, "torch block values [32] removed"),
     ({"torch": {"block": [32, 16]}}, "torch block default 16 -> 32"),  # the baseline the tuner compared with
     ({"torch": {"block": [16, 32], "unroll": [1, 2]}}, "torch knob unroll added"),
-    ({"torch": {"block": [16, 32]}, "triton": {"warps": [4]}}, "backend triton added"),
+    ({"torch": {"block": [16, 32]}, "gpu_only": {}}, "backend gpu_only added"),
 ])
 def test_what_counts_as_another_candidate_set(fake_op, new_space, change):
     _, e = entry(KEY, 32)
     assert cache.staleness(e, "cpu") is None
     why = cache.staleness(e, "cpu", registry.Tunable(OP, key_fn, new_space))
     assert why is not None and change in why
+
+
+def test_backends_that_never_run_on_the_device_type_do_not_count(fake_op):
+    # Triton is never timed on CPU and cuda needs CUDA tensors: a CPU table stays valid when they change;
+    # on CUDA they count, and the compiled cpu backend does not.
+    _, e = entry(KEY, 32)
+    grown = registry.Tunable(OP, key_fn, {**OLD_SPACE, "triton": {"warps": [4, 8]}, "cuda": {}})
+    assert cache.staleness(e, "cpu", grown) is None
+    _, on_gpu = entry(KEY, 32, measured_over=OLD_SPACE, device_type="cuda")
+    with_cuda = registry.Tunable(OP, key_fn, {**OLD_SPACE, "cuda": {}})
+    assert "backend cuda added" in cache.staleness(on_gpu, "cuda", with_cuda)
+    assert cache.staleness(on_gpu, "cuda", registry.Tunable(OP, key_fn, NEW_SPACE)) is None
 
 
 def test_reordering_values_other_than_the_default_is_the_same_set():
