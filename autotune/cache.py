@@ -15,8 +15,8 @@ A table (schema version :data:`SCHEMA_VERSION`)::
          "shape": {...}, "check_shape": {...}, "seed": 0, "date": "...",
          "winner": {"backend": "torch", "config": {}},           # lowest p20; null when none was correct
          "default": {"backend": "torch", "config": {}},          # what "auto" picks without a table
-         "candidate_set": {"space": {"torch": {}, "triton": {...}}, "versions": {},   # what it was measured
-                           "fingerprint": "9c1e04d2b7a3f0e1"},                         # over (see below)
+         "candidate_set": {"space": {"torch": {}}, "versions": {},     # what it was measured over
+                           "fingerprint": "9c1e04d2b7a3f0e1"},           # (see "Stale entries" below)
          "candidates": [{"backend": "torch", "config": {}, "status": "ok", "note": "",
                          "error": 3e-8, "tolerance": 5e-5,
                          "median_s": 4.1e-4, "p20_s": 4.0e-4, "p80_s": 4.3e-4, "reps": 50}]}}}
@@ -33,14 +33,14 @@ Stale entries. An entry records the candidate set it was measured over (:func:`c
 the op's declared space (backends, knobs, values, each knob's default) less the backends that
 never run on the table's device type (Triton and cuda on CPU, cpu on CUDA), and the versions that
 change what a candidate's measurement means there (Triton's major.minor on CUDA, where it
-generates the Triton candidates' code; nothing on CPU). The
-library, torch and Python versions are not part of it: a release that adds a backend or a knob
-changes the space, and a patch release that does not must not throw away every table. An entry
-whose candidate set differs from today's registration, or that records none (tables written
-before entries carried one), is stale: :func:`lookup` passes over it (``auto`` then falls back to
-its default order), logging once per (table, op) why and which command re-tunes it; ``show`` and
-``verify`` flag it. Without this a table tuned before an op gained its ``cpu`` backend would keep
-pinning ``torch`` forever. The check is computed once per entry per table load and registration.
+generates the Triton candidates' code; nothing on CPU). The library, torch and Python versions
+are not part of it: a release that adds a backend or a knob changes the space, and a patch
+release that does not must not throw away every table. An entry whose candidate set differs
+from today's registration, or that records none (tables written before entries carried one), is
+stale: :func:`lookup` passes over it (``auto`` then falls back to its default order), logging once
+per (table, op) why and which command re-tunes it; ``show`` and ``verify`` flag it. Without this a
+table tuned before an op gained its ``cpu`` backend would keep pinning ``torch`` forever. The
+check is computed once per entry per table load and registration.
 
 Writes merge into the existing file under an exclusive ``fcntl.flock`` on a lock file in the same
 directory, and replace it atomically (temporary file in the same directory, then ``os.replace``),
