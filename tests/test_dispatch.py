@@ -203,7 +203,9 @@ def _table_entry(x, backend, config):
     return {autotune_cache.entry_id(OP, x.dtype, key): {
         "op": OP, "dtype": "float32", "key": key, "shape": {"B": 1}, "check_shape": {"B": 1}, "seed": 0,
         "date": "2025-01-01T00:00:00Z", "winner": {"backend": backend, "config": config}, "default": None,
-        "candidates": [cand]}}
+        "candidates": [cand],
+        # measured over the demo op's registered candidates (an entry without this record is stale)
+        "candidate_set": autotune_cache.candidate_set(registry.get(OP).space, x.device.type)}}
 
 
 def test_table_write_and_clear_drop_the_cached_choices(fakes, tables):
