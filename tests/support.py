@@ -42,7 +42,9 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     ("attention", "cuda", F64): (8.43e-16, 7.72e-16),
     ("attention", "torch", F32): (4.16e-07, 6.78e-07),
     ("attention", "torch", F64): (7.87e-16, 1.06e-15),
-    ("attention", "triton", F32): (9.52e-07, 5.86e-07),
+    # gradients 2.8e-6: dk of blockcausal rows with 90% of the keys dropped (test_empty_rows_...),
+    # a small max|dk| against tf32x3 products of O(1) operands (9.2e-7 with exact dots, as CUDA)
+    ("attention", "triton", F32): (9.52e-07, 2.76e-06),
     ("cema", "cpu", F32): (2.44e-07, 1.54e-06),  # as torch
     ("cema", "cpu", F64): (9.65e-15, 1.40e-14),
     ("cema", "torch", F32): (4.05e-07, 1.54e-06),  # domega 1.5e-6 at L = 2049
