@@ -31,7 +31,7 @@ FLASH = ("flash_attention.cuh", "mk::flash::flash_fwd_kernel<mk::flash::FwdCfg<c
 # does for the compiled launchers' kernels): raising one is a decision to make here.
 REGISTER_BUDGET = {
     "rotary_kernel": 40,
-    "tsn_dx_kernel": 40, "tsn_moments_kernel": 40, "tsn_normalize_kernel": 32, "tsn_param_partial_kernel": 48,
+    "tsn_dx_kernel": 40, "tsn_moments_kernel": 40, "tsn_normalize_kernel": 40, "tsn_shift_kernel": 40, "tsn_param_partial_kernel": 48,
     "tsn_param_reduce_kernel": 32, "tsn_row_grads_kernel": 40, "tsn_scan_bwd_kernel": 80, "tsn_scan_fwd_kernel": 56,
     "cema_analysis_kernel": 128, "cema_bwd_finish_kernel": 48, "cema_synth_kernel": 80,
     "ema_hidden_coef_kernel": 48, "ema_hidden_finish_kernel": 32,

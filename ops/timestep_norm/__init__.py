@@ -95,8 +95,8 @@ def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor,
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (y, count, mean, var, and for the backward mu, rstd, gmu r(B L G) and K in the
     accumulation dtype): the running mean and reciprocal std per step, each step's group mean
-    and the per-group shift they are relative to (the CUDA backend's statistics are absolute:
-    gmu and K are zeros there). count, mean, var and K have one row per batch element, or with
+    and the per-group shift they are relative to (the CUDA backend's mu is relative to a shift it
+    recomputes from x in its backward: its gmu and K residuals are zeros). count, mean, var and K have one row per batch element, or with
     ``cu_seqlens`` one per document."""
     check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
     impl = _select(x, num_groups, backend)
