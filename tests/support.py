@@ -72,7 +72,8 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     ("fftconv", "torch", F32): (3.31e-07, 2.70e-07),
     ("fftconv", "torch", F64): (5.52e-16, 4.87e-16),
     ("fftconv", "triton", F32): (2.95e-07, 3.51e-07),
-    ("model", "torch", F32): (3.52e-07, 1.42e-06),
+    # forward 4.5e-7: test_model.py's lm logits (its own check(), printed with -s, not logged)
+    ("model", "torch", F32): (4.50e-07, 1.42e-06),
     # float64 model gradients are held to the forward budget (test_packed_model)
     ("model", "torch", F64): (6.15e-15, 0.00e+00),
     ("model", "triton", F32): (3.66e-07, 1.39e-06),
