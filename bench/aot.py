@@ -248,3 +248,92 @@ def config_problems(op: str, config: dict, cc: int, workers: int | None = None) 
                 problems.append(f"{v.kernel} [{v.label}] spills {r.local} B per thread on sm_{cc}")
         _PROBLEMS[key] = problems
     return list(_PROBLEMS[key])
+
+
+# ------------------------------------------------------------- the other archs' (bounded) report
+
+#: architectures with no full report: each compiled for the bounded subset of :func:`arch_subset`
+OTHER_ARCHS = (75, 86, 89, 100, 120)
+ARCH_REPORT = os.path.join(RESULTS_DIR, "aot_archs.json")
+ARCH_REPORT_COMMAND = "python -m megalodon_kernels.bench.aot --write-archs"
+
+
+def arch_subset(variants: list[Variant], report: dict) -> list[int]:
+    """Per kernel, the variant with the most registers (:func:`heaviest`) and the one with the most
+    shared memory, according to the full sm_80/sm_90 reports: the two variants nearest the register
+    and the shared-memory limits on another architecture."""
+    chosen = set(heaviest(variants, report))
+    most: dict = {}
+    for i, v in enumerate(variants):
+        smem = max(r["smem"] for r in report[v.ident].values())
+        if v.kernel not in most or smem >= most[v.kernel][0]:  # ties: the last declared
+            most[v.kernel] = (smem, i)
+    return sorted(chosen | {i for _, i in most.values()})
+
+
+def compile_archs(ccs=OTHER_ARCHS, ops=TRITON_OPS, workers: int | None = None) -> list[dict]:
+    """Rows {arch, op, kernel, label, regs, smem, spill, error} of :func:`arch_subset` compiled for ``ccs``."""
+    report = report_rows()
+    by_op = {op: all_variants((op,)) for op in ops}
+    jobs = [(op, i, cc, None) for op in ops for i in arch_subset(by_op[op], report) for cc in ccs]
+    rows = []
+    for op, i, cc, usage, err in _run_jobs(jobs, workers):
+        v = by_op[op][i]
+        regs, smem, spill = usage if usage else (None, None, None)
+        rows.append({"arch": f"sm_{cc}", "op": op, "kernel": v.kernel, "label": v.label, "regs": regs, "smem": smem,
+                     "spill": spill, "error": err})
+    return rows
+
+
+def write_arch_report(rows: list[dict], path: str = ARCH_REPORT) -> None:
+    """Merge ``rows`` into the committed report (a row replaces the one with its arch and label)."""
+    import triton
+
+    old = load_arch_report(path)["rows"] if os.path.exists(path) else []
+    key = lambda r: (r["arch"], r["op"], r["kernel"], r["label"])  # noqa: E731
+    merged = {key(r): r for r in old}
+    merged.update((key(r), r) for r in rows)
+    out = {"generated_by": ARCH_REPORT_COMMAND,
+           "about": "Per Triton kernel, its variant with the most registers and its variant with the most shared "
+                    "memory (per the sm_80/sm_90 reports) compiled ahead of time for further archs: registers per "
+                    "thread, shared memory bytes per block, local memory (spill) bytes per thread. The source of "
+                    "ops/_triton_common.TRITON_NEEDS. Do not edit: regenerate with the command above.",
+           "triton": triton.__version__,
+           "smem_optin_bytes": {f"sm_{cc}": _optin(cc) for cc in OTHER_ARCHS},
+           "rows": sorted(merged.values(), key=key)}
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1)
+        f.write("\n")
+
+
+def load_arch_report(path: str = ARCH_REPORT) -> dict:
+    with open(path) as f:
+        return json.load(f)
+
+
+def _optin(cc: int) -> int:
+    from ..cuda.device import SMEM_OPTIN_BY_ARCH
+
+    return SMEM_OPTIN_BY_ARCH[cc]
+
+
+def _main(argv=None) -> None:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="Compile the Triton kernels ahead of time for further archs "
+                                                 "(bounded subset) and write bench/results/aot_archs.json")
+    parser.add_argument("--write-archs", action="store_true", help="merge the results into the committed report")
+    parser.add_argument("--archs", default=",".join(map(str, OTHER_ARCHS)), help="comma-separated, e.g. 75,120")
+    parser.add_argument("--workers", type=int, default=None)
+    parser.add_argument("--out", default=ARCH_REPORT, help="the report to merge into (default: the committed one)")
+    args = parser.parse_args(argv)
+    rows = compile_archs(tuple(int(a) for a in args.archs.split(",")), workers=args.workers)
+    for r in rows:
+        print(f"{r['arch']} {r['op']} {r['kernel']}: regs={r['regs']} smem={r['smem']} spill={r['spill']}"
+              + (f" ERROR {r['error']}" if r["error"] else ""))
+    if args.write_archs:
+        write_arch_report(rows, args.out)
+
+
+if __name__ == "__main__":
+    _main()

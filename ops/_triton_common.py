@@ -14,6 +14,7 @@ import os
 
 import torch
 
+from ..cuda import device as cuda_device
 from .dropkey_rule import MIX_M1, MIX_M2
 
 # Pin fp fusion (Triton 3.9 warns that its default flips in 3.10; the flip changes numerics).
@@ -36,13 +37,58 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
-def device_reasons(*tensors: torch.Tensor) -> list[str]:
-    """Why Triton cannot run on these tensors' device (empty list: it can)."""
+#: What each op's Triton kernels need from a GPU, from compiling every declared variant
+#: (bench/triton_variants.py) ahead of time with Triton 3.9 (bench/aot.py; the committed reports
+#: bench/results/aot_sm80.json, aot_sm90.json and aot_archs.json, which tests/test_triton_aot.py
+#: checks this table against). Per op: whether its dots use TF32 tensor cores (input_precision
+#: "tf32" / "tf32x3": sm_80 and newer; on sm_75 Triton lowers them to FMA loops that spill
+#: 0.2-4.4 KB per thread and need more shared memory than the 64 KB a T4 block may have), and the
+#: most shared memory (bytes) one block of any of its kernels asks for, per code-generation family.
+TRITON_NEEDS = {
+    "attention": (True, {80: 82944, 90: 98304, 100: 131104}),
+    "cema": (True, {80: 16384, 90: 16384, 100: 18432}),
+    "cema_kernel": (False, {75: 16384, 80: 16384, 90: 16384, 100: 16384}),
+    "dropkey_softmax": (False, {75: 128, 80: 128, 90: 128, 100: 128}),
+    "ema_hidden": (False, {75: 16384, 80: 16640, 90: 16640, 100: 16640}),
+    "fftconv": (True, {80: 16384, 90: 16384, 100: 18432}),
+    "rotary": (False, {75: 2048, 80: 2048, 90: 2048, 100: 2048}),
+    "timestep_norm": (False, {75: 4096, 80: 4096, 90: 4096, 100: 4096}),
+}
+#: Triton's code-generation family of each architecture: sm_86/87/89/120/121 get sm_80's pipelines
+#: (stages - 1 shared buffers, mma.sync) and the same shared memory figures; sm_103/110 get sm_100's.
+TRITON_FAMILY = {75: 75, 80: 80, 86: 80, 87: 80, 89: 80, 90: 90, 100: 100, 103: 100, 110: 100, 120: 80, 121: 80}
+#: the oldest architecture with TF32 tensor cores
+TF32_ARCH = 80
+
+
+def arch_reasons(op: str, device: torch.device) -> list[str]:
+    """Why ``op``'s Triton kernels cannot run on CUDA ``device`` (its capabilities from
+    cuda/device.py: real, or a faked profile), from :data:`TRITON_NEEDS`."""
+    caps = cuda_device.caps(device)
+    tf32, smem = TRITON_NEEDS[op]
+    family = TRITON_FAMILY.get(caps.arch)
+    if family is None:
+        return [f"{caps.name} ({caps.sm}): the {op} Triton kernels were not compiled and checked for this "
+                f"architecture (checked: {', '.join(f'sm_{a}' for a in TRITON_FAMILY)}); use backend='cuda' or 'torch'"]
+    if tf32 and caps.arch < TF32_ARCH:
+        return [f"{caps.name} ({caps.sm}) has no TF32 tensor cores: Triton compiles the {op} kernels' dots to "
+                f"FMA loops that spill registers and exceed its {caps.smem_per_block_optin} B of shared memory "
+                "per block; use backend='cuda' or 'torch'"]
+    need = smem.get(family)
+    if need is None or need > caps.smem_per_block_optin:
+        return [f"{caps.name} ({caps.sm}) allows {caps.smem_per_block_optin} B of shared memory per block; the {op} "
+                f"Triton kernels need up to {need} B there; use backend='cuda' or 'torch'"]
+    return []
+
+
+def device_reasons(*tensors: torch.Tensor, op: str | None = None) -> list[str]:
+    """Why Triton cannot run on these tensors' device (empty list: it can); with ``op``, also
+    whether that op's kernels fit the CUDA device (:func:`arch_reasons`)."""
     if not HAVE_TRITON:
         return ["triton is not installed: pip install triton"]
     dev = tensors[0].device
     if dev.type == "cuda":
-        return []
+        return arch_reasons(op, dev) if op is not None else []
     if dev.type == "cpu" and interpreting():
         return []
     return [f"tensors are on {dev.type}: Triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "

@@ -7,7 +7,12 @@ resources report bench/results/aot_sm*.json (most registers, ties by shared memo
 ``bench.aot.heaviest``); ``--stress`` compiles all of them, as does
 ``python -m megalodon_kernels.bench.resources --write``, which regenerates the report. The report
 cannot go stale silently: its variant list must equal the declared variants (checked without
-compiling)."""
+compiling).
+
+Further archs (sm_75, 86, 89, 100, 120: bench/results/aot_archs.json, a bounded subset per kernel) are
+the data behind ops/_triton_common.TRITON_NEEDS, which every Triton backend's not_supported_reasons
+reads for the tensors' device: the table must equal the compiled figures, and each GPU profile of
+cuda/device.py must run or refuse (with a reason naming its arch) what the table implies."""
 import pytest
 
 from megalodon_kernels.bench.aot import (REPORT_COMMAND, SMEM_LIMIT, TRITON_OPS, all_variants, compile_all, heaviest,
@@ -71,3 +76,122 @@ def test_variants_fit_shared_memory_and_do_not_spill(compiled, op):
         if r.spills:
             spills.append(f"{r.variant.label}: {r.local} B of local memory (spills) on sm_{r.cc}")
     assert not spills, spills
+
+
+# ------------------------------------------- further archs: what each GPU runs (ops/_triton_common)
+
+import importlib  # noqa: E402
+
+import torch  # noqa: E402
+
+from megalodon_kernels.bench.aot import OTHER_ARCHS, arch_subset, load_arch_report  # noqa: E402
+from megalodon_kernels.cuda import device as cuda_device  # noqa: E402
+from megalodon_kernels.ops import _triton_common  # noqa: E402
+
+
+def _rows_by(arch: str, op: str):
+    return [r for r in load_arch_report()["rows"] if r["arch"] == arch and r["op"] == op]
+
+
+def test_arch_report_covers_the_bounded_subset_of_every_arch():
+    """aot_archs.json holds, for every further arch, exactly the declared variants of arch_subset,
+    each compiled without error (it cannot go stale silently)."""
+    report = report_rows()
+    listed = {(r["arch"], r["op"], r["kernel"], r["label"]) for r in load_arch_report()["rows"]}
+    expected = set()
+    for op in TRITON_OPS:
+        variants = all_variants((op,))
+        expected |= {(f"sm_{cc}", *variants[i].ident) for i in arch_subset(variants, report) for cc in OTHER_ARCHS}
+    assert listed == expected, (f"bench/results/aot_archs.json is stale (regenerate: python -m "
+                                f"megalodon_kernels.bench.aot --write-archs); missing {sorted(expected - listed)[:3]}, "
+                                f"extra {sorted(listed - expected)[:3]}")
+    errors = [r for r in load_arch_report()["rows"] if r["error"]]
+    assert not errors, errors[:3]
+
+
+@pytest.mark.parametrize("op", TRITON_OPS)
+def test_triton_needs_table_is_the_compiled_data(op):
+    """TRITON_NEEDS[op]: per family the most shared memory of the op's compiled variants (sm_80 and
+    sm_90: every variant; the others: the bounded subset), and the TF32 rule as the sm_75 data shows it."""
+    tf32, smem = _triton_common.TRITON_NEEDS[op]
+    full = {cc: max(r["smem"] for r in load_report(cc)["rows"] if r["op"] == op) for cc in (80, 90)}
+    assert smem[80] == full[80] and smem[90] == full[90]
+    for arch, family in _triton_common.TRITON_FAMILY.items():
+        rows = _rows_by(f"sm_{arch}", op)
+        if not rows:
+            continue
+        if arch in (75, 100):
+            if not (arch == 75 and tf32):
+                assert smem[family] == max(r["smem"] for r in rows), f"sm_{arch}"
+        else:  # sm_86/89/120 are sm_80's family: no variant needs more than sm_80's figure
+            assert max(r["smem"] for r in rows) <= smem[family], f"sm_{arch}"
+    t4 = _rows_by("sm_75", op)
+    bad_on_t4 = [r for r in t4 if r["spill"] > 0 or r["smem"] > cuda_device.SMEM_OPTIN_BY_ARCH[75]]
+    # TF32 ops: the FMA lowering spills or overflows on sm_75; the others compile cleanly there
+    assert bool(bad_on_t4) == tf32, bad_on_t4[:2]
+    assert (75 in smem) == (not tf32)
+
+
+class _OnCuda:
+    """A CPU tensor that reports a CUDA device: what a backend's not_supported_reasons reads."""
+
+    device = torch.device("cuda", 0)
+    is_cuda = True
+
+    def __init__(self, t):
+        self._t = t
+
+    def __getattr__(self, name):
+        return getattr(self._t, name)
+
+
+def _inputs(op, dtype):
+    """Representative inputs of ``op``'s Triton not_supported_reasons, on a (faked) CUDA device."""
+    c = lambda *s, dt=dtype: _OnCuda(torch.zeros(*s, dtype=dt))  # noqa: E731
+    p, lq = c(8, 16, dt=torch.float32), c(8, 16, dt=torch.complex64)
+    return {
+        "attention": lambda: dict(q=c(2, 1024, 8, 128), k=c(2, 1024, 8, 128), v=c(2, 1024, 8, 128)),
+        "cema": lambda: dict(x=c(2, 8, 4096), p=p, log_q=lq, gamma=lq, omega=c(8), hx=None),
+        "cema_kernel": lambda: dict(p=p, log_q=lq, gamma=lq, length=4096, hx=None),
+        "dropkey_softmax": lambda: dict(scores=c(2, 8, 256, 256)),
+        "ema_hidden": lambda: dict(x=c(2, 8, 4096), p=p, log_q=lq, hx=None),
+        "fftconv": lambda: dict(x=c(2, 8, 4096), k=c(8, 4096, dt=torch.float32)),
+        "rotary": lambda: dict(x=c(2, 1024, 8, 128)),
+        "timestep_norm": lambda: dict(x=c(2, 1024, 256), num_groups=8),
+    }[op]()
+
+
+#: what the Triton backends run (True) or refuse per GPU: TF32 dots need sm_80+, every kernel's
+#: shared memory fits every other profile (docs/gpus.md, "Triton")
+RUNS = {name: {op: caps.arch >= 80 or not _triton_common.TRITON_NEEDS[op][0] for op in TRITON_OPS}
+        for name, caps in cuda_device.PROFILES.items()}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("profile", list(cuda_device.PROFILES))
+def test_each_gpu_profile_runs_or_refuses_with_a_reason(profile, dtype):
+    ran = {}
+    with cuda_device.faked(profile):
+        for op in TRITON_OPS:
+            module = importlib.import_module(f"megalodon_kernels.ops.{op}.triton_impl")
+            why = [w for w in module.not_supported_reasons(**_inputs(op, dtype))
+                   if "dtype" not in w]  # dtypes a backend never takes are not this test's subject
+            ran[op] = not why
+            if why:
+                assert any(cuda_device.PROFILES[profile].sm in w and "backend=" in w for w in why), why
+    assert ran == RUNS[profile]
+    assert not all(RUNS["T4"].values()) and all(RUNS["A10"].values())  # the table itself is not vacuous
+
+
+def test_a_device_with_less_shared_memory_refuses_with_both_figures():
+    """The shared-memory check reads the device (here an A100 cut to 64 KB per block)."""
+    small = cuda_device.with_smem(cuda_device.PROFILES["A100"], 65536)
+    with cuda_device.faked(small):
+        why = _triton_common.arch_reasons("attention", torch.device("cuda", 0))
+        assert why and "65536 B" in why[0] and "82944 B" in why[0]
+        assert _triton_common.arch_reasons("rotary", torch.device("cuda", 0)) == []
+    # per device: cuda:0 with 80 B per block, cuda:1 a plain A100
+    with cuda_device.faked("A100", index=1), \
+            cuda_device.faked(cuda_device.with_smem(cuda_device.PROFILES["A100"], 80), index=0):
+        assert _triton_common.arch_reasons("dropkey_softmax", torch.device("cuda", 0))  # 128 B > 80 B
+        assert not _triton_common.arch_reasons("dropkey_softmax", torch.device("cuda", 1))

@@ -73,7 +73,7 @@ LAPLACE_SIGMA = math.sqrt(1.0 / (4.0 * math.pi))
 
 
 def not_supported_reasons(q, k, v, **_) -> list[str]:
-    why = device_reasons(q) + dtype_reasons("q", q)
+    why = device_reasons(q, op="attention") + dtype_reasons("q", q)
     if q.dim() == 4 and q.shape[-1] > MAX_HEAD_DIM:
         why.append(f"head dim dh = {q.shape[-1]} > {MAX_HEAD_DIM} (one register tile); use backend='torch'")
     elif q.dim() == 4 and q.is_cuda and _exact(q.dtype) and q.shape[-1] > MAX_EXACT_HEAD_DIM:

@@ -61,7 +61,7 @@ MAX_N = N_TILES[-1]
 
 
 def not_supported_reasons(p=None, log_q=None, gamma=None, length=None, hx=None, **_) -> list[str]:
-    why = device_reasons(p)
+    why = device_reasons(p, op="cema_kernel")
     if p.shape[-1] > MAX_N:
         why.append(f"N = {p.shape[-1]} > {MAX_N} (the n tile is compiled for 16 and 32; use backend='torch')")
     if p.dtype != torch.float32:

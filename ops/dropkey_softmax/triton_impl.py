@@ -34,7 +34,7 @@ BLOCK_S_TIERS = (64, 512, 4096)
 
 
 def not_supported_reasons(scores) -> list[str]:
-    why = device_reasons(scores) + dtype_reasons("scores", scores)
+    why = device_reasons(scores, op="dropkey_softmax") + dtype_reasons("scores", scores)
     if not why and scores.numel() >= 2**31:
         why.append("scores has >= 2**31 elements (int32 row offsets); use backend='torch'")
     return why

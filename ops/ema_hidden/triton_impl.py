@@ -41,7 +41,7 @@ X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
 
 def not_supported_reasons(x=None, p=None, log_q=None, hx=None, **_) -> list[str]:
-    why = device_reasons(x) + dtype_reasons("x", x, X_DTYPES)
+    why = device_reasons(x, op="ema_hidden") + dtype_reasons("x", x, X_DTYPES)
     if p.shape[-1] > MAX_N:
         why.append(f"N = {p.shape[-1]} > {MAX_N} (the n tile is compiled for 16 and 32; use backend='torch')")
     if p.dtype != torch.float32:

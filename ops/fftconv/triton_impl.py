@@ -46,7 +46,7 @@ FFT_STAGES = 1
 
 
 def not_supported_reasons(x=None, k=None, **_) -> list[str]:
-    why = device_reasons(x) + dtype_reasons("x", x, X_DTYPES)
+    why = device_reasons(x, op="fftconv") + dtype_reasons("x", x, X_DTYPES)
     if k is not None:
         why += dtype_reasons("k", k, (torch.bfloat16, torch.float16, torch.float32))
     if x.shape[-1] > MAX_LENGTH:

@@ -19,7 +19,7 @@ DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(x) -> list[str]:
-    return device_reasons(x) + dtype_reasons("x", x)
+    return device_reasons(x, op="rotary") + dtype_reasons("x", x)
 
 
 if HAVE_TRITON:
@@ -32,7 +32,7 @@ if HAVE_TRITON:
         BLOCK_ROWS: tl.constexpr, BLOCK_PAIRS: tl.constexpr,
     ):
         o_r = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)  # row = b * L + l
-        o_p = (Y0 + tl.program_id(1)) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)  # pair = h * d/2 + j (Y0: grid_launches)
+        o_p = (Y0 + tl.program_id(1)) * BLOCK_PAIRS + tl.arange(0, BLOCK_PAIRS)  # pair = h * d/2 + j; Y0: grid_launches
         m = (o_r[:, None] < n_rows) & (o_p[None, :] < n_pairs)
         # [BR, BP] offsets of the pair's first feature in x (contiguous (B, L, H, d))
         p_x = x_ptr + o_r[:, None].to(tl.int64) * (2 * n_pairs) + 2 * o_p[None, :]

@@ -55,7 +55,7 @@ MIN_T = 4
 
 
 def not_supported_reasons(x, num_groups=None) -> list[str]:
-    why = device_reasons(x) + dtype_reasons("x", x)
+    why = device_reasons(x, op="timestep_norm") + dtype_reasons("x", x)
     if num_groups and x.dim() == 3 and x.shape[2] // num_groups > BLOCK_D_TIERS[-1]:
         why.append(f"group size D / G = {x.shape[2] // num_groups} > {BLOCK_D_TIERS[-1]}; use backend='torch' "
                    "or more groups")
