@@ -37,21 +37,23 @@ F32, BF16, F16, F64 = torch.float32, torch.bfloat16, torch.float16, torch.float6
 #: over every backend that ran it: torch and cpu on the CPU, Triton in its interpreter with tl.dot
 #: rounded like the tensor cores (tests/device_model.py: tf32 / tf32x3 per input_precision), CUDA
 #: in the SIMT emulator (FMA contraction, the device math library's documented error bounds).
-#: Measured 2026-11-27 with ``python -m megalodon_kernels`` plus those two runs
-#: (docs/verification.md, "The self-check's budgets"). In bf16/fp16 "forward" includes
-#: ema_hidden's h, whose dtype is the coefficients' (complex64): hence its fp32-sized figure.
+#: Measured 2026-11-27 by :func:`run_checks` on the CPU three ways: as it is (torch, cpu), with
+#: TRITON_INTERPRET=1 under ``python tests/device_model.py`` (Triton), and after
+#: ``bench.emulated_cuda.install()`` (CUDA); docs/verification.md, "The self-check's budgets".
+#: In bf16/fp16 "forward" includes ema_hidden's h, whose dtype is the coefficients' (complex64):
+#: hence its fp32-sized figure.
 MEASURED = {
     "cema_kernel": {F32: (1.2e-07, 3.2e-07), F64: (2.4e-15, 2.1e-15)},
     "ema_hidden": {F32: (6.5e-08, 1.5e-07), BF16: (8.4e-08, 3.1e-03), F16: (7.0e-08, 3.2e-04),
                    F64: (5.6e-16, 5.6e-16)},
     "fftconv": {F32: (2.0e-07, 2.3e-07), BF16: (2.3e-03, 2.6e-03), F16: (3.3e-04, 2.1e-04), F64: (3.9e-16, 4.7e-16)},
     "cema": {F32: (1.1e-07, 2.4e-07), BF16: (2.4e-03, 3.3e-03), F16: (3.0e-04, 4.0e-04), F64: (2.3e-15, 5.5e-15)},
-    "timestep_norm": {F32: (2.8e-07, 4.9e-07), BF16: (2.1e-03, 3.4e-03), F16: (2.5e-04, 3.6e-04),
+    "timestep_norm": {F32: (2.8e-07, 5.0e-07), BF16: (2.1e-03, 3.4e-03), F16: (2.5e-04, 3.6e-04),
                       F64: (4.2e-15, 5.6e-15)},
     "attention": {F32: (4.3e-07, 4.2e-07), BF16: (3.6e-03, 3.2e-03), F16: (3.6e-04, 3.8e-04), F64: (8.2e-16, 4.0e-16)},
     "dropkey_softmax": {F32: (2.0e-07, 5.5e-07), BF16: (1.9e-03, 4.5e-03), F16: (2.4e-04, 5.0e-04),
                         F64: (4.4e-16, 7.6e-16)},
-    "rotary": {F32: (7.6e-08, 5.4e-08), BF16: (1.9e-03, 1.9e-03), F16: (2.4e-04, 2.3e-04), F64: (1.1e-16, 1.1e-16)},
+    "rotary": {F32: (9.3e-08, 7.7e-08), BF16: (2.3e-03, 2.2e-03), F16: (3.0e-04, 3.0e-04), F64: (2.0e-16, 2.7e-16)},
 }
 
 #: What a GPU computes less accurately than the models above, per (backend, dtype): added to the
