@@ -165,7 +165,11 @@ class _RMSNormFn(torch.autograd.Function):
         r = torch.linalg.vector_norm(x, dim=-1, keepdim=True).square_().div_(d).add_(eps).rsqrt_()
         y = x * r
         if s is not None:
-            y.mul_(s)
+            # In place saves a (rows, D) allocation in eager. Under torch.compile it saves nothing
+            # (inductor fuses the two multiplies) and torch 2.11's dynamo returns zero gradients for
+            # every input of a Function whose forward mutates its own output (2.13 does not), so
+            # the compiled form multiplies out of place.
+            y = y * s if torch.compiler.is_compiling() else y.mul_(s)
         ctx.save_for_backward(x, r, s)
         return y
 

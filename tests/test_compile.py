@@ -391,7 +391,8 @@ BAD_CALLS = [
 def test_bad_inputs_raise_the_eager_errors_under_compile(call, exc, match):
     """torch.compile raises the eager error itself (type and message). With fullgraph=True dynamo
     reports any exception raised while tracing as torch._dynamo.exc.Unsupported ("Observed
-    exception"), which names the original one."""
+    exception"), which names the original one: its type and message (torch 2.13 writes
+    ``ValueError('msg')``, torch 2.11 ``ValueError([ConstantVariable(str: 'msg')])``)."""
     x = torch.randn(2, 3, 11)
     with pytest.raises(exc, match=match) as eager:
         call(x)
@@ -401,7 +402,8 @@ def test_bad_inputs_raise_the_eager_errors_under_compile(call, exc, match):
     torch._dynamo.reset()
     with pytest.raises(torch._dynamo.exc.Unsupported) as strict:
         torch.compile(call, fullgraph=True, backend="aot_eager")(x)
-    assert f"{type(eager.value).__name__}({str(eager.value)!r})" in str(strict.value)
+    message = str(strict.value)
+    assert f"{type(eager.value).__name__}(" in message and str(eager.value) in message, message
 
 
 def test_bad_values_raise_at_run_time_under_compile():
