@@ -84,7 +84,10 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     ("rotary", "triton", F32): (9.48e-08, 9.25e-08),
     ("timestep_norm", "cpu", F32): (5.49e-08, 3.06e-06),  # dscale 3.1e-6 at G = D = 60 without a prior
     ("timestep_norm", "cpu", F64): (1.60e-13, 2.50e-13),
-    ("timestep_norm", "cuda", F32): (4.37e-06, 4.57e-06),  # as torch (mean 4.4e-6 at L150-D12-G3, dx 4.6e-6 at G = D)
+    # as torch (mean 4.4e-6 at L150-D12-G3, dx 4.6e-6 at G = D). Since 69216b4 (scaled backward
+    # carries) test_cuda_kernels[L129_G_eq_D] dx is 7.5e-6 (was 1.8e-6): within this budget (1.5e-5)
+    # but not yet explained; left here, not folded into the figure, until it is
+    ("timestep_norm", "cuda", F32): (4.37e-06, 4.57e-06),
     ("timestep_norm", "cuda", F64): (1.53e-13, 2.64e-13),
     # mean 2e-6: a zero-mean case's running mean is small, its norm-wise error is not; dx 3.4e-6:
     # G = D without a prior (one channel per group, the first steps' variance over 1-2 values)
