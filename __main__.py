@@ -7,6 +7,11 @@ per check of every op x usable backend x dtype against its float64 NumPy referen
 backward (op, backend, device, dtype, pass, max abs and relative error). Exit code 1 if any check
 fails.
 
+A torch or Triton outside the tested range (``_versions.py``: torch 2.11-2.13, Triton 3.6-3.9),
+or a combination known to fail, is listed after the versions with the reason and the fix; the
+self-check still runs (it shows what works), a crash of it is reported as such, and the exit code
+is 1.
+
 The cases live in ``selfcheck.py``; this file only reports.
 """
 from __future__ import annotations
@@ -50,6 +55,34 @@ def _versions() -> list[tuple[str, str]]:
         compiler = "no NVRTC"
     rows.append(("cuda runtime", f"{compiler}; " + (f"unavailable: {reason}" if reason else "available")))
     return rows
+
+
+def version_problems() -> list[str]:
+    """What is unsupported about the running torch / Triton / NumPy (``_versions.problems``).
+    Triton's version comes from its installed metadata: a Triton that fails to import still has one."""
+    from importlib import metadata
+
+    import numpy
+    import torch
+
+    from ._versions import problems
+
+    try:
+        triton_version = metadata.version("triton")
+    except metadata.PackageNotFoundError:
+        triton_version = None
+    return problems(torch.__version__, triton_version, numpy.__version__,
+                    os.environ.get("TRITON_INTERPRET", "0") == "1")
+
+
+def problem_lines(found) -> list[str]:
+    from ._versions import TORCH_TESTED, TRITON_TESTED
+
+    span = lambda r: "-".join(".".join(map(str, v)) for v in r)  # noqa: E731
+    lines = [f"unsupported (tested: torch {span(TORCH_TESTED)}, triton {span(TRITON_TESTED)})"]
+    for p in found:
+        lines.append(textwrap.fill(p, width=100, initial_indent="  - ", subsequent_indent="    "))
+    return lines + [""]
 
 
 def cell_reasons(seen) -> list[str]:
@@ -118,19 +151,32 @@ def check_lines(rows) -> list[str]:
 
 
 def main() -> int:
-    from .selfcheck import CASES, dtype_name, run_checks
-
+    unsupported = version_problems()
     print("megalodon_kernels self-check\n")
     for name, value in _versions():
         print(f"  {name:<18} {value}")
     print()
-    rows, availability = run_checks()
+    if unsupported:
+        print("\n".join(problem_lines(unsupported)))
+    try:
+        from .selfcheck import CASES, dtype_name, run_checks
+
+        rows, availability = run_checks()
+    except Exception as exc:
+        if not unsupported:
+            raise
+        # on an unsupported version a crash is expected; its reason is printed above
+        print(f"the self-check could not run: {type(exc).__name__}: {exc}")
+        print(f"{len(unsupported)} unsupported version(s): see above")
+        return 1
     claimed = {op: [dtype_name(d) for d in dtypes] for op, (dtypes, _) in CASES.items()}
     print("\n".join(availability_lines(availability, claimed)))
     print("\n".join(check_lines(rows)))
     failed = sum(not r.passed for r in rows)
     print(f"\n{len(rows) - failed} passed, {failed} failed")
-    return 1 if failed else 0
+    if unsupported:
+        print(f"{len(unsupported)} unsupported version(s): see above")
+    return 1 if failed or unsupported else 0
 
 
 if __name__ == "__main__":
