@@ -619,9 +619,12 @@ def test_triton_fp32_dots_are_fp32_accurate_and_tiled_for_it():
     from types import SimpleNamespace
     fake = lambda dh: SimpleNamespace(device=torch.device("cuda"), is_cuda=True, dtype=torch.float32,  # noqa: E731
                                       shape=(1, 4, 2, dh), dim=lambda: 4)
-    why = triton_impl.not_supported_reasons(fake(256), fake(256), fake(256))
-    assert len(why) == 1 and "dh = 256 > 128" in why[0] and "float32 q" in why[0]
-    assert triton_impl.not_supported_reasons(fake(128), fake(128), fake(128)) == []
+    from megalodon_kernels.cuda import device as cuda_device
+
+    with cuda_device.faked("A100"):  # the backend reads the tensors' GPU, of which there is none here
+        why = triton_impl.not_supported_reasons(fake(256), fake(256), fake(256))
+        assert len(why) == 1 and "dh = 256 > 128" in why[0] and "float32 q" in why[0]
+        assert triton_impl.not_supported_reasons(fake(128), fake(128), fake(128)) == []
 
 
 # ---------------------------------------------------------------------------------------------

@@ -470,12 +470,16 @@ class FftconvBackend(_Backend):
         elif k.dtype == torch.float64 and x.dtype != torch.float64:
             reasons.append(f"a float64 k needs float64 x for the CUDA kernels (they compute in x's precision), "
                            f"got x {x.dtype} (use backend='torch')")
-        if reasons or x.dim() != 3:
+        if x.dim() != 3:
             return reasons
         # one block per row up to the length whose N complex values fit the device's shared memory
         # (16384 / 8192 in float64 with 128 KiB or more, half that below), the multi-pass four-step
-        # FFT above, up to 2^27 (2^25 in float64; 2^25 / 2^23 with less than 128 KiB per block)
-        caps = self.caps(x)
+        # FFT above, up to 2^27 (2^25 in float64; 2^25 / 2^23 with less than 128 KiB per block).
+        # Reported beside the other reasons, so one error names every fix.
+        try:
+            caps = self.caps(x)
+        except Exception:  # a CUDA tensor without a usable device: the reasons above say why
+            return reasons
         why = config_reason(caps, x.shape[-1], x.dtype)
         if why is not None:
             log2 = max_log2(real_of(x.dtype), caps)
