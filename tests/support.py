@@ -10,6 +10,7 @@ import contextlib
 import importlib
 import math
 import os
+import subprocess
 import sys
 from typing import NamedTuple
 
@@ -401,3 +402,31 @@ def finite_difference_grad(loss, args: dict, name: str, step: float = 1e-6) -> n
                 vals.append(loss({**args, name: pert}))
             grad[idx] += unit * (vals[0] - vals[1]) / (2 * step)
     return grad
+
+
+# --- multi-process tests (chunk parallelism, FSDP2): one worker process per rank -----------------
+
+def start_ranks(argvs: list[list[str]]) -> list[subprocess.Popen]:
+    """One Python process per rank, ``python *argv``, one intra-op thread each (the ranks share
+    the cores), stdout and stderr captured together."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    return [subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                             text=True) for argv in argvs]
+
+
+@contextlib.contextmanager
+def ranks_finished(procs: list[subprocess.Popen], timeout: float = 150):
+    """Around the parent's own work while the ranks run (the reference, say): then waits for every
+    rank and asserts each exited 0, showing the failed rank's output; a rank still running after
+    an error or the timeout is killed, so no worker outlives the test."""
+    outs = []
+    try:
+        yield
+        outs.extend(p.communicate(timeout=timeout)[0] for p in procs)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.communicate()
+    for r, (p, out) in enumerate(zip(procs, outs)):
+        assert p.returncode == 0, f"rank {r} failed:\n{out[-6000:]}"

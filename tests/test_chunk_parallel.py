@@ -9,13 +9,13 @@ compares logits, loss and every parameter gradient, in float64 and float32.
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
 import torch.nn.functional as F
+from support import ranks_finished, start_ranks
 
 B, CHUNK = 2, 8
 CHUNKS_PER_RANK = 3
@@ -91,25 +91,12 @@ def _make_case(name, tmpdir):
 
 def _run_world(world, tmpdir):
     names = list(CASES)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.perf_counter()
     # start the workers first: their start-up overlaps the reference runs; they wait for "ready"
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), str(world), tmpdir, ",".join(names)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(world)]
-    outs = []
-    try:
+    procs = start_ranks([[__file__, "--worker", str(r), str(world), tmpdir, ",".join(names)] for r in range(world)])
+    with ranks_finished(procs):
         refs = {n: _make_case(n, tmpdir) for n in names}
         open(os.path.join(tmpdir, "ready"), "w").close()
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out}"
     results = {n: [torch.load(os.path.join(tmpdir, f"{n}.rank{r}.pt"), weights_only=False) for r in range(world)]
                for n in names}
     return refs, results, time.perf_counter() - t0

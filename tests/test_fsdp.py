@@ -18,7 +18,6 @@ fused residual sums reshape a 2-D GEMM output back to (B, L, D) (model/layers.py
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 import warnings
@@ -26,6 +25,7 @@ import warnings
 import pytest
 import torch
 import torch.nn.functional as F
+from support import ranks_finished, start_ranks
 
 WORLD = 2
 B, L = 4, 32  # global batch (B sequences of L + 1 tokens); each rank takes B / WORLD
@@ -133,23 +133,11 @@ def _reference(tmpdir):
 
 def test_fully_shard_two_gloo_ranks_equals_one_process(tmp_path):
     tmpdir = str(tmp_path)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     t0 = time.perf_counter()
     # the workers start first: their imports overlap the reference run; they wait for "ready"
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), tmpdir], env=env,
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(WORLD)]
-    outs = []
-    try:
+    procs = start_ranks([[__file__, "--worker", str(r), tmpdir] for r in range(WORLD)])
+    with ranks_finished(procs):
         ref_loss, ref_grads = _reference(tmpdir)
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out[-6000:]}"
     print(f"\n2-rank FSDP2 launch: {time.perf_counter() - t0:.1f} s wall")
     results = [torch.load(os.path.join(tmpdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     for r, res in enumerate(results):

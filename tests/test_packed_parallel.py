@@ -10,12 +10,12 @@ unused), a rank boundary on a document start, unequal slices, learnable priors, 
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 import time
 
 import pytest
 import torch
+from support import ranks_finished, start_ranks
 
 CHUNK = 8
 VOCAB = 40
@@ -76,24 +76,11 @@ def _make_case(name, tmpdir):
 def runs(tmp_path_factory):
     tmpdir = str(tmp_path_factory.mktemp("packed_cp"))
     names = list(CASES)
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     # start the workers first: their start-up overlaps the reference runs; they wait for "ready"
-    procs = [subprocess.Popen([sys.executable, __file__, "--worker", str(r), tmpdir, ",".join(names)],
-                              env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-             for r in range(WORLD)]
-    outs = []
-    try:
+    procs = start_ranks([[__file__, "--worker", str(r), tmpdir, ",".join(names)] for r in range(WORLD)])
+    with ranks_finished(procs):
         refs = {n: _make_case(n, tmpdir) for n in names}
         open(os.path.join(tmpdir, "ready"), "w").close()
-        for p in procs:
-            outs.append(p.communicate(timeout=150)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.communicate()
-    for r, (p, out) in enumerate(zip(procs, outs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{out}"
     results = {n: [torch.load(os.path.join(tmpdir, f"{n}.rank{r}.pt"), weights_only=False) for r in range(WORLD)]
                for n in names}
     return refs, results
