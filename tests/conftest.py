@@ -65,7 +65,7 @@ def _poisoned(factory):
     def make(*args, **kwargs):
         t = factory(*args, **kwargs)
         if t.is_floating_point() or t.is_complex():
-            t.fill_(float("nan"))
+            t.detach().fill_(float("nan"))  # detach: torch 2.11's checkpoint allocates a leaf that requires grad
         return t
 
     return make
