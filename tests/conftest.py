@@ -231,3 +231,19 @@ def _record_launches(mod):
         fn = getattr(mod, name)
         if callable(fn) and not name.startswith(("_", "emulator_")):
             setattr(mod, name, recording(name, fn))
+
+
+@pytest.fixture
+def autotune_dirs(tmp_path, monkeypatch):
+    """An empty autotune user cache dir and an empty shipped-tables dir, both under tmp_path, for
+    the tests of the tables (the real ones are neither read nor written)."""
+    from megalodon_kernels.autotune import cache
+
+    user, shipped = tmp_path / "user", tmp_path / "shipped"
+    user.mkdir()
+    shipped.mkdir()
+    monkeypatch.setenv(cache.ENV_CACHE, str(user))
+    monkeypatch.setattr(cache, "SHIPPED_DIR", shipped)
+    cache.refresh()
+    yield user, shipped
+    cache.refresh()

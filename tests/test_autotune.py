@@ -75,19 +75,6 @@ def fake_op():
     registry.unregister(OP)
 
 
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    """An empty user cache dir and an empty shipped dir, both under tmp_path."""
-    user, shipped = tmp_path / "user", tmp_path / "shipped"
-    user.mkdir()
-    shipped.mkdir()
-    monkeypatch.setenv(cache.ENV_CACHE, str(user))
-    monkeypatch.setattr(cache, "SHIPPED_DIR", shipped)
-    cache.refresh()
-    yield user, shipped
-    cache.refresh()
-
-
 def candidate(backend, config, status="ok", median=1e-3):
     ok = status == "ok"
     return {"backend": backend, "config": config, "status": status, "note": "", "error": 1e-8 if ok else None,
@@ -118,8 +105,8 @@ def dump(path, obj):
 KEY = {"D": 8, "L": 512}
 
 
-def test_lookup_returns_the_winner(fake_op, dirs):
-    user, _ = dirs
+def test_lookup_returns_the_winner(fake_op, autotune_dirs):
+    user, _ = autotune_dirs
     dump(user / "t.json", table(IDENT, entry(KEY, {"block": 32}, extra=[candidate("cuda", {"warps": 8}, median=2e-3)])))
     assert cache.lookup(OP, IDENT, torch.float32, KEY) == ("torch", {"block": 32})
     assert cache.lookup(OP, IDENT, "float32", KEY) == ("torch", {"block": 32})
@@ -132,16 +119,16 @@ def test_lookup_returns_the_winner(fake_op, dirs):
     assert cache.lookup("not_registered", IDENT, torch.float32, KEY) is None
 
 
-def test_user_dir_overrides_shipped(fake_op, dirs):
-    user, shipped = dirs
+def test_user_dir_overrides_shipped(fake_op, autotune_dirs):
+    user, shipped = autotune_dirs
     dump(shipped / "t.json", table(IDENT, entry(KEY, {"block": 16}), entry({"D": 8, "L": 64}, {"block": 64})))
     dump(user / "t.json", table(IDENT, entry(KEY, {"block": 32})))
     assert cache.lookup(OP, IDENT, torch.float32, KEY) == ("torch", {"block": 32})
     assert cache.lookup(OP, IDENT, torch.float32, {"D": 8, "L": 64}) == ("torch", {"block": 64})
 
 
-def test_foreign_device_table_ignored(fake_op, dirs):
-    user, shipped = dirs
+def test_foreign_device_table_ignored(fake_op, autotune_dirs):
+    user, shipped = autotune_dirs
     dump(user / "gpu.json", table(OTHER, entry(KEY, {"block": 64})))
     dump(user / "other-cpu.json", table({**IDENT, "cores": 64}, entry(KEY, {"block": 64})))
     with warnings.catch_warnings():
@@ -202,8 +189,8 @@ BAD_TABLES = {
 
 
 @pytest.mark.parametrize("name", list(BAD_TABLES))
-def test_bad_table_skipped_with_one_warning(fake_op, dirs, name):
-    user, shipped = dirs
+def test_bad_table_skipped_with_one_warning(fake_op, autotune_dirs, name):
+    user, shipped = autotune_dirs
     (user / "bad.json").write_text(BAD_TABLES[name])
     dump(shipped / "good.json", table(IDENT, entry(KEY, {"block": 16})))
     with warnings.catch_warnings(record=True) as seen:
@@ -228,8 +215,8 @@ def test_valid_table_passes_validation():
     {"block": 32, "unroll": 2},    # a knob the space does not declare
     {},                            # a knob missing
 ], ids=["value", "float-for-int", "bool", "extra-knob", "missing-knob"])
-def test_out_of_space_config_rejected(fake_op, dirs, config):
-    user, shipped = dirs
+def test_out_of_space_config_rejected(fake_op, autotune_dirs, config):
+    user, shipped = autotune_dirs
     dump(user / "t.json", table(IDENT, entry(KEY, config)))
     dump(shipped / "t.json", table(IDENT, entry(KEY, {"block": 16})))
     with warnings.catch_warnings(record=True) as seen:
@@ -240,8 +227,8 @@ def test_out_of_space_config_rejected(fake_op, dirs, config):
     assert len([w for w in seen if "rejecting entry" in str(w.message)]) == 1
 
 
-def test_unknown_backend_in_table_rejected(fake_op, dirs):
-    user, _ = dirs
+def test_unknown_backend_in_table_rejected(fake_op, autotune_dirs):
+    user, _ = autotune_dirs
     dump(user / "t.json", table(IDENT, entry(KEY, {"block": 32}, backend="triton")))
     with pytest.warns(cache.AutotuneWarning, match="not declared"):
         assert cache.lookup(OP, IDENT, torch.float32, KEY) is None
@@ -328,8 +315,8 @@ def test_tuner_checks_before_timing_and_wrong_never_wins(fake_op):
     assert any(b == 2 for b, _, _, cfg in RUNS if cfg == {"block": 32})
 
 
-def test_same_bucket_is_not_tuned_again(fake_op, dirs):
-    user, _ = dirs
+def test_same_bucket_is_not_tuned_again(fake_op, autotune_dirs):
+    user, _ = autotune_dirs
     entries = tuner.tune_op(OP, SHAPES, [torch.float32], "cpu", budget_s=0.01)
     # L=300 and L=500 share the bucket 512 (and B differs): one entry; L=600 is the bucket 1024.
     assert set(entries) == {cache.entry_id(OP, "float32", {"D": 8, "L": 512}),
@@ -433,7 +420,7 @@ def test_harness_whose_inputs_drift_from_the_dispatch_is_refused(fake_op):
 
 # --- the dispatcher and the CLI ---------------------------------------------------------------------------
 
-def test_auto_picks_the_table_winner(fake_op, dirs, monkeypatch):
+def test_auto_picks_the_table_winner(fake_op, autotune_dirs, monkeypatch):
     from megalodon_kernels.ops._dispatch import OpBackends
 
     for backend in ("torch", "cuda"):
@@ -442,7 +429,7 @@ def test_auto_picks_the_table_winner(fake_op, dirs, monkeypatch):
         mod.not_supported_reasons = lambda x: []
         monkeypatch.setitem(sys.modules, mod.__name__, mod)
     backends = OpBackends(OP, {"torch": "mk_fake_torch", "cuda": "mk_fake_cuda"})
-    user, _ = dirs
+    user, _ = autotune_dirs
     ident = cache.identity("cpu")
     dump(user / "t.json", table(ident, entry(KEY, {"block": 32})))
     x = torch.zeros(1, 512, 8)
@@ -458,11 +445,11 @@ def test_auto_picks_the_table_winner(fake_op, dirs, monkeypatch):
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without a GPU")
 @pytest.mark.parametrize("shape_set", ["a100", "h100"])
-def test_gpu_set_refused_without_gpu(shape_set, dirs, capsys):
+def test_gpu_set_refused_without_gpu(shape_set, autotune_dirs, capsys):
     assert cli(["regenerate", "--shapes", shape_set]) == 2
     out = capsys.readouterr().out
     assert "refusing" in out and "CUDA GPU" in out
-    assert not any(dirs[0].iterdir())
+    assert not any(autotune_dirs[0].iterdir())
 
 
 def test_shape_sets():
@@ -502,13 +489,13 @@ def test_interleaved_timing_cuts_hopeless_candidates_and_records_failures():
 
 # --- end to end with the real rotary op ------------------------------------------------------------
 
-def test_rotary_regenerate_show_verify_clear(dirs, capsys, monkeypatch):
+def test_rotary_regenerate_show_verify_clear(autotune_dirs, capsys, monkeypatch):
     from megalodon_kernels.autotune import shapes
     from megalodon_kernels.ops import rotary  # noqa: F401  (registers the op)
 
     rotary_registered = registry.get("rotary")
     assert rotary_registered is not None and rotary_registered.harness is None  # the tuner finds its module
-    user, _ = dirs
+    user, _ = autotune_dirs
     small = shapes.ShapeSet("cpu", "cpu", D=8, N=2, G=2, H=2, dz=8, dv=8, chunk=16, lengths=(24, 31), tokens=48,
                             dtypes=("float32",))
     monkeypatch.setitem(shapes.SHAPE_SETS, "cpu", small)

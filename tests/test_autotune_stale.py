@@ -55,18 +55,6 @@ def fake_op():
     registry.unregister(OP)
 
 
-@pytest.fixture
-def dirs(tmp_path, monkeypatch):
-    user, shipped = tmp_path / "user", tmp_path / "shipped"
-    user.mkdir()
-    shipped.mkdir()
-    monkeypatch.setenv(cache.ENV_CACHE, str(user))
-    monkeypatch.setattr(cache, "SHIPPED_DIR", shipped)
-    cache.refresh()
-    yield user, shipped
-    cache.refresh()
-
-
 def entry(key, block, *, measured_over=OLD_SPACE, device_type="cpu"):
     """An entry whose winner is torch {"block": block}, measured over ``measured_over`` (None: an
     entry written before entries recorded their candidate set)."""
@@ -91,8 +79,8 @@ def stale_lines(caplog):
             if r.name == "megalodon_kernels" and "not measured over today's" in r.getMessage()]
 
 
-def test_entry_measured_over_todays_candidates_is_used(fake_op, dirs, caplog):
-    user, _ = dirs
+def test_entry_measured_over_todays_candidates_is_used(fake_op, autotune_dirs, caplog):
+    user, _ = autotune_dirs
     ident = cache.identity("cpu")
     write(user / "t.json", ident, entry(KEY, 32))
     with caplog.at_level(logging.INFO, logger="megalodon_kernels"):
@@ -112,8 +100,8 @@ def _fake_backends(monkeypatch):
     return OpBackends(OP, {"torch": "mk_stale_torch", "cpu": "mk_stale_cpu"})
 
 
-def test_a_new_candidate_makes_the_old_entry_untrusted(fake_op, dirs, monkeypatch, caplog):
-    user, _ = dirs
+def test_a_new_candidate_makes_the_old_entry_untrusted(fake_op, autotune_dirs, monkeypatch, caplog):
+    user, _ = autotune_dirs
     backends = _fake_backends(monkeypatch)
     write(user / "t.json", cache.identity("cpu"), entry(KEY, 32))
     x = torch.zeros(1, 300, 8)
@@ -138,8 +126,8 @@ def test_a_new_candidate_makes_the_old_entry_untrusted(fake_op, dirs, monkeypatc
     assert cache.lookup(OP, x.device, x.dtype, KEY) == ("torch", {"block": 32})
 
 
-def test_a_stale_user_entry_falls_through_to_a_fresh_shipped_one(fake_op, dirs, caplog):
-    user, shipped = dirs
+def test_a_stale_user_entry_falls_through_to_a_fresh_shipped_one(fake_op, autotune_dirs, caplog):
+    user, shipped = autotune_dirs
     ident = cache.identity("cpu")
     register(NEW_SPACE)
     write(user / "t.json", ident, entry(KEY, 32, measured_over=OLD_SPACE))
@@ -203,8 +191,8 @@ def test_triton_release_matters_on_cuda_only(fake_op, monkeypatch):
         cache._today_memo.clear()
 
 
-def test_an_entry_without_a_recorded_candidate_set_is_stale(fake_op, dirs, capsys):
-    user, _ = dirs
+def test_an_entry_without_a_recorded_candidate_set_is_stale(fake_op, autotune_dirs, capsys):
+    user, _ = autotune_dirs
     ident = cache.identity("cpu")
     path = user / cache.table_name(ident)
     write(path, ident, entry(KEY, 32, measured_over=None), entry({"D": 8, "L": 64}, 16))
@@ -216,7 +204,7 @@ def test_an_entry_without_a_recorded_candidate_set_is_stale(fake_op, dirs, capsy
     print(out)
     assert "STALE, not used: no candidate set recorded" in out
     assert out.count("STALE, not used") == 1  # the fresh entry is not flagged
-    assert f"1 of 2 entries are STALE" in out and f"regenerate --shapes cpu --ops {OP}" in out
+    assert "1 of 2 entries are STALE" in out and f"regenerate --shapes cpu --ops {OP}" in out
 
     assert cli(["verify"]) == 1  # a stale entry is a problem: `auto` does not use what the table says
     out = capsys.readouterr().out
@@ -226,8 +214,8 @@ def test_an_entry_without_a_recorded_candidate_set_is_stale(fake_op, dirs, capsy
     assert "2 entries, 1 problem(s) (1 stale)" in out
 
 
-def test_show_and_verify_flag_an_entry_after_a_candidate_is_added(fake_op, dirs, capsys):
-    user, _ = dirs
+def test_show_and_verify_flag_an_entry_after_a_candidate_is_added(fake_op, autotune_dirs, capsys):
+    user, _ = autotune_dirs
     ident = cache.identity("cpu")
     write(user / cache.table_name(ident), ident, entry(KEY, 32))
     assert cli(["verify"]) == 0 and "0 problem(s)" in capsys.readouterr().out
