@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # One bounded GPU session on a machine with its own torch / Triton / CuPy and no network, run from the
-# checkout with the header wheels in .whl/ (shared/gpu/wheels.sh plus nvidia-cuda-cccl==13.0.*):
+# checkout with the header wheels in .whl/, fetched beforehand on a machine with network:
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 --platform manylinux_2_17_x86_64 \
+#     -d .whl nvidia-cutlass==4.2.0.0 nvidia-cuda-cccl==13.0.85
 #   OUT=dir bash bench/gpu_session.sh
 # Installs the wheels into /tmp/mk-site, imports the checkout as megalodon_kernels through a link (no
 # build), compiles every CUDA kernel for the device in parallel (bench/nvrtc_warm.py), then runs the
