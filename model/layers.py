@@ -120,8 +120,12 @@ class TimestepNorm(nn.Module):
     def initial_state(self, n: int, dtype: torch.dtype):
         """The prior state of n sequences (or documents): count int64 (n,), mean and var r(n G)
         in ``dtype`` (the statistics' dtype: float32, or float64 for float64 inputs)."""
-        return (self.prior_count.expand(n).contiguous(), self.prior_mean.to(dtype).expand(n, -1).contiguous(),
-                self.prior_logv.to(dtype).exp().expand(n, -1).contiguous())
+        # fresh tensors, never views of the buffers (expand(1).contiguous() would be one): a
+        # streaming cache updates them in place
+        fresh = torch.contiguous_format
+        return (self.prior_count.expand(n).clone(memory_format=fresh),
+                self.prior_mean.to(dtype).expand(n, -1).clone(memory_format=fresh),
+                self.prior_logv.to(dtype).exp().expand(n, -1).clone(memory_format=fresh))
 
     def forward(self, x: torch.Tensor, prev_count: Optional[torch.Tensor] = None,
                 prev_mean: Optional[torch.Tensor] = None, prev_var: Optional[torch.Tensor] = None,
@@ -359,6 +363,21 @@ class ComplexEMA(nn.Module):
 # Moving-average gated attention (the "mega" sub-layer)
 
 
+def _incoming(state: LayerState):
+    """(count, mean, var, hx complex) to start a call from. With autograd on, copies: the ops save
+    their inputs for the backward, and the state is overwritten in place after the call."""
+    ts = (state.norm_count, state.norm_mean, state.norm_var, state.hx)
+    if torch.is_grad_enabled():
+        ts = tuple(t.clone() for t in ts)
+    return ts[:3] + (torch.view_as_complex(ts[3]),)
+
+
+def _row_view(state: LayerState, b: int) -> LayerState:
+    """Row b of a filled state as views (in-place updates reach the batch's tensors)."""
+    return LayerState(**{name: getattr(state, name)[b:b + 1] for name in
+                         ("k", "v", "length", "norm_count", "norm_mean", "norm_var", "hx")})
+
+
 class MegalodonAttention(nn.Module):
     """Upstream's MovingAverageGatedAttention (docs/math.md, model); state_dict names ``timenorm.*``,
     ``cema.*``, ``rmsnorm.weight``, ``wv``, ``wz``, ``wr``, ``wh1``, ``wh2``, ``gamma``, ``beta``.
@@ -414,27 +433,110 @@ class MegalodonAttention(nn.Module):
         of a slice starting on a chunk boundary, one per sequence (with ``cu_seqlens``: one per
         document, leading size n), and ``on_carry(count, mean, var, h)`` is called with the
         outgoing state (not detached, in the same layout) right after the CEMA, before the
-        attention."""
+        attention.
+
+        With a :class:`LayerState` of B rows (rows may be at different lengths), x r(B L D)
+        continues every row, updating the state in place; with a state of n fresh rows and
+        ``cu_seqlens`` (n + 1,), x is one packed row of n documents (a prefill) and row d receives
+        document d's final state. One token per row in eval mode runs :func:`.decode.mega_step`
+        (fixed shapes, no host read); rows at different chunk positions with L > 1 run one at a
+        time."""
+        if state is None:
+            if carry is not None:
+                return self._run(x, *carry, cu_seqlens=cu_seqlens, on_carry=on_carry)[0]
+            return self._run(x, cu_seqlens=cu_seqlens, on_carry=on_carry)[0]
+        if carry is not None:
+            raise ValueError("pass either a streaming state or a carry, not both")
+        if not isinstance(state, LayerState):
+            raise TypeError(f"state must be a LayerState, got {type(state).__name__}")
+        B, L, _ = x.shape
+        rows = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+        if state.length.shape[0] != rows:
+            raise ValueError(f"state has {state.length.shape[0]} rows but x brings {rows} sequences")
+        if state.k.shape[1] != self.chunk_size:
+            raise ValueError(f"state was made for chunk_size {state.k.shape[1]}, this layer has {self.chunk_size}")
+        if cu_seqlens is not None:
+            return self._prefill_packed(x, state, cu_seqlens, on_carry)
+        if L == 1 and not self.training and on_carry is None:
+            from .decode import layer_constants, mega_step
+            return mega_step(self, layer_constants(self), x[:, 0], state)[:, None]
+        self._fill_state(state, B, x)
+        offsets = state.chunk_offsets.tolist()  # a host read: once per multi-token call
+        if any(o != offsets[0] for o in offsets):
+            # rows at different chunk positions: their chunks do not line up, so one at a time
+            # (row views: the in-place updates land in the batch's tensors)
+            return torch.cat([self.forward(x[b:b + 1], _row_view(state, b), on_carry=on_carry) for b in range(B)])
+        return self._continue(x, state, offsets[0] if offsets else 0, on_carry)
+
+    def _fill_state(self, state: LayerState, n: int, x: torch.Tensor) -> None:
+        """Statistics and CEMA state of a state created without them: the priors and zero."""
+        acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+        if state.norm_count is None:
+            state.norm_count, state.norm_mean, state.norm_var = self.timenorm.initial_state(n, acc)
+        if state.hx is None:
+            cdt = torch.float64 if self.cema.alpha.dtype == torch.float64 else torch.float32
+            state.hx = torch.zeros(n, self.mdim, self.cema.ndim, 2, dtype=cdt, device=x.device)
+
+    @staticmethod
+    def _store_stats(state: LayerState, count, mean, var, h) -> None:
+        state.norm_count.copy_(count)
+        state.norm_mean.copy_(mean)
+        state.norm_var.copy_(var)
+        state.hx.copy_(torch.view_as_real(h))
+
+    def _continue(self, x, state: LayerState, offset: int, on_carry):
+        """Every row at chunk position ``offset``: the live cached slots join the new keys."""
+        L = x.shape[1]
+        C = self.chunk_size
+        past = (state.k[:, :offset], state.v[:, :offset]) if offset > 0 else None
+        out, count, mean, var, h, k_all, v_all = self._run(x, *_incoming(state), offset=offset, past=past,
+                                                           need_state=True, on_carry=on_carry)
+        S = k_all.shape[1]
+        keep = S % C  # keys of the unfinished chunk go to slots 0..keep-1
+        state.k[:, :keep] = k_all[:, S - keep:].detach()
+        state.v[:, :keep] = v_all[:, S - keep:].detach()
+        self._store_stats(state, count.detach(), mean.detach(), var.detach(), h.detach())
+        state.length.add_(L)
+        return out
+
+    def _prefill_packed(self, x, state: LayerState, cu_seqlens, on_carry):
+        """A packed row of n documents into n fresh rows (their lengths must be 0)."""
+        if bool((state.length != 0).any()):
+            raise ValueError("a packed prefill (cu_seqlens with a state) needs fresh rows (length 0); continue rows "
+                             "that already hold tokens with unpacked calls")
+        n = cu_seqlens.shape[0] - 1
+        self._fill_state(state, n, x)
+        out, count, mean, var, h, k_all, v_all = self._run(x, *_incoming(state), cu_seqlens=cu_seqlens,
+                                                           need_state=True, on_carry=on_carry)
+        # row d's live slots: the last (L_d mod C) keys of document d
+        C = self.chunk_size
+        cu = cu_seqlens.tolist()
+        rows, slots, src = [], [], []
+        for d in range(n):
+            keep = (cu[d + 1] - cu[d]) % C
+            rows += [d] * keep
+            slots += list(range(keep))
+            src += list(range(cu[d + 1] - keep, cu[d + 1]))
+        if rows:
+            dev = x.device
+            idx = (torch.tensor(rows, device=dev), torch.tensor(slots, device=dev))
+            src_t = torch.tensor(src, device=dev)
+            state.k.index_put_(idx, k_all[0, src_t].detach().to(state.k.dtype))
+            state.v.index_put_(idx, v_all[0, src_t].detach().to(state.v.dtype))
+        self._store_stats(state, count.detach(), mean.detach(), var.detach(), h.detach())
+        state.length.add_((cu_seqlens[1:] - cu_seqlens[:-1]).to(state.length))
+        return out
+
+    def _run(self, x, prev_count=None, prev_mean=None, prev_var=None, hx=None, *, offset: int = 0, past=None,
+             cu_seqlens=None, on_carry=None, need_state: bool = False):
+        """The sub-layer from an incoming state -> (out, count, mean, var, h, k_all, v_all):
+        ``past`` = the live (keys, values) of the rows' current chunk, ``offset`` their number."""
         B, L, D = x.shape
         H, dz, dv, C = self.num_heads, self.z_head_dim, self.v_head_dim, self.chunk_size
-        if cu_seqlens is not None and state is not None:
-            raise ValueError("a packed row (cu_seqlens) cannot continue a streaming state; pass one or the other")
-        if carry is not None:
-            if state is not None:
-                raise ValueError("pass either a streaming state or a carry, not both")
-            prev_count, prev_mean, prev_var, hx = carry
-            offset = 0
-        elif state is None:
-            prev_count = prev_mean = prev_var = hx = None
-            offset = 0
-        else:
-            prev_count, prev_mean, prev_var, hx = state.norm_count, state.norm_mean, state.norm_var, state.hx
-            offset = state.chunk_offset
-
         # 1-2. TimestepNorm (carried statistics)
         out_tsn, count, mean, var = self.timenorm(x, prev_count, prev_mean, prev_var, cu_seqlens=cu_seqlens)
         # 3. CEMA over time on (B, D, L); no activation after it
-        y, h = self.cema(out_tsn.transpose(1, 2), hx, return_state=state is not None or on_carry is not None,
+        y, h = self.cema(out_tsn.transpose(1, 2), hx, return_state=need_state or on_carry is not None,
                          cu_seqlens=cu_seqlens)
         if on_carry is not None:
             on_carry(count, mean, var, h)
@@ -462,9 +564,9 @@ class MegalodonAttention(nn.Module):
         q = ops.rotary(q.reshape(B, L, H, dz), pos, self.rope_base, backend=self._rotary_backend)
         k = ops.rotary(k.reshape(B, L, H, dz), pos, self.rope_base, backend=self._rotary_backend)
         v = v.reshape(B, L, H, dv)
-        if state is not None and offset > 0:
-            k_all = torch.cat([state.k.to(k.dtype), k], dim=1)
-            v_all = torch.cat([state.v.to(v.dtype), v], dim=1)
+        if past is not None:
+            k_all = torch.cat([past[0].to(k.dtype), k], dim=1)
+            v_all = torch.cat([past[1].to(v.dtype), v], dim=1)
         else:
             k_all, v_all = k, v
         # q and k come out of fp32 parameters (gamma, beta): under autocast v is already in the
@@ -485,14 +587,7 @@ class MegalodonAttention(nn.Module):
         else:
             out = self._dropout(self.wh1(mx) + self.wh2(attn), self.dropout) + x
 
-        if state is not None:
-            S = k_all.shape[1]
-            keep = S % C  # keys of the unfinished chunk; a copy, so the full k_all can be freed
-            state.k = k_all[:, S - keep:].detach().clone()
-            state.v = v_all[:, S - keep:].detach().clone()
-            state.norm_count, state.norm_mean, state.norm_var = count.detach(), mean.detach(), var.detach()
-            state.hx = h.detach()
-        return out
+        return out, count, mean, var, h, k_all, v_all
 
     def extra_repr(self) -> str:
         return (f"mdim={self.mdim}, zdim={self.zdim}, hdim={self.hdim}, heads={self.num_heads}, "

@@ -266,7 +266,7 @@ def test_mega_attention_matches_reference(dtype, norm_affine):
     check("mega", mod(x), out_ref, TOL[dtype])
     # streaming through a LayerState: 11 tokens then 18 (starting mid-chunk)
     from megalodon_kernels.model import LayerState
-    st = LayerState(k=torch.zeros(2, 0, 2, 8, dtype=dtype), v=torch.zeros(2, 0, 2, 10, dtype=dtype))
+    st = LayerState.empty(2, cfg.chunk_size, 2, 8, 10, dtype=dtype)
     a = mod(x[:, :11], st)
     assert st.chunk_offset == 3
     b = mod(x[:, 11:], st)
