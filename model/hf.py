@@ -1,0 +1,430 @@
+"""Hugging Face transformers integration: Megalodon as a ``PreTrainedModel`` with the Auto classes.
+
+Importing this module registers ``model_type="megalodon"`` with ``AutoConfig`` and
+``AutoModelForCausalLM`` (no ``trust_remote_code``)::
+
+    import megalodon_kernels.model.hf  # registers "megalodon"
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained("path/to/dir")
+    out = model.generate(input_ids, max_new_tokens=32)
+
+* :class:`MegalodonHFConfig` is a ``PreTrainedConfig`` with every field of
+  :class:`~.config.MegalodonConfig` under the same name and default (``to_model_config()``
+  gives the dataclass back), plus transformers' own (``eos_token_id``, ``use_cache``, ...).
+  ``tie_word_embeddings`` mirrors ``share_emb``.
+* :class:`MegalodonForCausalLM` holds the modules of a :class:`~.megalodon.Megalodon` directly,
+  so its ``state_dict`` keys are the upstream names (``embed.weight``, ``layers.0.mega...``),
+  the same as ``Megalodon``'s and an upstream ``consolidated.pth``'s.
+* ``generate`` runs transformers' loop over :class:`MegalodonHFCache`, a ``Cache`` that carries
+  the constant-size streaming state (:class:`~.cache.MegalodonCache`: CEMA hidden state,
+  TimestepNorm statistics, keys and values of the unfinished attention chunk). A recurrent state
+  cannot be rolled back, so assisted decoding (which crops the cache) is refused by transformers.
+* ``labels=`` (transformers' convention: ``labels`` aligned with ``input_ids``, shifted inside)
+  returns the fused cross-entropy of :func:`~.loss.linear_cross_entropy`; the logits are not
+  formed, so ``logits`` is ``None`` in that output.
+* ``attention_mask``: right padding without a cache is exact (the model is causal, padded
+  positions come after every real one). Padding anywhere else, or any padding with a cache,
+  is refused: padding tokens inside a recurrent state change every later output.
+"""
+from __future__ import annotations
+
+import dataclasses
+from typing import Optional, Union
+
+import torch
+import torch.nn.functional as F
+
+try:
+    from transformers import AutoConfig, AutoModelForCausalLM, GenerationMixin, PreTrainedConfig, PreTrainedModel
+    from transformers.cache_utils import Cache
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+except ImportError as e:  # pragma: no cover - exercised only without the extra
+    raise ImportError("megalodon_kernels.model.hf needs transformers 5.x and safetensors: "
+                      "pip install 'megalodon-kernels[hf]'") from e
+
+from .cache import MegalodonCache
+from .config import MegalodonConfig
+from .megalodon import Megalodon
+
+__all__ = ["MegalodonHFConfig", "MegalodonForCausalLM", "MegalodonHFCache"]
+
+_MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MegalodonConfig))
+
+
+class MegalodonHFConfig(PreTrainedConfig):
+    """transformers config of a Megalodon LM: the fields of :class:`~.config.MegalodonConfig`
+    (same names, defaults and checks) plus transformers' generation and tying fields.
+
+    ``MegalodonHFConfig.from_model_config(get_config("tiny"))`` converts ours;
+    ``config.to_model_config()`` converts back.
+    """
+
+    model_type = "megalodon"
+    # Standard names that tools (pipelines, evaluation harnesses) read.
+    attribute_map = {"hidden_size": "model_dim", "num_hidden_layers": "num_layers",
+                     "num_attention_heads": "num_heads", "intermediate_size": "ffn_hidden_dim"}
+
+    # ---- MegalodonConfig's fields (a test keeps names and defaults equal) ----
+    num_layers: int = 8
+    model_dim: int = 1024
+    z_dim: int = 256
+    value_dim: int = 2048
+    num_heads: int = 1
+    ffn_hidden_dim: int = 2048
+    cema_ndim: int = 16
+    chunk_size: int = 2048
+    efficient_attn: Optional[str] = None
+    init_mode: str = "he"
+    vocab_size: int = -1
+    output_size: int = -1
+    norm_num_groups: int = 32
+    norm_affine: bool = True
+    norm_eps: float = 1e-5
+    rope_base: Optional[float] = None
+    dropout: float = 0.0
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+    swiglu: bool = False
+    rescale_nffn: bool = False
+    scale_emb: bool = False
+    share_emb: bool = False
+    layerwise_ckpt: bool = False
+    backend: Union[str, dict] = "auto"
+    dropkey_p: Optional[float] = None
+    attn_fn: str = "softmax"
+    norm_prior_count: int = 0
+
+    # ---- transformers' fields ----
+    bos_token_id: Optional[int] = None
+    eos_token_id: Optional[Union[int, list]] = None
+    pad_token_id: Optional[int] = None
+    use_cache: bool = True
+    #: Mirrors share_emb (None: take share_emb); transformers ties output.output.weight to embed.weight by it.
+    tie_word_embeddings: Optional[bool] = None
+
+    def __post_init__(self, **kwargs):
+        if self.tie_word_embeddings is None:
+            self.tie_word_embeddings = bool(self.share_emb)
+        elif bool(self.tie_word_embeddings) != bool(self.share_emb):
+            raise ValueError(f"tie_word_embeddings ({self.tie_word_embeddings}) must equal share_emb "
+                             f"({self.share_emb}): Megalodon ties the output head to the embedding exactly "
+                             "when share_emb is set")
+        super().__post_init__(**kwargs)
+        self.to_model_config()  # the dataclass's checks, with its messages
+
+    def to_model_config(self) -> MegalodonConfig:
+        """The :class:`~.config.MegalodonConfig` these fields describe."""
+        return MegalodonConfig(**{name: getattr(self, name) for name in _MODEL_FIELDS})
+
+    @classmethod
+    def from_model_config(cls, cfg: MegalodonConfig, **kwargs) -> "MegalodonHFConfig":
+        """From our dataclass; ``kwargs`` set transformers' fields (e.g. ``eos_token_id=2``)."""
+        if not isinstance(cfg, MegalodonConfig):
+            raise TypeError(f"cfg must be a MegalodonConfig, got {type(cfg).__name__}")
+        return cls(**cfg.to_dict(), **kwargs)
+
+
+class MegalodonHFCache(Cache):
+    """A transformers ``Cache`` carrying a :class:`~.cache.MegalodonCache` (``self.state``).
+
+    Its size is constant in the number of tokens (see :mod:`.cache`). ``generate`` creates one;
+    to continue a stream, pass the returned cache back with only the new tokens as ``input_ids``.
+    Row operations (beam reordering, ``num_return_sequences`` expansion) select the rows of every
+    state tensor. ``crop`` is refused: a recurrent state cannot drop tokens.
+    """
+
+    def __init__(self, state: MegalodonCache):
+        if not isinstance(state, MegalodonCache):
+            raise TypeError(f"state must be a MegalodonCache (model.init_cache()), got {type(state).__name__}")
+        # No per-layer transformers layers: the state is one object, so generate treats the cache as
+        # recurrent (it never slices a prompt by get_seq_length) and never compiles it as a static cache.
+        super().__init__(layers=[])
+        self.state = state
+
+    def __repr__(self) -> str:
+        return (f"MegalodonHFCache(batch_size={self.state.batch_size}, num_tokens={self.state.num_tokens}, "
+                f"chunk_offset={self.state.chunk_offset})")
+
+    @property
+    def batch_size(self) -> int:
+        return self.state.batch_size
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        """Tokens consumed so far (the longest row's count if rows differ)."""
+        lengths = getattr(self.state, "lengths", None)
+        if lengths is not None:
+            return int(lengths.max()) if lengths.numel() else 0
+        return self.state.num_tokens
+
+    def get_max_length(self, layer_idx: Optional[int] = None) -> int:
+        return -1  # no limit: the state does not grow
+
+    @property
+    def is_croppable(self) -> bool:
+        return False
+
+    def crop(self, tokens_to_remove: int) -> None:
+        if tokens_to_remove == 0:
+            return
+        raise NotImplementedError("MegalodonHFCache cannot be cropped: the EMA and TimestepNorm states are "
+                                  "recurrent and do not keep the tokens they absorbed; keep a clone() of the "
+                                  "cache from before the tokens you may want to drop instead")
+
+    def reset(self) -> None:
+        raise NotImplementedError("MegalodonHFCache cannot be reset in place: make a new one with "
+                                  "model.new_cache(batch_size)")
+
+    def _select(self, idx: torch.Tensor) -> None:
+        st = self.state
+        if hasattr(st, "select"):
+            self.state = st.select(idx)
+            return
+        for layer in st.layers:
+            for f in dataclasses.fields(layer):
+                t = getattr(layer, f.name)
+                if t is not None:
+                    setattr(layer, f.name, t.index_select(0, idx.to(t.device)))
+        for name in ("norm_count", "norm_mean", "norm_var"):
+            t = getattr(st, name)
+            if t is not None:
+                setattr(st, name, t.index_select(0, idx.to(t.device)))
+        st.batch_size = idx.numel()
+
+    def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
+        """Rows become ``state[beam_idx]`` (beam search)."""
+        idx = torch.as_tensor(beam_idx, dtype=torch.long).reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= self.state.batch_size):
+            raise ValueError(f"beam_idx must hold row indices in [0, {self.state.batch_size}), got {idx.tolist()}")
+        self._select(idx)
+
+    def batch_select_indices(self, indices: torch.Tensor) -> None:
+        self.reorder_cache(indices)
+
+    def batch_repeat_interleave(self, repeats: int) -> None:
+        """Each row repeated ``repeats`` times, next to each other (``num_return_sequences``, beams)."""
+        self._select(torch.arange(self.state.batch_size).repeat_interleave(repeats))
+
+    def clone(self) -> "MegalodonHFCache":
+        """An independent copy (e.g. to branch a stream)."""
+        return MegalodonHFCache(self.state.clone())
+
+
+def _is_integer_tensor(t) -> bool:
+    return isinstance(t, torch.Tensor) and not (t.dtype.is_floating_point or t.dtype.is_complex)
+
+
+class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
+    """A :class:`~.megalodon.Megalodon` causal LM as a transformers ``PreTrainedModel``.
+
+    ``state_dict`` keys are :class:`~.megalodon.Megalodon`'s (upstream's) names. The underlying
+    model is ``self.megalodon`` (sharing these modules), for our own API: streaming caches,
+    packed rows (``cu_seqlens``), ``generate(..., prefill_size=...)``.
+    """
+
+    config_class = MegalodonHFConfig
+    base_model_prefix = ""
+    main_input_name = "input_ids"
+    supports_gradient_checkpointing = True
+    _no_split_modules = ["MegalodonBlock"]
+    _tied_weights_keys = {"output.output.weight": "embed.weight"}
+
+    def __init__(self, config: MegalodonHFConfig):
+        if not isinstance(config, MegalodonHFConfig):
+            raise TypeError(f"config must be a MegalodonHFConfig, got {type(config).__name__}")
+        super().__init__(config)
+        core = Megalodon(config.to_model_config())
+        # The modules are registered on self (upstream names at the top level); the Megalodon
+        # object that runs them is kept outside the module tree so they are not registered twice.
+        for name, child in core.named_children():
+            self.add_module(name, child)
+        object.__setattr__(self, "_megalodon", core)
+        self.gradient_checkpointing = bool(config.layerwise_ckpt)
+        self.post_init()
+
+    @property
+    def megalodon(self) -> Megalodon:
+        """The :class:`~.megalodon.Megalodon` running this model's modules (same parameters)."""
+        return self._megalodon
+
+    def train(self, mode: bool = True):
+        super().train(mode)
+        # The core is not a child (see __init__), so its own flag (dropout, checkpointing) follows here.
+        self._megalodon.training = mode
+        return self
+
+    def _init_weights(self, module):
+        # Megalodon's constructor initialises every parameter (upstream's init_mode); weights loaded
+        # by from_pretrained replace them, and a missing one is an error (see from_pretrained).
+        pass
+
+    @classmethod
+    def from_pretrained(cls, *args, **kwargs):
+        """transformers' ``from_pretrained``, strict: a missing or unexpected weight is an error."""
+        want_info = kwargs.pop("output_loading_info", False)
+        model, info = super().from_pretrained(*args, output_loading_info=True, **kwargs)
+        bad = {k: sorted(v) for k, v in info.items() if k in ("missing_keys", "unexpected_keys", "mismatched_keys")
+               and v}
+        if bad:
+            raise ValueError(f"the checkpoint does not match the MegalodonForCausalLM config: {bad}")
+        return (model, info) if want_info else model
+
+    def _set_gradient_checkpointing(self, enable: bool = True, gradient_checkpointing_func=None,
+                                    every_n_layers: int = 1):
+        # Megalodon checkpoints every block (upstream's layerwise_ckpt) with non-reentrant
+        # torch.utils.checkpoint; a different function or layer stride is not offered.
+        if every_n_layers != 1:
+            raise ValueError(f"every_n_layers must be 1 for Megalodon (every block is checkpointed), "
+                             f"got {every_n_layers}")
+        core = self._megalodon
+        core.config = core.config.replace(layerwise_ckpt=bool(enable))
+        self.config.layerwise_ckpt = bool(enable)
+        self.gradient_checkpointing = bool(enable)  # what transformers' is_activation_checkpointing reads
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def set_input_embeddings(self, value):
+        self.embed = value
+        self._megalodon.embed = value
+
+    def get_output_embeddings(self):
+        return self.output.output
+
+    def set_output_embeddings(self, value):
+        self.output.output = value
+
+    @classmethod
+    def _supports_default_dynamic_cache(cls) -> bool:
+        # The streaming state is not a key/value list: prepare_inputs_for_generation creates ours.
+        return False
+
+    def new_cache(self, batch_size: int) -> MegalodonHFCache:
+        """An empty cache for ``batch_size`` sequences."""
+        return MegalodonHFCache(self._megalodon.init_cache(batch_size))
+
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
+                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds is not supported by MegalodonForCausalLM: pass input_ids")
+        if cache is None and kwargs.get("use_cache", True) is not False:
+            cache = self.new_cache(input_ids.shape[0])
+        model_inputs = super().prepare_inputs_for_generation(
+            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            is_first_iteration=is_first_iteration, **kwargs)
+        # The mask only grows by ones after the prompt; it was checked on the prompt.
+        if cache is not None and not is_first_iteration:
+            model_inputs.pop("attention_mask", None)
+        return model_inputs
+
+    def _check_attention_mask(self, attention_mask, input_ids, cache) -> None:
+        if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 \
+                or attention_mask.shape[0] != input_ids.shape[0] or attention_mask.shape[1] < input_ids.shape[1]:
+            raise ValueError(f"attention_mask must be a (batch, length) tensor matching input_ids "
+                             f"{tuple(input_ids.shape)} (length >= that of input_ids), got "
+                             f"{tuple(getattr(attention_mask, 'shape', ()))}")
+        mask = attention_mask.bool()
+        if bool(mask.all()):
+            return
+        if cache is None and mask.shape[1] == input_ids.shape[1]:
+            # Right padding: every real token precedes every pad token of its row, so a causal
+            # model's outputs at the real positions do not see the padding.
+            nonincreasing = bool((mask[:, 1:] <= mask[:, :-1]).all())
+            if nonincreasing:
+                return
+        raise ValueError(
+            "attention_mask has padding that Megalodon cannot honour here: padding inside a recurrent state "
+            "(CEMA, TimestepNorm statistics) changes every later output. Supported: no padding, or right "
+            "padding without a cache (use_cache=False, e.g. training or scoring). For generation, pass prompts "
+            "of one length per call (or one prompt at a time) without padding")
+
+    def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
+                cache: Optional[MegalodonHFCache] = None, labels: Optional[torch.LongTensor] = None,
+                use_cache: Optional[bool] = None, return_dict: Optional[bool] = None,
+                logits_to_keep: Union[int, torch.Tensor] = 0, inputs_embeds=None, position_ids=None,
+                past_key_values=None, num_items_in_batch=None, output_attentions=None,
+                output_hidden_states=None, **kwargs):
+        """Logits (B, L, V) in float32, or with ``labels`` (B, L) the mean next-token loss
+        (``labels[:, i + 1]`` is the target at position i; -100 is ignored) without forming logits.
+
+        ``cache``: a :class:`MegalodonHFCache` to continue (updated in place and returned);
+        with ``use_cache`` (default: ``config.use_cache`` outside training) a new one is made.
+        ``logits_to_keep`` k > 0 keeps only the last k positions' logits (the head runs on those only).
+        ``num_items_in_batch`` (passed by ``Trainer``): the loss is the sum over this batch's
+        target tokens divided by it, so gradient accumulation weighs every token equally.
+        """
+        if past_key_values is not None:
+            if cache is not None:
+                raise ValueError("pass either cache or past_key_values (its old name), not both")
+            cache = past_key_values
+        if inputs_embeds is not None:
+            raise ValueError("inputs_embeds is not supported by MegalodonForCausalLM: pass input_ids")
+        # position_ids (which generate passes) are not read: a token's position is its place in the
+        # stream, which the cache carries; without padding the two agree.
+        if output_attentions:
+            raise ValueError("output_attentions is not supported by MegalodonForCausalLM")
+        if output_hidden_states:
+            raise ValueError("output_hidden_states is not supported by MegalodonForCausalLM")
+        if not _is_integer_tensor(input_ids) or input_ids.dim() != 2:
+            raise TypeError(f"input_ids must be an integer tensor (batch, length), got {type(input_ids).__name__} "
+                            f"{tuple(getattr(input_ids, 'shape', ()))}")
+        if cache is not None and not isinstance(cache, MegalodonHFCache):
+            raise TypeError(f"cache must be a MegalodonHFCache (model.new_cache(batch_size) or the cache a previous "
+                            f"call returned), got {type(cache).__name__}")
+        return_dict = self.config.return_dict if return_dict is None else return_dict
+        if use_cache is None:
+            use_cache = bool(self.config.use_cache) and not self.training
+        if cache is None and use_cache:
+            cache = self.new_cache(input_ids.shape[0])
+        if attention_mask is not None:
+            self._check_attention_mask(attention_mask, input_ids, cache)
+        state = None if cache is None else cache.state
+
+        core = self._megalodon
+        loss = logits = None
+        if labels is not None:
+            if not _is_integer_tensor(labels) or labels.shape != input_ids.shape:
+                raise ValueError(f"labels must be an integer tensor of input_ids' shape {tuple(input_ids.shape)}, "
+                                 f"got {type(labels).__name__} {tuple(getattr(labels, 'shape', ()))}")
+            # transformers' convention: labels align with input_ids, the model shifts.
+            targets = F.pad(labels[:, 1:], (0, 1), value=-100)
+            loss = core(input_ids, cache=state, labels=targets, ignore_index=-100)
+            if num_items_in_batch is not None:
+                n_valid = (targets != -100).sum()
+                loss = loss * n_valid.to(loss.dtype) / torch.as_tensor(num_items_in_batch, dtype=loss.dtype,
+                                                                        device=loss.device)
+        else:
+            logits = self._logits(core, input_ids, state, logits_to_keep)
+
+        out_cache = cache if use_cache or cache is not None else None
+        if not return_dict:
+            out = tuple(v for v in (logits, out_cache) if v is not None)
+            return ((loss,) + out) if loss is not None else out
+        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out_cache)
+
+    def _logits(self, core, input_ids, state, logits_to_keep):
+        if isinstance(logits_to_keep, int):
+            if logits_to_keep < 0:
+                raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
+            if logits_to_keep == 0 or logits_to_keep >= input_ids.shape[1]:
+                return core(input_ids, cache=state)
+            keep = slice(-logits_to_keep, None)
+        elif _is_integer_tensor(logits_to_keep) and logits_to_keep.dim() == 1:
+            keep = logits_to_keep
+        else:
+            raise TypeError(f"logits_to_keep must be an int or a 1-D integer tensor of positions, "
+                            f"got {type(logits_to_keep).__name__}")
+
+        # The head is the last op of Megalodon.forward: feeding it only the kept positions skips
+        # the other positions' logits entirely (for a long prompt, L x V floats).
+        def keep_rows(module, args):
+            return (args[0][:, keep],) + tuple(args[1:])
+
+        handle = self.output.output.register_forward_pre_hook(keep_rows)
+        try:
+            return core(input_ids, cache=state)
+        finally:
+            handle.remove()
+
+
+AutoConfig.register("megalodon", MegalodonHFConfig, exist_ok=True)
+AutoModelForCausalLM.register(MegalodonHFConfig, MegalodonForCausalLM, exist_ok=True)
