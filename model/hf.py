@@ -22,9 +22,10 @@ Importing this module registers ``model_type="megalodon"`` with ``AutoConfig`` a
 * ``labels=`` (transformers' convention: ``labels`` aligned with ``input_ids``, shifted inside)
   returns the fused cross-entropy of :func:`~.loss.linear_cross_entropy`; the logits are not
   formed, so ``logits`` is ``None`` in that output.
-* ``attention_mask``: right padding without a cache is exact (the model is causal, padded
-  positions come after every real one). Padding anywhere else, or any padding with a cache,
-  is refused: padding tokens inside a recurrent state change every later output.
+* ``attention_mask``: a padded batch runs each row's tokens as a document of its own (a packed
+  row), the padding skipped, so left-padded ragged batches generate each row exactly as alone
+  (the ragged semantics of :meth:`~.megalodon.Megalodon.generate`). Padding between tokens is
+  refused: a recurrent state has no way to skip it.
 """
 from __future__ import annotations
 
@@ -127,10 +128,11 @@ class MegalodonHFConfig(PreTrainedConfig):
 class MegalodonHFCache(Cache):
     """A transformers ``Cache`` carrying a :class:`~.cache.MegalodonCache` (``self.state``).
 
-    Its size is constant in the number of tokens (see :mod:`.cache`). ``generate`` creates one;
-    to continue a stream, pass the returned cache back with only the new tokens as ``input_ids``.
-    Row operations (beam reordering, ``num_return_sequences`` expansion) select the rows of every
-    state tensor. ``crop`` is refused: a recurrent state cannot drop tokens.
+    Its size is constant in the number of tokens, and its rows may hold sequences of different
+    lengths (see :mod:`.cache`). ``generate`` creates one; to continue a stream, pass the returned
+    cache back with only the new tokens as ``input_ids``. Row operations (beam reordering,
+    ``num_return_sequences`` expansion) are :meth:`~.cache.MegalodonCache.select`. ``crop`` is
+    refused: a recurrent state cannot drop tokens.
     """
 
     def __init__(self, state: MegalodonCache):
@@ -142,19 +144,16 @@ class MegalodonHFCache(Cache):
         self.state = state
 
     def __repr__(self) -> str:
-        return (f"MegalodonHFCache(batch_size={self.state.batch_size}, num_tokens={self.state.num_tokens}, "
-                f"chunk_offset={self.state.chunk_offset})")
+        return f"MegalodonHFCache(lengths={self.state.lengths.tolist()})"
 
     @property
     def batch_size(self) -> int:
         return self.state.batch_size
 
     def get_seq_length(self, layer_idx: int = 0) -> int:
-        """Tokens consumed so far (the longest row's count if rows differ)."""
-        lengths = getattr(self.state, "lengths", None)
-        if lengths is not None:
-            return int(lengths.max()) if lengths.numel() else 0
-        return self.state.num_tokens
+        """Tokens consumed so far (the longest row's count: rows may differ)."""
+        lengths = self.state.lengths
+        return int(lengths.max()) if lengths.numel() else 0
 
     def get_max_length(self, layer_idx: Optional[int] = None) -> int:
         return -1  # no limit: the state does not grow
@@ -175,20 +174,7 @@ class MegalodonHFCache(Cache):
                                   "model.new_cache(batch_size)")
 
     def _select(self, idx: torch.Tensor) -> None:
-        st = self.state
-        if hasattr(st, "select"):
-            self.state = st.select(idx)
-            return
-        for layer in st.layers:
-            for f in dataclasses.fields(layer):
-                t = getattr(layer, f.name)
-                if t is not None:
-                    setattr(layer, f.name, t.index_select(0, idx.to(t.device)))
-        for name in ("norm_count", "norm_mean", "norm_var"):
-            t = getattr(st, name)
-            if t is not None:
-                setattr(st, name, t.index_select(0, idx.to(t.device)))
-        st.batch_size = idx.numel()
+        self.state = self.state.select(idx)
 
     def reorder_cache(self, beam_idx: torch.LongTensor) -> None:
         """Rows become ``state[beam_idx]`` (beam search)."""
@@ -316,26 +302,40 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
             model_inputs.pop("attention_mask", None)
         return model_inputs
 
-    def _check_attention_mask(self, attention_mask, input_ids, cache) -> None:
+    def _packing_mask(self, attention_mask, input_ids, cache) -> Optional[torch.Tensor]:
+        """None when ``input_ids`` can run as they are; else the bool (B, L) mask of the tokens
+        to run, each row's tokens one packed document (see :meth:`forward`)."""
+        B, L = input_ids.shape
         if not isinstance(attention_mask, torch.Tensor) or attention_mask.dim() != 2 \
-                or attention_mask.shape[0] != input_ids.shape[0] or attention_mask.shape[1] < input_ids.shape[1]:
-            raise ValueError(f"attention_mask must be a (batch, length) tensor matching input_ids "
-                             f"{tuple(input_ids.shape)} (length >= that of input_ids), got "
-                             f"{tuple(getattr(attention_mask, 'shape', ()))}")
-        mask = attention_mask.bool()
-        if bool(mask.all()):
-            return
-        if cache is None and mask.shape[1] == input_ids.shape[1]:
-            # Right padding: every real token precedes every pad token of its row, so a causal
-            # model's outputs at the real positions do not see the padding.
-            nonincreasing = bool((mask[:, 1:] <= mask[:, :-1]).all())
-            if nonincreasing:
-                return
-        raise ValueError(
-            "attention_mask has padding that Megalodon cannot honour here: padding inside a recurrent state "
-            "(CEMA, TimestepNorm statistics) changes every later output. Supported: no padding, or right "
-            "padding without a cache (use_cache=False, e.g. training or scoring). For generation, pass prompts "
-            "of one length per call (or one prompt at a time) without padding")
+                or attention_mask.shape[0] != B or attention_mask.shape[1] < L:
+            raise ValueError(f"attention_mask must be a (batch, length) tensor matching input_ids {(B, L)} "
+                             f"(length >= that of input_ids), got {tuple(getattr(attention_mask, 'shape', ()))}")
+        # Columns before the last L describe tokens a cache has already absorbed.
+        new = attention_mask[:, attention_mask.shape[1] - L:]
+        if bool((new == 1).all()):
+            return None
+        if bool(((new != 0) & (new != 1)).any()):
+            raise ValueError("attention_mask must hold only 0 (padding) and 1 (tokens)")
+        mask = new.bool()
+        counts = mask.sum(1)
+        first = torch.where(counts > 0, mask.to(torch.int8).argmax(1), 0)
+        cols = torch.arange(L, device=mask.device)[None, :]
+        span = (cols >= first[:, None]) & (cols < (first + counts)[:, None])
+        if not bool((counts > 0).all()) or not torch.equal(mask, span):
+            bad = int(((counts == 0) | (mask != span).any(1)).nonzero()[0])
+            raise ValueError(f"attention_mask row {bad} is not one run of tokens (padding only before and/or after "
+                             "them, and at least one token): padding between tokens would enter the recurrent state")
+        if cache is None:
+            if bool((first == 0).all()):
+                return None  # right padding: causal, so the tokens never see the padding after them
+            return mask
+        if not bool((first + counts == L).all()):
+            raise ValueError("attention_mask with a cache must be left padding (each row's tokens end at the last "
+                             "position), so that every row's next token follows its own last token")
+        if bool((cache.state.lengths != 0).any()):
+            raise ValueError("attention_mask with padding needs a fresh cache (rows that have consumed nothing): a "
+                             "padded batch is prefilled as one packed row of documents into new rows")
+        return mask
 
     def forward(self, input_ids: Optional[torch.LongTensor] = None, attention_mask: Optional[torch.Tensor] = None,
                 cache: Optional[MegalodonHFCache] = None, labels: Optional[torch.LongTensor] = None,
@@ -348,6 +348,12 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
 
         ``cache``: a :class:`MegalodonHFCache` to continue (updated in place and returned);
         with ``use_cache`` (default: ``config.use_cache`` outside training) a new one is made.
+        ``attention_mask`` (B, L) (or longer: its last L columns describe ``input_ids``): each
+        row's tokens must be one run. With padding, each row runs as a document of its own, the
+        padding skipped (a packed row, ``cu_seqlens``); the logits at padded positions are zero
+        (right padding without a cache runs as it is: the padded positions' logits are then
+        those of the pad tokens). With a cache, padding must be on the left and the cache fresh;
+        every row then continues from its own last token.
         ``logits_to_keep`` k > 0 keeps only the last k positions' logits (the head runs on those only).
         ``num_items_in_batch`` (passed by ``Trainer``): the loss is the sum over this batch's
         target tokens divided by it, so gradient accumulation weighs every token equally.
@@ -358,8 +364,8 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
             cache = past_key_values
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported by MegalodonForCausalLM: pass input_ids")
-        # position_ids (which generate passes) are not read: a token's position is its place in the
-        # stream, which the cache carries; without padding the two agree.
+        # position_ids (which generate passes) are not read: a token's position is its place in its
+        # row's stream, which the cache carries (and padding is skipped, see attention_mask).
         if output_attentions:
             raise ValueError("output_attentions is not supported by MegalodonForCausalLM")
         if output_hidden_states:
@@ -370,30 +376,37 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
         if cache is not None and not isinstance(cache, MegalodonHFCache):
             raise TypeError(f"cache must be a MegalodonHFCache (model.new_cache(batch_size) or the cache a previous "
                             f"call returned), got {type(cache).__name__}")
+        if labels is not None and (not _is_integer_tensor(labels) or labels.shape != input_ids.shape):
+            raise ValueError(f"labels must be an integer tensor of input_ids' shape {tuple(input_ids.shape)}, "
+                             f"got {type(labels).__name__} {tuple(getattr(labels, 'shape', ()))}")
         return_dict = self.config.return_dict if return_dict is None else return_dict
         if use_cache is None:
             use_cache = bool(self.config.use_cache) and not self.training
         if cache is None and use_cache:
             cache = self.new_cache(input_ids.shape[0])
-        if attention_mask is not None:
-            self._check_attention_mask(attention_mask, input_ids, cache)
+        mask = None if attention_mask is None else self._packing_mask(attention_mask, input_ids, cache)
         state = None if cache is None else cache.state
+        if mask is None:
+            tokens, cu = input_ids, None
+        else:
+            tokens = input_ids[mask][None]
+            cu = F.pad(mask.sum(1).cumsum(0), (1, 0))
 
         core = self._megalodon
         loss = logits = None
         if labels is not None:
-            if not _is_integer_tensor(labels) or labels.shape != input_ids.shape:
-                raise ValueError(f"labels must be an integer tensor of input_ids' shape {tuple(input_ids.shape)}, "
-                                 f"got {type(labels).__name__} {tuple(getattr(labels, 'shape', ()))}")
             # transformers' convention: labels align with input_ids, the model shifts.
             targets = F.pad(labels[:, 1:], (0, 1), value=-100)
-            loss = core(input_ids, cache=state, labels=targets, ignore_index=-100)
+            if mask is not None:
+                has_next = F.pad(mask[:, 1:], (0, 1), value=False)
+                targets = targets.masked_fill(~has_next, -100)[mask][None]
+            loss = core(tokens, cache=state, cu_seqlens=cu, labels=targets, ignore_index=-100)
             if num_items_in_batch is not None:
                 n_valid = (targets != -100).sum()
                 loss = loss * n_valid.to(loss.dtype) / torch.as_tensor(num_items_in_batch, dtype=loss.dtype,
                                                                         device=loss.device)
         else:
-            logits = self._logits(core, input_ids, state, logits_to_keep)
+            logits = self._logits(core, tokens, state, cu, mask, self._kept_columns(logits_to_keep, input_ids))
 
         out_cache = cache if use_cache or cache is not None else None
         if not return_dict:
@@ -401,29 +414,46 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
             return ((loss,) + out) if loss is not None else out
         return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out_cache)
 
-    def _logits(self, core, input_ids, state, logits_to_keep):
-        if isinstance(logits_to_keep, int):
+    @staticmethod
+    def _kept_columns(logits_to_keep, input_ids):
+        """None (every position) or an index (slice or 1-D tensor) of the positions to keep."""
+        if isinstance(logits_to_keep, int) and not isinstance(logits_to_keep, bool):
             if logits_to_keep < 0:
                 raise ValueError(f"logits_to_keep must be >= 0, got {logits_to_keep}")
             if logits_to_keep == 0 or logits_to_keep >= input_ids.shape[1]:
-                return core(input_ids, cache=state)
-            keep = slice(-logits_to_keep, None)
-        elif _is_integer_tensor(logits_to_keep) and logits_to_keep.dim() == 1:
-            keep = logits_to_keep
+                return None
+            return slice(input_ids.shape[1] - logits_to_keep, None)
+        if _is_integer_tensor(logits_to_keep) and logits_to_keep.dim() == 1 and logits_to_keep.dtype != torch.bool:
+            return logits_to_keep.to(input_ids.device)
+        raise TypeError(f"logits_to_keep must be an int or a 1-D integer tensor of positions, "
+                        f"got {type(logits_to_keep).__name__}")
+
+    def _logits(self, core, tokens, state, cu, mask, cols):
+        if mask is None:
+            select = cols
         else:
-            raise TypeError(f"logits_to_keep must be an int or a 1-D integer tensor of positions, "
-                            f"got {type(logits_to_keep).__name__}")
+            # position of each real token of the (B, L) grid in the packed row
+            pos = (mask.flatten().cumsum(0) - 1).view(mask.shape)
+            kept, valid = (pos, mask) if cols is None else (pos[:, cols], mask[:, cols])
+            select = kept[valid]
+        if select is None:
+            logits = core(tokens, cache=state, cu_seqlens=cu)
+        else:
+            # The head is the last op of Megalodon.forward: feeding it only the kept positions skips
+            # the other positions' logits entirely (for a long prompt, L x V floats).
+            def keep_rows(module, args):
+                return (args[0][:, select],) + tuple(args[1:])
 
-        # The head is the last op of Megalodon.forward: feeding it only the kept positions skips
-        # the other positions' logits entirely (for a long prompt, L x V floats).
-        def keep_rows(module, args):
-            return (args[0][:, keep],) + tuple(args[1:])
-
-        handle = self.output.output.register_forward_pre_hook(keep_rows)
-        try:
-            return core(input_ids, cache=state)
-        finally:
-            handle.remove()
+            handle = self.output.output.register_forward_pre_hook(keep_rows)
+            try:
+                logits = core(tokens, cache=state, cu_seqlens=cu)
+            finally:
+                handle.remove()
+        if mask is None:
+            return logits
+        out = logits.new_zeros(*valid.shape, logits.shape[-1])
+        out[valid] = logits[0]
+        return out
 
 
 AutoConfig.register("megalodon", MegalodonHFConfig, exist_ok=True)

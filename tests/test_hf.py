@@ -117,25 +117,68 @@ def test_labels_give_the_shifted_fused_loss(prompt):
     torch.testing.assert_close(scaled, out.loss.detach() / 3, rtol=1e-6, atol=0)
 
 
-def test_attention_mask(model, prompt):
+def _left_padded(lengths=(20, 13, 5), seed=2):
+    """Left-padded ids (pad 0) and their mask for prompts of these lengths, and the prompts."""
+    g = torch.Generator().manual_seed(seed)
+    prompts = [torch.randint(1, 256, (n,), generator=g) for n in lengths]
+    L = max(lengths)
+    ids = torch.zeros(len(lengths), L, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    for b, p in enumerate(prompts):
+        ids[b, L - len(p):] = p
+        mask[b, L - len(p):] = 1
+    return ids, mask, prompts
+
+
+def test_attention_mask_forward(model, prompt):
     ones = torch.ones_like(prompt)
     assert torch.equal(model(prompt, attention_mask=ones, use_cache=False).logits,
                        model(prompt, use_cache=False).logits)
-    # right padding without a cache: the real positions are exact (the model is causal)
+    # right padding without a cache: the tokens' logits are exact (the model is causal)
     mask = ones.clone()
     mask[1, 13:] = 0
     padded = prompt.clone()
     padded[1, 13:] = 0
     got = model(padded, attention_mask=mask, use_cache=False).logits
     torch.testing.assert_close(got[1, :13], model(prompt[1:, :13], use_cache=False).logits[0], rtol=0, atol=1e-5)
+    # left padding, with or without a cache: each row as if alone, zeros under the padding
+    ids, mask, prompts = _left_padded()
+    for use_cache in (False, True):
+        out = model(ids, attention_mask=mask, use_cache=use_cache)
+        for b, p in enumerate(prompts):
+            alone = model(p[None], use_cache=False).logits[0]
+            torch.testing.assert_close(out.logits[b, ids.shape[1] - len(p):], alone, rtol=0, atol=1e-5)
+            assert (out.logits[b, :ids.shape[1] - len(p)] == 0).all()
+    assert out.cache.state.lengths.tolist() == [20, 13, 5]
+    last = model(ids, attention_mask=mask, logits_to_keep=1).logits
+    torch.testing.assert_close(last, out.logits[:, -1:], rtol=0, atol=1e-5)
+
+
+def test_attention_mask_refusals(model, prompt):
+    ids, mask, _ = _left_padded()
+    holes = mask.clone()
+    holes[0, 3] = 0
+    with pytest.raises(ValueError, match="attention_mask row 0"):
+        model(ids, attention_mask=holes, use_cache=False)
+    right = mask.flip(1)
+    with pytest.raises(ValueError, match="left padding"):
+        model(ids.flip(1), attention_mask=right)  # with a cache
+    used = model(ids[:, :4], use_cache=True).cache
+    with pytest.raises(ValueError, match="fresh cache"):
+        model(ids, attention_mask=mask, cache=used)
     with pytest.raises(ValueError, match="attention_mask"):
-        model(padded, attention_mask=mask)  # into a cache
-    left = ones.clone()
-    left[1, :4] = 0
-    with pytest.raises(ValueError, match="attention_mask"):
-        model(prompt, attention_mask=left, use_cache=False)
-    with pytest.raises(ValueError, match="attention_mask"):
-        model.generate(prompt, attention_mask=left, max_new_tokens=2)
+        model(ids, attention_mask=mask[:, 1:])
+    with pytest.raises(ValueError, match="only 0"):
+        model(ids, attention_mask=mask * 2)
+
+
+def test_labels_with_left_padding(model):
+    ids, mask, prompts = _left_padded()
+    labels = ids.masked_fill(mask == 0, -100)
+    got = model(ids, attention_mask=mask, labels=labels, use_cache=False).loss
+    logits = torch.cat([model(p[None], use_cache=False).logits[0, :-1] for p in prompts])
+    want = F.cross_entropy(logits, torch.cat([p[1:] for p in prompts]))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
 
 
 def test_bad_inputs(model, prompt):
@@ -161,6 +204,19 @@ def test_greedy_generate_equals_ours(model, prompt, greedy):
     assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), ref)
     assert torch.equal(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                                       do_sample=False), ref)
+
+
+def test_left_padded_generate_equals_ours(model):
+    ids, mask, prompts = _left_padded()
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=False, pad_token_id=0)
+    assert torch.equal(got, model.megalodon.generate(ids, 8, attention_mask=mask, greedy=True))
+    for b, p in enumerate(prompts):  # and each row as if alone
+        assert torch.equal(got[b, ids.shape[1]:], model.megalodon.generate(p[None], 8, greedy=True)[0, len(p):])
+    torch.manual_seed(3)
+    got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=30, top_p=1.0,
+                         temperature=0.9, pad_token_id=0)
+    torch.manual_seed(3)
+    assert torch.equal(got, model.megalodon.generate(ids, 8, attention_mask=mask, top_k=30, temperature=0.9))
 
 
 def test_sampling_equals_ours(model, prompt):
