@@ -401,3 +401,17 @@ def test_gradient_checkpointing(prompt):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
     m.activation_checkpointing_disable()
     assert not m.megalodon.config.layerwise_ckpt and not m.is_activation_checkpointing
+
+
+def test_example_runs(tmp_path, capsys):
+    import importlib.util
+
+    path = os.path.join(os.path.dirname(__file__), "..", "examples", "hf_generate.py")
+    spec = importlib.util.spec_from_file_location("hf_generate_example", path)
+    example = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(example)
+    example.main(["--steps", "2", "--new-tokens", "3", "--out", str(tmp_path / "tiny")])
+    _upstream_dir(tmp_path / "up", get_config("tiny"))
+    example.main(["--upstream", str(tmp_path / "up"), "--out", str(tmp_path / "hf"), "--new-tokens", "3"])
+    printed = capsys.readouterr().out
+    assert "reloaded from" in printed and "3 rows x 3 tokens" in printed and "greedy ids: [1, " in printed
