@@ -204,6 +204,8 @@ def test_greedy_generate_equals_ours(model, prompt, greedy):
     assert torch.equal(model.generate(prompt, max_new_tokens=12, do_sample=False), ref)
     assert torch.equal(model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=12,
                                       do_sample=False), ref)
+    # without a cache transformers re-runs the whole sequence every step: same tokens
+    assert torch.equal(model.generate(prompt, max_new_tokens=4, do_sample=False, use_cache=False), ref[:, :24])
 
 
 def test_left_padded_generate_equals_ours(model):
@@ -212,6 +214,9 @@ def test_left_padded_generate_equals_ours(model):
     assert torch.equal(got, model.megalodon.generate(ids, 8, attention_mask=mask, greedy=True))
     for b, p in enumerate(prompts):  # and each row as if alone
         assert torch.equal(got[b, ids.shape[1]:], model.megalodon.generate(p[None], 8, greedy=True)[0, len(p):])
+    no_cache = model.generate(ids, attention_mask=mask, max_new_tokens=3, do_sample=False, pad_token_id=0,
+                              use_cache=False)
+    assert torch.equal(no_cache, got[:, :ids.shape[1] + 3])
     torch.manual_seed(3)
     got = model.generate(ids, attention_mask=mask, max_new_tokens=8, do_sample=True, top_k=30, top_p=1.0,
                          temperature=0.9, pad_token_id=0)
