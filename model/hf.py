@@ -318,7 +318,7 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError("attention_mask must hold only 0 (padding) and 1 (tokens)")
         mask = new.bool()
         counts = mask.sum(1)
-        first = torch.where(counts > 0, mask.to(torch.int8).argmax(1), 0)
+        first = torch.where(counts > 0, mask.int().argmax(1), 0)
         cols = torch.arange(L, device=mask.device)[None, :]
         span = (cols >= first[:, None]) & (cols < (first + counts)[:, None])
         if not bool((counts > 0).all()) or not torch.equal(mask, span):
@@ -347,7 +347,8 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
         (``labels[:, i + 1]`` is the target at position i; -100 is ignored) without forming logits.
 
         ``cache``: a :class:`MegalodonHFCache` to continue (updated in place and returned);
-        with ``use_cache`` (default: ``config.use_cache`` outside training) a new one is made.
+        with ``use_cache`` (default: ``config.use_cache`` outside training and without labels) a new
+        one is made.
         ``attention_mask`` (B, L) (or longer: its last L columns describe ``input_ids``): each
         row's tokens must be one run. With padding, each row runs as a document of its own, the
         padding skipped (a packed row, ``cu_seqlens``); the logits at padded positions are zero
@@ -380,8 +381,8 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
             raise ValueError(f"labels must be an integer tensor of input_ids' shape {tuple(input_ids.shape)}, "
                              f"got {type(labels).__name__} {tuple(getattr(labels, 'shape', ()))}")
         return_dict = self.config.return_dict if return_dict is None else return_dict
-        if use_cache is None:
-            use_cache = bool(self.config.use_cache) and not self.training
+        if use_cache is None:  # a cache serves generation: not made for training or a loss
+            use_cache = bool(self.config.use_cache) and not self.training and labels is None
         if cache is None and use_cache:
             cache = self.new_cache(input_ids.shape[0])
         mask = None if attention_mask is None else self._packing_mask(attention_mask, input_ids, cache)

@@ -374,11 +374,12 @@ def test_trainer_loss_falls(tmp_path):
     args = TrainingArguments(output_dir=str(tmp_path), max_steps=6, per_device_train_batch_size=8,
                              learning_rate=1e-2, logging_steps=1, report_to=[], save_strategy="no", use_cpu=True,
                              disable_tqdm=True, seed=0)
-    trainer = Trainer(model=m, args=args, train_dataset=data)
+    trainer = Trainer(model=m, args=args, train_dataset=data, eval_dataset=data[:8])
     trainer.train()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-    print("Trainer losses", losses)
-    assert len(losses) == 6 and losses[-1] < 0.5 * losses[0]
+    evaluated = trainer.evaluate()["eval_loss"]  # the labels path in eval mode (no logits, no cache)
+    print("Trainer losses", losses, "eval", evaluated)
+    assert len(losses) == 6 and losses[-1] < 0.5 * losses[0] and evaluated < 0.5 * losses[0]
 
 
 def test_pipeline_text_generation(model):
