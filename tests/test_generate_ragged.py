@@ -169,3 +169,23 @@ def test_bad_input_is_refused(model):
         model.generate(p, 2, prefill_size=2)
     with pytest.raises(TypeError, match="tokens must be an integer tensor"):
         model.decode(torch.zeros(2, 1, dtype=torch.long), model.init_cache(2))
+
+
+@torch.no_grad()
+def test_serving_example_loop_equals_each_request_alone(model):
+    """examples/serve_batch.py's loop (rows join and leave) on a small queue."""
+    import importlib.util
+    from pathlib import Path
+    path = Path(__file__).resolve().parent.parent / "examples" / "serve_batch.py"
+    spec = importlib.util.spec_from_file_location("serve_batch", path)
+    serve_batch = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(serve_batch)
+    g = torch.Generator().manual_seed(9)
+    requests = [(torch.randint(0, V, (int(n),), generator=g), int(m))
+                for n, m in zip(torch.randint(1, 20, (7,), generator=g), torch.randint(1, 9, (7,), generator=g))]
+    eos = 3
+    out, steps = serve_batch.serve(model, requests, max_batch=3, eos=eos)
+    assert steps > 0
+    for i, (prompt, budget) in enumerate(requests):
+        alone = model.generate(prompt[None], budget, greedy=True, eos_token_id=eos)[0, prompt.shape[0]:]
+        assert out[i] == alone.tolist()
