@@ -23,9 +23,6 @@ the drop probability is exactly floor(p * 2**32) / 2**32.
 """
 from __future__ import annotations
 
-import contextlib
-import threading
-
 import torch
 
 MASK32 = 0xFFFFFFFF
@@ -183,67 +180,3 @@ def seed_tensor_like() -> torch.Tensor:
 
 def seed_value(seed: torch.Tensor) -> int:
     return int(seed[0])
-
-
-# ---------------------------------------------------------------------------------------------
-# Handing a forward's masks to its backward (the torch backends on the CPU)
-#
-# A backend that builds mask tensors from the rule (the torch backend of attention) would hash
-# every logit again in the backward (and recompute its probabilities). When the caller asks for it
-# (:func:`keeping_masks`, around an eager forward that autograd records), such a forward offers
-# the tiles it built (:func:`keep_made`), the op's autograd setup keeps them on its node
-# (:func:`take_made`) and the backward hands them back (:func:`replaying`) to the backend
-# (:func:`replayed`). Every entry carries a key of everything the tiles are a function of besides
-# the node's own saved inputs (seed, p, shapes, mask modes, tiling), and a backend uses them only
-# under an equal key, so they are exactly the tiles the backward would build. Anything else
-# (compiled graphs, no autograd, another thread, a different tiling) finds nothing and builds its
-# own.
-
-
-class _Handoff(threading.local):
-    wanted = False  # the running forward may keep its masks
-    made = None  # (key, masks) the last forward of this thread kept
-    replay = None  # (key, masks) the running backward may use
-
-
-_HANDOFF = _Handoff()
-
-
-@contextlib.contextmanager
-def keeping_masks():
-    """Around a forward op call whose autograd node may keep the masks it builds."""
-    _HANDOFF.wanted, _HANDOFF.made = True, None
-    try:
-        yield
-    finally:
-        _HANDOFF.wanted, _HANDOFF.made = False, None  # a forward nobody took the masks of keeps nothing
-
-
-def masks_wanted() -> bool:
-    return _HANDOFF.wanted
-
-
-def keep_made(key, masks) -> None:
-    _HANDOFF.made = (key, masks)
-
-
-def take_made():
-    """The (key, masks) the forward that just ran kept, or None; called by the op's autograd setup."""
-    made, _HANDOFF.made = _HANDOFF.made, None
-    return made
-
-
-@contextlib.contextmanager
-def replaying(entry):
-    """Around a backward op call: ``entry`` (from take_made, or None) is what its backend may use."""
-    _HANDOFF.replay = entry
-    try:
-        yield
-    finally:
-        _HANDOFF.replay = None
-
-
-def replayed(key):
-    """The masks kept under ``key`` for the running backward, or None."""
-    entry = _HANDOFF.replay
-    return entry[1] if entry is not None and entry[0] == key else None

@@ -209,9 +209,9 @@ def test_empty_row():
 def test_lse_residual_is_scattered_per_document():
     """The saved lse (1, H, L) is each document's own log-sum-exp (the backward reads it)."""
     q, k, v, _, cu = packed_inputs([3, 6], F64)
-    _, lse, _ = torch.ops.megalodon_kernels.attention(q, k, v, 1.0, True, None, False, 0.0, 0, "softmax", "torch", cu)
+    _, lse, _, _ = torch.ops.megalodon_kernels.attention(q, k, v, 1.0, True, None, False, 0.0, 0, "softmax", "torch", cu)
     for a, b in spans(cu):
-        _, lse_doc, _ = torch.ops.megalodon_kernels.attention(q[:, a:b], k[:, a:b], v[:, a:b], 1.0, True, None, False,
+        _, lse_doc, _, _ = torch.ops.megalodon_kernels.attention(q[:, a:b], k[:, a:b], v[:, a:b], 1.0, True, None, False,
                                                               0.0, 0, "softmax", "torch")
         assert_close("lse", lse[:, :, a:b], to_np(lse_doc), tol("torch", F64, "fwd"))
 

@@ -2,6 +2,8 @@
 table of cases (torch, Triton in the interpreter, CUDA in the emulator), the CUDA kernels in both
 fiber orders, the reference's own backward, the relative-position property, positions anywhere
 below 2^31 (xPos reference positions, a KV cache far away, the xPos limit) and bad inputs."""
+import importlib
+
 import numpy as np
 import pytest
 import torch
@@ -94,7 +96,8 @@ def test_cached_tables_equal_fresh_tables(H, per_batch):
     # version check then rebuilds what derives from them). Equal up to the last bit of a complex
     # product: a multiply broadcasting a table over the heads may run torch's scalar inner loop
     # and the repeated table its vectorised one, which round differently.
-    from megalodon_kernels.ops.rotary import _TABLES, rotary_op, rotation_tables
+    from megalodon_kernels.ops.rotary import rotary_op, rotation_tables
+    from megalodon_kernels.ops.rotary.table_cache import TABLES
 
     B, L, d = 2, 37, 8
     gen = torch.Generator().manual_seed(H)
@@ -112,7 +115,8 @@ def test_cached_tables_equal_fresh_tables(H, per_batch):
         want = fresh(*rotation_tables(pos, d, 10000.0, None, False, F32))
         for a, b in zip(got, want):
             torch.testing.assert_close(a, b, rtol=4e-7, atol=4e-7)
-    (_, _, cos, sin), = [v for v in _TABLES.values() if torch.equal(v[0], pos)]
+    entry, = [e for e in TABLES.entries() if torch.equal(e.positions, pos)]
+    cos, sin = entry.cos, entry.sin
     with torch.no_grad():
         cos.mul_(0.5)  # bumps the shared version: the conjugate half and repeated tables are stale
     y = ops.rotary(x, pos, backend="torch")
@@ -122,7 +126,32 @@ def test_cached_tables_equal_fresh_tables(H, per_batch):
         torch.testing.assert_close(a, b, rtol=4e-7, atol=4e-7)
     stale = fresh(*rotation_tables(pos, d, 10000.0, None, False, F32))
     assert (got[0] - stale[0]).abs().max() > 0.1 and (got[1] - stale[1]).abs().max() > 0.1
-    _TABLES.clear()
+    TABLES.clear()
+
+
+def test_table_cache_is_bounded_and_marks_no_tensor(monkeypatch):
+    """The cache keeps at most SIZE entries (the oldest go first), its hits reach the torch
+    backend's complex tables forward and backward, and no tensor gets an attribute."""
+    from megalodon_kernels.ops.rotary import rotation_tables, table_cache
+
+    cache = table_cache.TableCache(3)
+    monkeypatch.setattr(table_cache, "TABLES", cache)
+    monkeypatch.setattr(importlib.import_module("megalodon_kernels.ops.rotary"), "_TABLES", cache)
+    monkeypatch.setattr(importlib.import_module("megalodon_kernels.ops.rotary.torch_impl"), "TABLES", cache)
+    x = torch.randn(1, 5, 2, 4, requires_grad=True)
+    for base in range(5):  # five keys
+        ops.rotary(x, torch.arange(5), 100.0 + base, backend="torch")
+    assert [e.cos.shape for e in cache.entries()] == [(1, 5, 1, 2)] * 3
+    fresh = rotation_tables(torch.arange(5), 4, 102.0, None, False, torch.float32)
+    assert torch.equal(cache.entries()[0].cos, fresh[0])  # the oldest kept is base 102
+    used = []
+    real = table_cache.Entry.complex_table
+    monkeypatch.setattr(table_cache.Entry, "complex_table", lambda self, *a: used.append(a) or real(self, *a))
+    y = ops.rotary(x, torch.arange(5), 104.0, backend="torch")
+    y.sum().backward()
+    assert used == [(False, 2), (True, 2)]
+    for e in cache.entries():
+        assert not any(vars(t) for t in (e.cos, e.sin, e.table, x, y)), "an attribute on a tensor"
 
 
 def test_xpos_scores_depend_on_distance_only():

@@ -10,6 +10,10 @@ The DropKey mask is a pure function of (seed, b, h, i, j) (``ops/dropkey_rule.py
 forward returns the seed it used (an int64 CPU tensor) and the backward regenerates the identical
 mask from it.
 
+What the backward needs rides on the op's autograd node: q, k, v, o, lse and the seed, plus, for
+an eager call autograd records, the tiles a backend kept (the torch backend's P or DropKey masks,
+``torch_impl.forward_keeping_tiles``): a fourth output of the op that the node saves with the rest.
+
 Packed rows (``cu_seqlens``): a backend that reads the document bounds itself (``PACKED_NATIVE``:
 Triton, FlashAttention-varlen style, one program row per document) runs the packed row in one
 call. The others run it as document rows (``ops/_packing.py``): each bucket of documents is
@@ -21,7 +25,7 @@ hashes b = the document's index (the bucketed backends take ``batch_index``).
 from __future__ import annotations
 
 import math
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -31,8 +35,7 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import absent, custom_op, empty_like, plain_eager
 from .._packing import check_cu_seqlens, document_bounds, plan
-from ..dropkey_rule import (DRAW_SEED, keeping_masks, replaying, resolve_seed, seed_tensor, seed_tensor_like,
-                           seed_value, take_made)
+from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
 __all__ = ["attention", "ATTN_FNS"]
 
@@ -128,77 +131,95 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
     return dq, dk, dv
 
 
-def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens=None):
+def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens=None,
+              keep_tiles=False):
+    if keep_tiles:
+        raise ValueError("attention: keep_tiles=True is for eager calls (the kept tiles' size depends on the "
+                         "backend's tiling); a traced call keeps nothing")
     B, L, H, _ = q.shape
+    acc = acc_dtype(q.dtype)
     o = q.new_empty(B, L, H, v.shape[-1])
-    lse = q.new_empty(B, H, L, dtype=acc_dtype(q.dtype)) if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))
-    return o, lse, seed_tensor_like()
+    lse = q.new_empty(B, H, L, dtype=acc) if attn_fn == "softmax" else absent(q, acc)
+    return o, lse, seed_tensor_like(), absent(q, acc)
 
 
 @custom_op("attention", _fwd_fake, tags=(torch.Tag.nondeterministic_seeded,))
 def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, chunk_size: Optional[int],
                  block_causal: bool, dropkey_p: float, seed: int, attn_fn: str, backend: str,
-                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (o, and for the backward lse r(B H L) in the accumulation dtype (a placeholder for
-    laplace) and the seed used, an int64 CPU tensor (1,)). ``seed`` = DRAW_SEED draws one from
-    torch's default generator here, at run time (so compiled and eager draw the same seeds).
-    With ``cu_seqlens`` (B = 1, S = L) every document attends within itself (_packed_fwd)."""
+                 cu_seqlens: Optional[Tensor] = None, keep_tiles: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """-> (o, and for the backward: lse r(B H L) in the accumulation dtype (empty for laplace), the
+    seed used (an int64 CPU tensor (1,)) and the tiles the backend kept (empty: none)).
+    ``seed`` = DRAW_SEED draws one from torch's default generator here, at run time (so compiled
+    and eager draw the same seeds). With ``cu_seqlens`` (B = 1, S = L) every document attends
+    within itself (_packed_fwd). ``keep_tiles``: an eager call autograd records, whose backend
+    may keep tiles for the backward (module doc)."""
+    acc = acc_dtype(q.dtype)
+    seed = resolve_seed(None) if seed == DRAW_SEED else seed
+    tiles = None
     if cu_seqlens is not None:
-        seed = resolve_seed(None) if seed == DRAW_SEED else seed
         o, lse = _packed_fwd(q, k, v, cu_seqlens, scale=scale, causal=causal, chunk_size=chunk_size,
                              block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                              backend=backend)
-        return o, (lse if attn_fn == "softmax" else absent(q, acc_dtype(q.dtype))), seed_tensor(seed)
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-    seed = resolve_seed(None) if seed == DRAW_SEED else seed
-    o, lse = impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
-                                       block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
-                                       **impl.config)
-    acc = acc_dtype(q.dtype)
+    else:
+        impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
+        kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                  seed=seed, attn_fn=attn_fn, **impl.config)
+        if keep_tiles and hasattr(impl.module, "forward_keeping_tiles"):
+            o, lse, tiles = impl.module.forward_keeping_tiles(q, k, v, **kw)
+        else:
+            o, lse = impl.module.attention_fwd(q, k, v, **kw)
     lse = lse.to(acc) if attn_fn == "softmax" else absent(q, acc)
-    return o, lse, seed_tensor(seed)
+    return o, lse, seed_tensor(seed), absent(q, acc) if tiles is None else tiles
 
 
 def _bwd_fake(do, q, k, v, o, lse, seed, scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend,
-              cu_seqlens=None):
+              cu_seqlens=None, tiles=None):
     return tuple(empty_like(t) for t in (q, k, v))
 
 
 @custom_op("attention_bwd", _bwd_fake)
 def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, seed: Tensor, scale: float,
                      causal: bool, chunk_size: Optional[int], block_causal: bool, dropkey_p: float, attn_fn: str,
-                     backend: str, cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
-    """-> (dq, dk, dv) in the inputs' dtypes; ``seed`` is the forward's seed tensor."""
+                     backend: str, cu_seqlens: Optional[Tensor] = None,
+                     tiles: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor]:
+    """-> (dq, dk, dv) in the inputs' dtypes; ``seed`` and ``tiles`` are the forward's outputs."""
+    lse = lse if attn_fn == "softmax" else None
     if cu_seqlens is not None:
-        return _packed_bwd(do, q, k, v, o, lse if attn_fn == "softmax" else None, cu_seqlens, scale=scale,
-                           causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
-                           seed=seed_value(seed), attn_fn=attn_fn, backend=backend)
+        return _packed_bwd(do, q, k, v, o, lse, cu_seqlens, scale=scale, causal=causal, chunk_size=chunk_size,
+                           block_causal=block_causal, dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn,
+                           backend=backend)
     impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
+    kept = ({"tiles": tiles} if tiles is not None and tiles.numel() and hasattr(impl.module, "forward_keeping_tiles")
+            else {})
     dq, dk, dv = impl.module.attention_bwd(
-        do, q, k, v, o, lse if attn_fn == "softmax" else None, scale=scale, causal=causal, chunk_size=chunk_size,
-        block_causal=block_causal, dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn, **impl.config)
+        do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+        dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn, **kept, **impl.config)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
+class _Options(NamedTuple):
+    """The forward's non-tensor arguments the backward op takes, in its order."""
+
+    scale: float
+    causal: bool
+    chunk_size: Optional[int]
+    block_causal: bool
+    dropkey_p: float
+    attn_fn: str
+    backend: str
+
+
 def _setup(ctx, inputs, output):
-    q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens = inputs
-    o, lse, seed_t = output
-    ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens)
-    ctx.args = (scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-    # Tile data (DropKey masks or probabilities) the forward's backend kept for the backward (only
-    # under keeping_masks, see attention(); keyed, so the backward's backend uses it only if it
-    # would build the same)
-    ctx.kept_tiles = take_made()
+    q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, _seed, attn_fn, backend, cu_seqlens, _keep = inputs
+    o, lse, seed_t, tiles = output
+    ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens, tiles)
+    ctx.options = _Options(scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
 
 
-def _backward(ctx, do, _dlse, _dseed):
-    q, k, v, o, lse, seed_t, cu_seqlens = ctx.saved_tensors
-    # used once, then released as autograd releases saved tensors after a backward (a second
-    # backward through a retained graph builds its own)
-    kept, ctx.kept_tiles = ctx.kept_tiles, None
-    with replaying(kept):
-        dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.args, cu_seqlens)
-    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+def _backward(ctx, do, _dlse, _dseed, _dtiles):
+    q, k, v, o, lse, seed_t, cu_seqlens, tiles = ctx.saved_tensors
+    dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.options, cu_seqlens, tiles)
+    return dq, dk, dv, *(None,) * (len(ctx.needs_input_grad) - 3)  # the other inputs take no gradient
 
 
 attention_op.register_autograd(_backward, setup_context=_setup)
@@ -296,11 +317,9 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
         if not causal:
             raise ValueError("packed attention (cu_seqlens) is causal-only: with causal=False a document row's "
                              "padded keys would be visible; pass causal=True or unpack the documents")
-    args = (q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens)
-    if (cu_seqlens is None and torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
-            and plain_eager(profiler_ok=True)):
-        # an eager call autograd records: a backend may keep tile data (its DropKey masks, its
-        # probabilities) for the backward (ops/dropkey_rule.py) instead of rebuilding it there
-        with keeping_masks():
-            return attention_op(*args)[0]
-    return attention_op(*args)[0]
+    # an eager call autograd records may keep tiles for its backward (module doc); a traced one may
+    # not (their size depends on the backend's tiling, which its fake implementation cannot know)
+    keep_tiles = (cu_seqlens is None and torch.is_grad_enabled()
+                  and (q.requires_grad or k.requires_grad or v.requires_grad) and plain_eager(profiler_ok=True))
+    return attention_op(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend,
+                        cu_seqlens, keep_tiles)[0]

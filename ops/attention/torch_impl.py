@@ -15,10 +15,15 @@ Two paths, both exact (no approximation, same masks and DropKey rule):
   Megalodon's small chunks do not cost a Python iteration each.
 
 Both paths cap a tile at ``max_block_elems`` score entries (B * H * rows * keys), shrinking the
-rows per step, so memory stays bounded whatever B, H and S are. An eager forward that autograd
-records may keep its tiles' P (or its DropKey masks) for the backward when they take little
-enough memory (attention_fwd, _what_to_keep): then the backward skips their recomputation. Everything is computed in fp32
+rows per step, so memory stays bounded whatever B, H and S are. Everything is computed in fp32
 (fp64 for fp64 inputs) and rounded once to the input dtype.
+
+Kept tiles: recomputing a tile in the backward (its scores, softmax and DropKey hash) costs more on
+the CPU than the tile's other matmuls, so an eager forward that autograd records
+(:func:`forward_keeping_tiles`) may return every tile's P (softmax) or DropKey mask in one flat
+tensor, in tile order, when that takes little memory (:func:`_tiles_to_keep`). The op saves it on
+its autograd node and hands it to :func:`backward`, which reads the tiles instead of rebuilding
+them.
 """
 from __future__ import annotations
 
@@ -28,7 +33,7 @@ import torch
 
 from .._checks import acc_dtype
 from .._host_sync import any_or_device, on_host
-from ..dropkey_rule import drop_mask, keep_made, masks_wanted, replayed
+from ..dropkey_rule import drop_mask
 
 DEFAULT_CONFIG: dict = {
     # Query rows per tile of the general path.
@@ -81,7 +86,7 @@ def _blocked(pos, j, S, causal, chunk_size, block_causal):
     return blocked
 
 
-def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index):
+def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index, out=None):
     """Which entries of a score tile [B, H, ..., rows, keys] get no probability.
 
     ``pos``/``i_idx`` (query positions / query indices) and ``j`` (key indices) are int64 index
@@ -90,7 +95,8 @@ def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey
     rule sees for each batch row (None: the row's own index; packed document rows pass their
     documents' indices). Returns (blocked, a, b): ``blocked`` covers only the key columns
     [a, b) of the tile that hold any blocked entry (None if there is none), so a causal tile
-    masks its diagonal part only instead of every column.
+    masks its diagonal part only instead of every column. ``out`` (DropKey only): the bool tile
+    the mask is written to (a kept tile).
     """
     blocked = _blocked(pos, j, S, causal, chunk_size, block_causal)  # small: no B, H dims
     if dropkey_p > 0.0:
@@ -101,7 +107,7 @@ def _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey
         # Padding keys may have j < 0 or j >= S: clamp so the hash sees valid 32-bit inputs (they stay blocked).
         # The dropped mask (= ~keep_mask) is tile-sized already: OR the small visibility mask into it in place.
         dropped = drop_mask(seed, dropkey_p, b_idx, h_idx, i_idx, j.clamp(0, max(S - 1, 0)))
-        return dropped.bitwise_or_(blocked), 0, j.shape[-1]
+        return torch.bitwise_or(dropped, blocked, out=dropped if out is None else out), 0, j.shape[-1]
     if not on_host(blocked):  # finding the blocked columns would read the mask on the host
         return blocked, 0, j.shape[-1]
     cols = blocked.flatten(0, -2).any(0).nonzero()
@@ -118,13 +124,14 @@ def _fill(x, mask, value):
     return x
 
 
-def _probs_fwd(s, mask, attn_fn):
-    """Probabilities of a score tile (``s`` is consumed) and, for softmax, the row log-sum-exp."""
+def _probs_fwd(s, mask, attn_fn, out=None):
+    """Probabilities of a score tile (``s`` is consumed) and, for softmax, the row log-sum-exp;
+    ``out`` (softmax only): the tile P is written to (a kept tile)."""
     if attn_fn == "laplace":
         # 0.5 * (1 + erf(z)) as 0.5 * erfc(-z): equal, but 1 + erf(z) cancels to 0 in fp32 for z << 0.
         p = torch.special.erfc(s.sub_(LAPLACE_MU).mul_(-_LAPLACE_INV)).mul_(0.5)
         return _fill(p, mask, 0.0), None
-    p, m, empty = _softmax_tile(s, mask)
+    p, m, empty = _softmax_tile(s, mask, out)
     # softmax's largest entry is exp(0) / z, so lse = m + log z = m - log(max p) without another exp pass.
     lse = m - p.amax(dim=-1).log()
     if empty is not None:
@@ -132,13 +139,13 @@ def _probs_fwd(s, mask, attn_fn):
     return p, lse
 
 
-def _softmax_tile(s, mask):
+def _softmax_tile(s, mask, out=None):
     """(P, the row maxima of the masked scores, the empty rows or None) of a score tile (``s`` is
-    consumed). The forward and the backward's recomputation both run this, so the backward's P is
-    bit for bit the forward's."""
+    consumed; P is written to ``out`` if given). The forward and the backward's recomputation both
+    run this, so the backward's P is bit for bit the forward's."""
     _fill(s, mask, -math.inf)
     m = s.amax(dim=-1)  # [..., rows]
-    p = torch.softmax(s, dim=-1)
+    p = torch.softmax(s, dim=-1) if out is None else torch.softmax(s, dim=-1, out=out)
     empty = torch.isneginf(m)  # rows with no visible kept key: softmax gave NaN there
     if not any_or_device(empty):
         return p, m, None
@@ -153,8 +160,8 @@ def _probs_bwd(s, mask, lse, attn_fn):
         p = _fill(torch.special.erfc(x * -_LAPLACE_INV).mul_(0.5), mask, 0.0)
         dlap = _fill(x.square_().mul_(-0.5 / LAPLACE_SIGMA**2).exp_().mul_(_LAPLACE_PDF), mask, 0.0)
         return p, dlap
-    # The forward's own steps on the same scores, so P is bit for bit the forward's (and the P a
-    # forward may hand over, see attention_fwd); lse is not needed.
+    # The forward's own steps on the same scores, so P is bit for bit the forward's (and a kept
+    # tile's); lse is not needed.
     return _softmax_tile(s, mask)[0], None
 
 
@@ -218,12 +225,12 @@ def _general_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p
             if lse is not None:
                 lse[:, :, i0:i1] = -math.inf
             continue
-        i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
-        mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
         s = torch.matmul(qt[:, :, i0:i1], kt[:, :, lo:hi].transpose(-1, -2))  # [B, H, rows, keys]
-        p, row_lse = _probs_fwd(s, mask, attn_fn)
-        if kept is not None:
-            kept[1].append(p if kept[0] == "probs" else mask)
+        mask_out, p_out = _kept_outs(kept, s.shape)
+        i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
+        mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed, batch_index,
+                          out=mask_out)
+        p, row_lse = _probs_fwd(s, mask, attn_fn, out=p_out)
         ob = torch.matmul(p, vt[:, :, lo:hi])  # [B, H, rows, dv]
         o[:, i0:i1] = ob.transpose(1, 2)
         if lse is not None:
@@ -240,11 +247,11 @@ def _general_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_s
             dq[:, :, i0:i1] = 0
             continue
         qb, kb, vb, dob = qt[:, :, i0:i1], kt[:, :, lo:hi], vt[:, :, lo:hi], dot[:, :, i0:i1]
-        if kept is not None and kept[0] == "probs":  # the forward's P of this tile (same tile order)
-            p, extra = next(kept[1]), None
+        if kept is not None and kept.probs:  # the forward's P of this tile
+            p, extra = kept.next((B, H, i1 - i0, hi - lo)), None
         else:
-            if kept is not None:  # the forward's tile mask
-                mask = next(kept[1])
+            if kept is not None:  # the forward's DropKey mask of this tile
+                mask = (kept.next((B, H, i1 - i0, hi - lo)), 0, hi - lo)
             else:
                 i_idx, pos, j = _tile_indices(i0, i1, lo, hi, L, S, qt.device)
                 mask = _tile_mask(B, H, pos, i_idx, j, S, causal, chunk_size, block_causal, dropkey_p, seed,
@@ -305,13 +312,13 @@ def _chunk_fwd(qt, kt, vt, o, lse, causal, chunk_size, block_causal, dropkey_p, 
     front = 1 if block_causal else 0
     qc, kc, vc = _chunked(qt, C, nc, 0), _chunked(kt, C, nc, front), _chunked(vt, C, nc, front)
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
-        i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
-        mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
         s = torch.matmul(qc[:, :, c0:c1], kb.transpose(-1, -2))  # [B, H, G, C, keys]
-        p, row_lse = _probs_fwd(s, mask, attn_fn)
-        if kept is not None:
-            kept[1].append(p if kept[0] == "probs" else mask)
+        mask_out, p_out = _kept_outs(kept, s.shape)
+        i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
+        mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index,
+                          out=mask_out)
+        p, row_lse = _probs_fwd(s, mask, attn_fn, out=p_out)
         ob = torch.matmul(p, vb).flatten(2, 3)  # [B, H, G*C, dv]
         r0, r1 = c0 * C, min(L, c1 * C)
         o[:, r0:r1] = ob[:, :, : r1 - r0].transpose(1, 2)
@@ -343,11 +350,12 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
     for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems):
         qb, dob = qc[:, :, c0:c1], doc[:, :, c0:c1]
         kb, vb = _chunk_keys(kc, c0, c1, block_causal), _chunk_keys(vc, c0, c1, block_causal)
-        if kept is not None and kept[0] == "probs":  # the forward's P of this step (same step order)
-            p, extra = next(kept[1]), None
+        shape = (B, H, c1 - c0, C, kb.shape[-2])
+        if kept is not None and kept.probs:  # the forward's P of this step
+            p, extra = kept.next(shape), None
         else:
-            if kept is not None:  # the forward's tile mask
-                mask = next(kept[1])
+            if kept is not None:  # the forward's DropKey mask of this step
+                mask = (kept.next(shape), 0, shape[-1])
             else:
                 i_idx, j = _chunk_indices(c0, c1, C, block_causal, qt.device)
                 mask = _tile_mask(B, H, i_idx, i_idx, j, L, causal, C, block_causal, dropkey_p, seed, batch_index)
@@ -376,15 +384,64 @@ def _chunk_bwd(qt, kt, vt, dot, delta, lse, dq, dk, dv, scale, causal, chunk_siz
 
 
 # ---------------------------------------------------------------------------------------------
+# Kept tiles (module doc)
+
+
+class _KeptTiles:
+    """A cursor over the flat tensor of a pass's kept tiles, in tile order: P in the accumulation
+    dtype (softmax) or the DropKey masks (bool)."""
+
+    def __init__(self, flat: torch.Tensor):
+        self.flat, self.at = flat, 0
+        self.probs = flat.dtype != torch.bool
+
+    def next(self, shape) -> torch.Tensor:
+        n = math.prod(shape)
+        tile = self.flat[self.at:self.at + n].view(shape)
+        self.at += n
+        return tile
+
+
+def _kept_outs(kept, shape):
+    """(out of the tile's mask, out of its P): where the forward writes the tile it keeps."""
+    if kept is None:
+        return None, None
+    tile = kept.next(shape)
+    return (None, tile) if kept.probs else (tile, None)
+
+
+def _tile_shapes(B, H, L, S, causal, chunk_size, block_causal, chunked, block_q, chunks_per_step,
+                 max_block_elems) -> list[tuple]:
+    """The shapes of a pass's score tiles, in the order both passes visit them."""
+    if chunked:
+        keys = chunk_size * (2 if block_causal else 1)
+        return [(B, H, c1 - c0, chunk_size, keys)
+                for c0, c1 in _chunk_steps(B, H, L, chunk_size, block_causal, chunks_per_step, max_block_elems)]
+    return [(B, H, i1 - i0, hi - lo) for i0, i1, lo, hi in
+            _general_tiles(B, H, L, S, causal, chunk_size, block_causal, block_q, max_block_elems) if hi > lo]
+
+
+def _tiles_to_keep(q, k, v, entries, attn_fn, dropkey_p) -> torch.dtype | None:
+    """The dtype of the tiles a forward keeps, or None to keep nothing. Keeping P saves the
+    backward its most expensive recomputation (scores, softmax and DropKey hash), at the price of
+    memory: P is kept when it takes at most twice what the op saves anyway (q, k, v, o); else, with
+    DropKey, the masks (a byte per entry) when they take at most that much."""
+    B, L, H, _ = q.shape
+    saved = sum(t.numel() * t.element_size() for t in (q, k, v)) + B * L * H * v.shape[-1] * q.element_size()
+    acc = acc_dtype(q.dtype)
+    if attn_fn == "softmax" and entries * torch.finfo(acc).bits // 8 <= 2 * saved:
+        return acc
+    if dropkey_p > 0.0 and entries <= saved:
+        return torch.bool
+    return None
+
+
+# ---------------------------------------------------------------------------------------------
 # Entry points (same signature in every backend)
 
 
-def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  block_q, chunks_per_step, max_block_elems, batch_index=None):
-    """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32/fp64 or None for laplace).
-
-    ``batch_index`` (B,) int64 or None: the batch index b of each row in the DropKey rule
-    (packed document rows pass their documents' indices; None: b is the row itself)."""
+def _forward(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, block_q,
+             chunks_per_step, max_block_elems, batch_index, keep):
     B, L, H, _ = q.shape
     S, dv = k.shape[1], v.shape[-1]
     acc = acc_dtype(q.dtype)
@@ -395,61 +452,46 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
                   dropkey_p=dropkey_p, seed=seed, batch_index=batch_index, attn_fn=attn_fn,
                   max_block_elems=max_block_elems)
     chunked = use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems)
-    kept = _what_to_keep(q, k, v, o, acc, chunked, attn_fn, dropkey_p, batch_index, block_q, chunks_per_step,
-                         max_block_elems, causal, chunk_size, block_causal)
+    tiles = None
+    if keep:
+        entries = sum(math.prod(t) for t in _tile_shapes(B, H, L, S, causal, chunk_size, block_causal, chunked,
+                                                          block_q, chunks_per_step, max_block_elems))
+        dtype = _tiles_to_keep(q, k, v, entries, attn_fn, dropkey_p)
+        tiles = None if dtype is None else torch.empty(entries, dtype=dtype, device=q.device)
+    kept = None if tiles is None else _KeptTiles(tiles)
     if chunked:
         _chunk_fwd(qt, kt, vt, o, lse, chunks_per_step=chunks_per_step, kept=kept, **common)
     else:
         _general_fwd(qt, kt, vt, o, lse, block_q=block_q, kept=kept, **common)
-    if kept is not None:
-        keep_made(_kept_key(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, chunked, block_q,
-                            chunks_per_step, max_block_elems), kept)
+    return o, lse, tiles
+
+
+def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                  block_q, chunks_per_step, max_block_elems, batch_index=None):
+    """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32/fp64 or None for laplace).
+
+    ``batch_index`` (B,) int64 or None: the batch index b of each row in the DropKey rule
+    (packed document rows pass their documents' indices; None: b is the row itself)."""
+    o, lse, _ = _forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+                         dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, block_q=block_q,
+                         chunks_per_step=chunks_per_step, max_block_elems=max_block_elems, batch_index=batch_index,
+                         keep=False)
     return o, lse
 
 
-def _what_to_keep(q, k, v, o, acc, chunked, attn_fn, dropkey_p, batch_index, block_q, chunks_per_step,
-                  max_block_elems, causal, chunk_size, block_causal):
-    """What the forward hands to its backward when asked (ops/dropkey_rule.py, keeping_masks), as
-    ("probs" | "masks", []), or None. The backward recomputes each tile's scores (a matmul), P
-    (softmax) and the DropKey hash, which costs more than the tile's other matmuls; instead:
-
-    * softmax: the tiles' P (the forward's, bit for bit what the backward would recompute) when
-      they take at most twice the memory the op saves anyway (q, k, v, o);
-    * else with DropKey: the tiles' masks (a byte per entry) when at most that memory.
-    """
-    if batch_index is not None or not masks_wanted():
-        return None
-    B, L, H, _ = q.shape
-    S = k.shape[1]
-    if chunked:
-        C = chunk_size
-        keys = C * (2 if block_causal else 1)
-        entries = sum(B * H * (c1 - c0) * C * keys
-                      for c0, c1 in _chunk_steps(B, H, L, C, block_causal, chunks_per_step, max_block_elems))
-    else:
-        entries = sum(B * H * (i1 - i0) * (hi - lo) for i0, i1, lo, hi in
-                      _general_tiles(B, H, L, S, causal, chunk_size, block_causal, block_q, max_block_elems) if hi > lo)
-    saved = sum(t.numel() * t.element_size() for t in (q, k, v, o))
-    if attn_fn == "softmax" and entries * torch.finfo(acc).bits // 8 <= 2 * saved:
-        return ("probs", [])
-    if dropkey_p > 0.0 and entries <= saved:
-        return ("masks", [])
-    return None
-
-
-def _kept_key(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, chunked, block_q,
-              chunks_per_step, max_block_elems):
-    """What a call's kept tiles are a function of, besides q, k (the backward's saved q, k are the
-    forward's: autograd checks their versions): the rule's arguments, the shapes, scale, the mask
-    modes and the tiling (which path, its tile sizes)."""
-    B, L, H, _ = q.shape
-    return ("attention", q.device, q.dtype, B, L, H, k.shape[1], scale, causal, chunk_size, block_causal, dropkey_p,
-            seed, attn_fn, chunked, block_q, chunks_per_step, max_block_elems)
+def forward_keeping_tiles(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+                          block_q, chunks_per_step, max_block_elems):
+    """:func:`attention_fwd` for a forward autograd records: (o, lse, the kept tiles as one flat
+    tensor for :func:`attention_bwd`, or None when they would take too much memory)."""
+    return _forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+                    dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, block_q=block_q,
+                    chunks_per_step=chunks_per_step, max_block_elems=max_block_elems, batch_index=None, keep=True)
 
 
 def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  block_q, chunks_per_step, max_block_elems, batch_index=None):
-    """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile."""
+                  block_q, chunks_per_step, max_block_elems, batch_index=None, tiles=None):
+    """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile, or
+    reading them from ``tiles`` (:func:`forward_keeping_tiles` of the same inputs)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
     acc = acc_dtype(q.dtype)
@@ -463,10 +505,14 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
                   max_block_elems=max_block_elems)
     chunked = use_chunk_path(L, S, B, H, chunk_size, block_causal, chunks_per_step, max_block_elems)
     kept = None
-    if batch_index is None:
-        kept = replayed(_kept_key(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, chunked,
-                                  block_q, chunks_per_step, max_block_elems))
-        kept = None if kept is None else (kept[0], iter(kept[1]))
+    if tiles is not None and batch_index is None:
+        # kept by the forward of the same node: same inputs, so the same backend choice and tiles
+        # (a tensor that cannot be them, say after the tuning tables changed in between, is not used)
+        entries = sum(math.prod(t) for t in _tile_shapes(B, H, L, S, causal, chunk_size, block_causal, chunked,
+                                                          block_q, chunks_per_step, max_block_elems))
+        usable = (acc, torch.bool) if attn_fn == "softmax" else (torch.bool,)
+        if tiles.numel() == entries and tiles.dtype in usable:
+            kept = _KeptTiles(tiles)
     if chunked:
         dk = torch.empty_like(kt, memory_format=torch.contiguous_format)  # the chunk path writes every row
         dv = torch.empty_like(vt, memory_format=torch.contiguous_format)

@@ -36,6 +36,7 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._host_sync import check_on_device
 from .._library import custom_op, empty_like, plain_eager, plain_tensor
+from .table_cache import TABLES as _TABLES
 
 __all__ = ["rotary", "rotation_tables", "xpos_limit"]
 
@@ -125,21 +126,9 @@ def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_b
     return cos.to(dtype).unsqueeze(2), sin.to(dtype).unsqueeze(2)
 
 
-#: Tables of recent calls, for the rotary() calls that repeat positions (q and k of every layer,
-#: every step of a fixed length): (positions' dtype and shape, dim, base, xPos arguments, table
-#: dtype, limit dtype, the reference if an int or None, else its dtype and shape) -> (a copy of the
-#: positions, a copy of a tensor reference or None, cos, sin). An entry is used only if its
-#: positions (and tensor reference) EQUAL the call's (a read of L integers), so a hit returns
-#: exactly what rotation_tables would, and the xPos limit was checked on these very values.
-_TABLES: dict = {}
-_MAX_TABLES = 16
-
-
 def _tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype, reference=None, limit_dtype=None):
-    """rotation_tables, answered from _TABLES when the same positions were seen (CPU, plain
-    eager only: comparing positions on a GPU would wait for it, and a traced or inference-mode
-    call must build its own tensors). The cached tables are never handed out by the public
-    rotation_tables, so nobody outside the op holds them to modify."""
+    """rotation_tables, answered from the table cache (ops/rotary/table_cache.py) when the same
+    positions were seen, for CPU calls in plain eager mode (the cache's doc says why only those)."""
     args = (positions, dim, base, xpos_scale_base, xpos_downscale, dtype, reference, limit_dtype)
     ref_is_tensor = isinstance(reference, torch.Tensor)
     if (not positions.is_cpu or not plain_eager(profiler_ok=True) or not plain_tensor(positions)
@@ -148,24 +137,10 @@ def _tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype, refere
         return rotation_tables(*args)
     ref_key = (reference.dtype, reference.shape) if ref_is_tensor else reference
     key = (positions.dtype, positions.shape, dim, base, xpos_scale_base, xpos_downscale, dtype, limit_dtype, ref_key)
-    hit = _TABLES.get(key)
-    if (hit is not None and torch.equal(hit[0], positions)
-            and (not ref_is_tensor or torch.equal(hit[1], reference))):
-        return hit[2], hit[3]
-    cos, sin = rotation_tables(*args)
-    # Kept as the real and imaginary views of the first half of one complex tensor whose second
-    # half is the conjugate: the same values, and the torch backend multiplies by a half as it is
-    # (forward: the table, backward: its conjugate) instead of assembling it on every call.
-    table = torch.empty((2, *cos.shape), dtype=torch.complex128 if dtype == torch.float64 else torch.complex64)
-    table[0] = torch.complex(cos, sin)
-    torch.conj_physical(table[0], out=table[1])
-    cos, sin = table[0].real, table[0].imag
-    # what the torch backend checks: the views' layout, and the version before trusting table[1]
-    table._rotary_tables = (cos.shape, cos.stride(), table._version)
-    if len(_TABLES) >= _MAX_TABLES:
-        _TABLES.pop(next(iter(_TABLES), None), None)  # the oldest (another thread may race)
-    _TABLES[key] = (positions.clone(), reference.clone() if ref_is_tensor else None, cos, sin)
-    return cos, sin
+    entry = _TABLES.get(key, positions, reference)
+    if entry is None:
+        entry = _TABLES.put(key, positions, reference, *rotation_tables(*args))
+    return entry.cos, entry.sin
 
 
 def _like(x, *_):
