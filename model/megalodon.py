@@ -73,7 +73,11 @@ class Megalodon(nn.Module):
     ``model(tokens)`` with tokens int (B, L), any L >= 1, returns logits (B, L, V_out) in float32
     (float64 for a float64 model).
     ``model(tokens, cache=cache)`` continues a stream (any number of new tokens per call) and
-    updates ``cache`` in place; the logits equal those of one call on the whole sequence.
+    updates ``cache`` in place; the logits equal those of one call on the whole sequence. Cache
+    rows may hold sequences of different lengths: ``model.prefill(prompts)`` fills a fresh cache
+    from prompts of any lengths (one packed row), ``model.decode(tokens, cache)`` adds one token
+    per row (a fixed-shape step, :mod:`.decode`), and the cache's rows can be selected, dropped
+    and joined between steps (:mod:`.cache`; docs/serving.md).
     ``model(tokens, cu_seqlens=cu)`` with tokens (1, T) runs a packed row of documents (see
     :func:`~.packing.pack`), each as if on its own: logits (1, T, V_out) and every parameter
     gradient equal those of one call per document. ``model(tokens, segment_ids=s)`` with integer
