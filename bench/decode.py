@@ -31,6 +31,7 @@ import torch
 
 from megalodon_kernels.autotune.device import cpu_model
 from megalodon_kernels.model import Megalodon, get_config
+from megalodon_kernels.model.decode import StaticDecoder
 
 sys.path.insert(0, str(Path(__file__).parent))
 from cpu_step import VOCAB, bench_config, machine_load  # noqa: E402
@@ -91,6 +92,146 @@ def latency_points(model, points: list[int], piece: int):
     return rows
 
 
+# ---- serving: ragged batches, the static step, ATen calls ------------------------------------
+def ragged_prompts(n: int, vocab: int, lo: int, hi: int, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(0, vocab, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g)
+            for _ in range(n)]
+
+
+@torch.no_grad()
+def batched_tokens_per_s(model, prompts, new: int):
+    """(decode tokens/s, end-to-end tokens/s incl. the packed prefill) of all prompts together."""
+    t0 = time.perf_counter()
+    cache, logits = model.prefill(prompts)
+    t1 = time.perf_counter()
+    for _ in range(new - 1):
+        logits = model.decode(logits.argmax(-1), cache)
+    t2 = time.perf_counter()
+    B = len(prompts)
+    return B * (new - 1) / (t2 - t1), B * new / (t2 - t0)
+
+
+@torch.no_grad()
+def one_by_one_tokens_per_s(model, prompts, new: int):
+    dec = total = 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        cache, logits = model.prefill([p])
+        t1 = time.perf_counter()
+        for _ in range(new - 1):
+            logits = model.decode(logits.argmax(-1), cache)
+        t2 = time.perf_counter()
+        dec += t2 - t1
+        total += t2 - t0
+    return len(prompts) * (new - 1) / dec, len(prompts) * new / total
+
+
+@torch.no_grad()
+def general_step(model, cache, tokens):
+    """One token through the general streaming path (the ``megalodon_kernels.ops`` custom ops per
+    layer, the path every streamed token took before the fixed-shape step): the reference for
+    'before'. All rows must share their chunk position."""
+    x = model.embed(tokens[:, None])
+    if model.emb_scale is not None:
+        x = x * model.emb_scale
+    offset = cache.chunk_offset
+    for layer, state in zip(model.layers, cache.layers):
+        x = layer.nffn(layer.mega._continue(x, state, offset, None), x)
+    x, count, mean, var = model.output.final_norm(x, cache.norm_count, cache.norm_mean, cache.norm_var)
+    cache.norm_count.copy_(count)
+    cache.norm_mean.copy_(mean)
+    cache.norm_var.copy_(var)
+    cache.lengths.add_(1)
+    return model.output.output(x)[:, -1].float()
+
+
+def aten_calls(fn, steps: int = 4) -> float:
+    """ATen operator calls per call of fn (every aten:: event the profiler records, nested ones
+    included: the same rule before and after)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        for _ in range(steps):
+            fn()
+    return sum(1 for e in prof.events() if e.name.startswith("aten::")) / steps
+
+
+@torch.no_grad()
+def step_latencies(model, prompt_len: int, steps: int, rounds: int, compile_backend: str):
+    """Per-token latency at batch 1 of the general path, the eager static step and the compiled
+    static step, interleaved round by round (the machine's load hits all three alike)."""
+    vocab = model.config.vocab_size
+    prompt = torch.randint(0, vocab, (prompt_len,), generator=torch.Generator().manual_seed(5))
+    caches = {}
+    for name in ("general", "eager", "compiled"):
+        caches[name], logits = model.prefill([prompt])
+    tok = logits.argmax(-1)
+    eager = StaticDecoder(model, caches["eager"])
+    t0 = time.perf_counter()
+    compiled = StaticDecoder(model, caches["compiled"], compile={"backend": compile_backend})
+    compiled.step(tok)  # compiles
+    compile_s = time.perf_counter() - t0
+    runs = {"general": lambda: general_step(model, caches["general"], tok),
+            "eager": lambda: eager.step(tok), "compiled": lambda: compiled.step(tok)}
+    for fn in runs.values():  # warm-up
+        fn()
+    lat = {name: [] for name in runs}
+    for _ in range(rounds):
+        for name, fn in runs.items():
+            for _ in range(steps):
+                t = time.perf_counter()
+                fn()
+                lat[name].append(time.perf_counter() - t)
+    calls = {name: aten_calls(fn) for name, fn in runs.items()}
+    return lat, calls, compile_s
+
+
+def serving(args) -> list:
+    lines = []
+    for name in args.models:
+        model = build(name)
+        vocab, C = model.config.vocab_size, model.config.chunk_size
+        lo, hi = args.prompt_range
+        lines += [f"## {name} model (chunk {C})", "",
+                  f"Ragged prompts of {lo}-{hi} tokens (uniform), {args.serve_new} new tokens per prompt, greedy. "
+                  "Batched: `model.prefill(prompts)` (one packed row) then `model.decode` for all rows together. "
+                  "One by one: the same prompts, each prefilled and decoded alone. Decode tokens/s counts the "
+                  "tokens after the first (which comes from the prefill); end-to-end includes the prefill.", "",
+                  "| batch | batched decode tok/s | one-by-one decode tok/s | speed-up | batched end-to-end tok/s | "
+                  "one-by-one end-to-end tok/s | batch decode tok/s / batch-1 decode tok/s |",
+                  "|---|---|---|---|---|---|---|"]
+        base = None
+        for B in args.batches:
+            prompts = ragged_prompts(B, vocab, lo, hi, seed=B)
+            batched_tokens_per_s(model, prompts[:2], 3)  # warm-up
+            dec, e2e = batched_tokens_per_s(model, prompts, args.serve_new)
+            alone = prompts[:max(1, min(B, args.alone_max))]
+            dec1, e2e1 = one_by_one_tokens_per_s(model, alone, args.serve_new)
+            if B == 1:
+                base = dec
+            ratio = f"{dec / base:.1f}x" if base else "-"
+            lines.append(f"| {B} | {dec:.0f} | {dec1:.0f} | {dec / dec1:.1f}x | {e2e:.0f} | {e2e1:.0f} | {ratio} |")
+            print(lines[-1], flush=True)
+        lines += ["", f"(one by one: {args.alone_max} prompts of the batch at most, tokens/s per prompt is what "
+                  "matters there)", ""]
+        lat, calls, compile_s = step_latencies(model, args.prompt_range[1], args.steps, args.rounds, args.compile)
+        med = {k: statistics.median(v) for k, v in lat.items()}
+        lines += [f"Per-token latency at batch 1 ({args.rounds} interleaved rounds of {args.steps} tokens each; "
+                  f"compiled = `StaticDecoder(model, cache, compile={{'backend': '{args.compile}'}})`, "
+                  f"fullgraph, compiled in {compile_s:.0f} s):", "",
+                  "| step | median ms/token | p10-p90 | ATen calls per token | latency vs general |",
+                  "|---|---|---|---|---|"]
+        labels = {"general": "general path (ops custom ops per layer: the path before)",
+                  "eager": "static step, eager (`model.decode`)", "compiled": "static step, compiled"}
+        for k in ("general", "eager", "compiled"):
+            lines.append(f"| {labels[k]} | {med[k] * 1e3:.3f} | {pct(lat[k], 0.1) * 1e3:.3f}-"
+                         f"{pct(lat[k], 0.9) * 1e3:.3f} | {calls[k]:.0f} | {med[k] / med['general']:.2f} |")
+            print(lines[-1], flush=True)
+        lines += ["", f"Compiled vs eager static step: {med['eager'] / med['compiled']:.2f}x faster per token; "
+                  f"vs the general path: {med['general'] / med['compiled']:.2f}x.", ""]
+    return lines
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", nargs="+", default=["tiny", "bench"], choices=["tiny", "bench"])
@@ -100,6 +241,15 @@ def main():
     ap.add_argument("--piece", type=int, default=4096)
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--serving", action="store_true",
+                    help="instead: ragged batches vs one by one, and the static step eager vs compiled")
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 64])
+    ap.add_argument("--prompt-range", type=int, nargs=2, default=[16, 256])
+    ap.add_argument("--serve-new", type=int, default=32)
+    ap.add_argument("--alone-max", type=int, default=8)
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--compile", default="inductor", help="torch.compile backend of the static step")
     args = ap.parse_args()
     if sorted(args.points) != args.points or args.points[0] < 1:
         ap.error("--points must be ascending positions >= 1")
@@ -110,6 +260,8 @@ def main():
                                 cwd=Path(__file__).parent).stdout.strip()
     except OSError:
         commit = "?"
+    if args.serving:
+        return main_serving(args, load_before, commit)
     cmd = (f"python bench/decode.py --models {' '.join(args.models)} --points {' '.join(map(str, args.points))} "
            f"--prompt {args.prompt} --new {args.new} --piece {args.piece} --threads {args.threads}")
     lines = [
@@ -142,6 +294,25 @@ def main():
             print(t[-1], flush=True)
         tables += t + [""]
     lines += [f"- `uptime` after: `{machine_load()}`", ""] + tables
+    text = "\n".join(lines)
+    print(text)
+    if args.out:
+        args.out.write_text(text)
+
+
+
+def main_serving(args, load_before, commit):
+    cmd = (f"python bench/decode.py --serving --models {' '.join(args.models)} --batches "
+           f"{' '.join(map(str, args.batches))} --prompt-range {args.prompt_range[0]} {args.prompt_range[1]} "
+           f"--serve-new {args.serve_new} --alone-max {args.alone_max} --steps {args.steps} --rounds {args.rounds} "
+           f"--compile {args.compile} --threads {args.threads}")
+    body = serving(args)
+    lines = ["# CPU serving: ragged batches, the static decode step, ATen calls per token", "",
+             f"`{cmd}`, {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {commit}, "
+             f"torch {torch.__version__}, {platform.machine()} {cpu_model()}, {args.threads} threads, fp32.", "",
+             "The machine was shared with other jobs (load below): absolute figures are noisy; the ratios within "
+             "a table were measured in the same run (latencies interleaved round by round).", "",
+             f"- `uptime` before: `{load_before}`", f"- `uptime` after: `{machine_load()}`", ""] + body
     text = "\n".join(lines)
     print(text)
     if args.out:
