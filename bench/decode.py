@@ -195,25 +195,26 @@ def serving(args) -> list:
         lines += [f"## {name} model (chunk {C})", "",
                   f"Ragged prompts of {lo}-{hi} tokens (uniform), {args.serve_new} new tokens per prompt, greedy. "
                   "Batched: `model.prefill(prompts)` (one packed row) then `model.decode` for all rows together. "
-                  "One by one: the same prompts, each prefilled and decoded alone. Decode tokens/s counts the "
-                  "tokens after the first (which comes from the prefill); end-to-end includes the prefill.", "",
-                  "| batch | batched decode tok/s | one-by-one decode tok/s | speed-up | batched end-to-end tok/s | "
-                  "one-by-one end-to-end tok/s | batch decode tok/s / batch-1 decode tok/s |",
+                  f"One by one: the first {args.alone_max} of the same prompts, each prefilled and decoded alone "
+                  "(batch 1). Decode tokens/s counts the tokens after the first (which comes from the prefill); "
+                  f"end-to-end includes the prefill. Medians of {args.reps} alternating repetitions of both.", "",
+                  "| batch | batched decode tok/s | one-by-one (batch 1) decode tok/s | speed-up | "
+                  "batched end-to-end tok/s | one-by-one end-to-end tok/s | speed-up end-to-end |",
                   "|---|---|---|---|---|---|---|"]
-        base = None
         for B in args.batches:
             prompts = ragged_prompts(B, vocab, lo, hi, seed=B)
-            batched_tokens_per_s(model, prompts[:2], 3)  # warm-up
-            dec, e2e = batched_tokens_per_s(model, prompts, args.serve_new)
             alone = prompts[:max(1, min(B, args.alone_max))]
-            dec1, e2e1 = one_by_one_tokens_per_s(model, alone, args.serve_new)
-            if B == 1:
-                base = dec
-            ratio = f"{dec / base:.1f}x" if base else "-"
-            lines.append(f"| {B} | {dec:.0f} | {dec1:.0f} | {dec / dec1:.1f}x | {e2e:.0f} | {e2e1:.0f} | {ratio} |")
+            batched_tokens_per_s(model, prompts[:2], 3)  # warm-up
+            runs, runs1 = [], []
+            for _ in range(args.reps):
+                runs.append(batched_tokens_per_s(model, prompts, args.serve_new))
+                runs1.append(one_by_one_tokens_per_s(model, alone, args.serve_new))
+            dec, e2e = (statistics.median(r[i] for r in runs) for i in (0, 1))
+            dec1, e2e1 = (statistics.median(r[i] for r in runs1) for i in (0, 1))
+            lines.append(f"| {B} | {dec:.0f} | {dec1:.0f} | {dec / dec1:.1f}x | {e2e:.0f} | {e2e1:.0f} | "
+                         f"{e2e / e2e1:.1f}x |")
             print(lines[-1], flush=True)
-        lines += ["", f"(one by one: {args.alone_max} prompts of the batch at most, tokens/s per prompt is what "
-                  "matters there)", ""]
+        lines.append("")
         lat, calls, compile_s = step_latencies(model, args.prompt_range[1], args.steps, args.rounds, args.compile)
         med = {k: statistics.median(v) for k, v in lat.items()}
         lines += [f"Per-token latency at batch 1 ({args.rounds} interleaved rounds of {args.steps} tokens each; "
@@ -247,6 +248,7 @@ def main():
     ap.add_argument("--prompt-range", type=int, nargs=2, default=[16, 256])
     ap.add_argument("--serve-new", type=int, default=32)
     ap.add_argument("--alone-max", type=int, default=8)
+    ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--steps", type=int, default=50)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--compile", default="inductor", help="torch.compile backend of the static step")
@@ -304,7 +306,7 @@ def main():
 def main_serving(args, load_before, commit):
     cmd = (f"python bench/decode.py --serving --models {' '.join(args.models)} --batches "
            f"{' '.join(map(str, args.batches))} --prompt-range {args.prompt_range[0]} {args.prompt_range[1]} "
-           f"--serve-new {args.serve_new} --alone-max {args.alone_max} --steps {args.steps} --rounds {args.rounds} "
+           f"--serve-new {args.serve_new} --alone-max {args.alone_max} --reps {args.reps} --steps {args.steps} --rounds {args.rounds} "
            f"--compile {args.compile} --threads {args.threads}")
     body = serving(args)
     lines = ["# CPU serving: ragged batches, the static decode step, ATen calls per token", "",

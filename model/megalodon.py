@@ -142,12 +142,15 @@ class Megalodon(nn.Module):
             and s.v.shape[1:] == (cfg.chunk_size, cfg.num_heads, cfg.v_head_dim)
             and (s.hx is None or s.hx.shape[1:] == (cfg.model_dim, cfg.cema_ndim, 2))
             and (s.norm_mean is None or s.norm_mean.shape[1:] == (self.layers[0].mega.timenorm.num_groups,))
+            and s.k.dtype == self.embed.weight.dtype
             for s in cache.layers) and cache.lengths.device == device
         if not ok:
+            heads = tuple(cache.layers[0].k.shape[2:]) if cache.layers else ()
             raise ValueError(f"{arg} is not a cache of this model: it has {len(cache.layers)} layers, chunk size "
-                             f"{cache.chunk_size}, head shapes {tuple(cache.layers[0].k.shape[2:]) if cache.layers else ()}"
-                             f" on {cache.lengths.device}; the model has {len(self.layers)} layers, chunk size "
-                             f"{cfg.chunk_size}, heads {(cfg.num_heads, cfg.z_head_dim)} on {device}. "
+                             f"{cache.chunk_size}, head shapes {heads}, {cache.layers[0].k.dtype if cache.layers else ''} "
+                             f"on {cache.lengths.device}; the model has {len(self.layers)} layers, chunk size "
+                             f"{cfg.chunk_size}, heads {(cfg.num_heads, cfg.z_head_dim)}, {self.embed.weight.dtype} "
+                             f"on {device}. "
                              "Create it with this model's init_cache()")
         if cache.batch_size != rows:
             raise ValueError(f"{arg} was made for batch {cache.batch_size} but the tokens bring {rows} sequences")

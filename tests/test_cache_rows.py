@@ -146,3 +146,5 @@ def test_bad_rows_and_foreign_caches_are_refused(model):
     model(torch.zeros(2, 3, dtype=torch.long), cache=started)
     with pytest.raises(ValueError, match="needs fresh rows"):
         model(torch.zeros(1, 4, dtype=torch.long), cache=started, cu_seqlens=torch.tensor([0, 1, 4]))
+    with pytest.raises(ValueError, match="cache is not a cache of this model"):
+        model.decode(torch.zeros(2, dtype=torch.long), make_model().double().init_cache(2))
