@@ -172,12 +172,12 @@ def _backward_cases():
             pad[:1], *out[4:], G, "auto", cu)
         q, kq, v = (torch.randn(2, S, 2, d, dtype=dt) for S, d in ((5, 4), (7, 4), (7, 3)))
         for fn in ("softmax", "laplace"):
-            o, lse, seed = OPS.attention(q, kq, v, 0.5, True, 3, False, 0.3, 7, fn, "auto")
+            o, lse, seed, _ = OPS.attention(q, kq, v, 0.5, True, 3, False, 0.3, 7, fn, "auto")
             yield f"attention_bwd-{name}-{fn}", OPS.attention_bwd, (torch.randn_like(o), q, kq, v, o, lse, seed, 0.5,
                                                                     True, 3, False, 0.3, fn, "auto")
             cu = torch.tensor([0, 3, 3, 5])
             q1, k1, v1 = q[:1], kq[:1, :5], v[:1, :5]
-            o, lse, seed = OPS.attention(q1, k1, v1, 0.5, True, 2, True, 0.3, 7, fn, "auto", cu)
+            o, lse, seed, _ = OPS.attention(q1, k1, v1, 0.5, True, 2, True, 0.3, 7, fn, "auto", cu)
             yield f"attention_bwd-{name}-packed-{fn}", OPS.attention_bwd, (
                 torch.randn_like(o), q1, k1, v1, o, lse, seed, 0.5, True, 2, True, 0.3, fn, "auto", cu)
         s = torch.randn(2, 2, 5, 7, dtype=dt)
@@ -232,10 +232,10 @@ def _backend_cases(backend):
     for fn in ("softmax",) if backend == "cuda" else ("softmax", "laplace"):
         args = (0.5, True, 3, False, 0.3, 7, fn, backend)
         yield f"attention-{fn}", OPS.attention, (q, kq, v, *args), OPS.attention_bwd, \
-            lambda out, args=args: (out[0], q, kq, v, *out, *args[:4], args[4], args[6], backend)
+            lambda out, args=args: (out[0], q, kq, v, *out[:3], *args[:4], args[4], args[6], backend)
         q1, k1, v1, cu = q[:1], kq[:1, :5], v[:1, :5], torch.tensor([0, 2, 5])
         yield f"attention-packed-{fn}", OPS.attention, (q1, k1, v1, *args, cu), OPS.attention_bwd, \
-            lambda out, args=args: (out[0], q1, k1, v1, *out, *args[:4], args[4], args[6], backend, cu)
+            lambda out, args=args: (out[0], q1, k1, v1, *out[:3], *args[:4], args[4], args[6], backend, cu)
     sc2 = torch.randn(2, 2, 5, 7, generator=g)
     yield "dropkey_softmax", OPS.dropkey_softmax, (sc2, True, 0.3, 5, backend), OPS.dropkey_softmax_bwd, \
         lambda out: (out[0], out[0], out[1], True, 0.3, backend)
