@@ -50,8 +50,20 @@ chunks count from each document's start, so a document may cross a rank boundary
 multiple of chunk_size from its own start (ValueError otherwise); slices themselves need not be
 multiples of chunk_size.
 
-Not supported: unpacked slices that are not a whole number of chunks (ValueError), and
-layerwise checkpointing while training (recomputation would re-send; NotImplementedError).
+``forward(tokens, segment_ids=s)`` takes this rank's slice (1, L_local) of document ids; the
+group all-gathers the slices (small integer tensors) to find the row's boundaries, then runs as with
+``cu_seqlens``. ``forward(tokens, labels=y)`` returns the *sum* of this slice's token
+cross-entropies (the output head fused with the loss, logits never formed) instead of the logits:
+divide by the global number of predicted tokens (:mod:`.distributed` does) so that summing the
+ranks' gradients gives the gradient of the global mean.
+
+Activation checkpointing (``checkpoint_layers``, default ``config.layerwise_ckpt``): each block runs
+under ``torch.utils.checkpoint`` (non-reentrant) while the exchange stays outside the recomputed
+region: the received state enters the block as a saved input, and the send happens only on the
+first run of a layer's forward (:class:`_Link` remembers it), so the recomputation in the backward
+re-computes the outgoing state for the local graph but sends nothing and receives nothing.
+
+Not supported: unpacked slices that are not a whole number of chunks (ValueError).
 """
 from __future__ import annotations
 
@@ -63,10 +75,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from megalodon_kernels.ops._packing import check_cu_seqlens
 
+from .loss import linear_cross_entropy
 from .megalodon import Megalodon
+from .packing import segment_ids_to_cu_seqlens
 
 __all__ = ["ChunkParallelMegalodon", "CommStats", "allreduce_gradients", "chunk_bounds"]
 
@@ -114,6 +129,7 @@ class _Link:
         self.buf = None
         self.grad_work = None  # backward irecv of the state's gradient (sender side)
         self.grad_buf = None
+        self.sent = False  # the state went out: a recomputation (activation checkpointing) sends nothing
 
     # receiver side -----------------------------------------------------------------------
     def post_recv(self):
@@ -138,19 +154,33 @@ class _Link:
         return self.grad_buf
 
 
+def _alias(x: torch.Tensor) -> torch.Tensor:
+    """x itself as an identity Function's output that is not an autograd view of x (FSDP2 warns
+    when a wrapped module returns a view: an in-place op on it would drop its backward hook).
+    Safe here: x is a block's output that nothing writes in place."""
+    return torch.ops.aten._unsafe_view.default(x, x.shape)
+
+
 class _RecvState(torch.autograd.Function):
-    """Forward: the predecessor's packed state. Backward: send its gradient back to it."""
+    """Forward: (x unchanged, the predecessor's packed state). Backward: send the state's gradient
+    back to the predecessor, then release x's gradient.
+
+    The state travels with x so that, inside a block, the send comes before autograd reaches the
+    block's input: FSDP2's post-backward reduce-scatter (a collective over every rank, which the
+    predecessor joins only once it has this gradient) waits on the gradient of that input. A state
+    no local document continues is not used: its gradient is zero and is still sent. ``anchor``
+    (a leaf that requires grad) keeps the backward running even where x needs no gradient."""
 
     @staticmethod
-    def forward(ctx, anchor, link):
+    def forward(ctx, x, anchor, link):
         ctx.link = link
-        return link.wait_recv()
+        return _alias(x), link.wait_recv()
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, g, grad):
         link = ctx.link
         link.cp._isend_pending(grad.contiguous(), link.cp.rank - 1, _BWD_TAG + link.tag, in_backward=True)
-        return None, None
+        return g, None, None
 
 
 class _SendState(torch.autograd.Function):
@@ -160,27 +190,14 @@ class _SendState(torch.autograd.Function):
     @staticmethod
     def forward(ctx, packed, link):
         ctx.link = link
-        link.cp._isend_pending(packed.detach().contiguous(), link.cp.rank + 1, link.tag)
+        if not link.sent:  # a checkpointed layer's recomputation computes the state again, sends nothing
+            link.cp._isend_pending(packed.detach().contiguous(), link.cp.rank + 1, link.tag)
+            link.sent = True
         return packed.new_zeros(())
 
     @staticmethod
     def backward(ctx, grad_token):
         return ctx.link.wait_grad().clone(), None
-
-
-class _Ignore(torch.autograd.Function):
-    """Identity on x that keeps a received state nobody uses in the graph, with a zero gradient,
-    so its :class:`_RecvState` still answers the predecessor's wait for that gradient."""
-
-    @staticmethod
-    def forward(ctx, x, unused):
-        ctx.unused = (unused.shape, unused.dtype)
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, g):
-        shape, dtype = ctx.unused
-        return g, g.new_zeros(shape, dtype=dtype)
 
 
 class _Attach(torch.autograd.Function):
@@ -190,12 +207,22 @@ class _Attach(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, token, link):
         ctx.link = link
-        return x.view_as(x)
+        return _alias(x)
 
     @staticmethod
     def backward(ctx, g):
         ctx.link.post_grad_recv()
         return g, g.new_zeros(()), None
+
+
+def _run_as_forward(module: nn.Module, fn, x: torch.Tensor) -> torch.Tensor:
+    """``module(x)`` with ``fn`` as its forward for this one call: the module's hooks (FSDP2's
+    all-gather before, its reshard and backward hooks after) enclose all of ``fn``."""
+    module.forward = fn
+    try:
+        return module(x)
+    finally:
+        del module.forward
 
 
 def _real_dtype(c: torch.dtype) -> torch.dtype:
@@ -249,12 +276,15 @@ class ChunkParallelMegalodon(nn.Module):
     ``model(full_row, cu_seqlens=cu)`` (see the module docstring for the rank boundaries).
     """
 
-    def __init__(self, model: Megalodon, group: Optional[dist.ProcessGroup] = None):
+    def __init__(self, model: Megalodon, group: Optional[dist.ProcessGroup] = None, *,
+                 checkpoint_layers: Optional[bool] = None):
         super().__init__()
         if not dist.is_initialized():
             raise RuntimeError("torch.distributed must be initialised (dist.init_process_group) first")
         self.module = model
         self.group = group
+        #: run each block under activation checkpointing while training (None: config.layerwise_ckpt)
+        self.checkpoint_layers = model.config.layerwise_ckpt if checkpoint_layers is None else bool(checkpoint_layers)
         self.rank = dist.get_rank(group)
         self.world = dist.get_world_size(group)
         self.comm = CommStats()
@@ -298,10 +328,61 @@ class ChunkParallelMegalodon(nn.Module):
 
     # ---- forward ----------------------------------------------------------------------------
     def forward(self, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tensor] = None, *,
-                start: Optional[int] = None) -> torch.Tensor:
-        m, cfg = self.module, self.module.config
+                start: Optional[int] = None, segment_ids: Optional[torch.Tensor] = None,
+                labels: Optional[torch.Tensor] = None, ignore_index: int = -100) -> torch.Tensor:
+        m = self.module
         if not isinstance(tokens, torch.Tensor) or tokens.dim() != 2 or tokens.dtype.is_floating_point:
             raise TypeError(f"tokens must be an integer tensor (B, L_local), got {tuple(getattr(tokens, 'shape', ()))}")
+        if labels is not None and (not isinstance(labels, torch.Tensor) or labels.shape != tokens.shape
+                                   or labels.dtype.is_floating_point):
+            raise ValueError(f"labels must be an integer tensor of the tokens' shape {tuple(tokens.shape)}, got "
+                             f"{getattr(labels, 'dtype', type(labels).__name__)} {tuple(getattr(labels, 'shape', ()))}")
+        if segment_ids is not None:
+            if cu_seqlens is not None or start is not None:
+                raise ValueError("pass segment_ids alone: it replaces cu_seqlens and start")
+            cu_seqlens, start = self._gather_segments(segment_ids, tokens)
+        x = self._trunk(tokens, cu_seqlens, start)
+        head = m.output.output
+        if labels is not None:
+            n = int((labels != ignore_index).sum())
+            if n == 0:  # nothing to predict here: a zero that still reaches every parameter of the graph
+                return (x.float().sum() + head.weight.float().sum()) * 0.0
+            return linear_cross_entropy(x, head.weight, labels, head.bias, ignore_index=ignore_index) * n
+        logits = head(x)
+        return logits if logits.dtype == torch.float64 else logits.float()
+
+    def _gather_segments(self, segment_ids: torch.Tensor, tokens: torch.Tensor):
+        """(cu_seqlens of the whole row, this slice's start) from every rank's slice of document ids."""
+        if not isinstance(segment_ids, torch.Tensor) or segment_ids.dtype.is_floating_point \
+                or segment_ids.dtype.is_complex or segment_ids.dtype == torch.bool:
+            raise TypeError(f"segment_ids must be an integer tensor (1, L_local), got "
+                            f"{getattr(segment_ids, 'dtype', type(segment_ids).__name__)}")
+        if segment_ids.shape != tokens.shape:
+            raise ValueError(f"segment_ids must have the tokens' shape {tuple(tokens.shape)}, got "
+                             f"{tuple(segment_ids.shape)}")
+        if tokens.shape[0] != 1:
+            raise ValueError(f"segment_ids under chunk parallelism describe one packed row per chunk group: tokens "
+                             f"must be (1, L_local), got batch {tokens.shape[0]} (pack the rows into one, or give "
+                             f"each data-parallel rank its own row)")
+        ids = segment_ids.reshape(-1).to(torch.int64)
+        with _Timed(self.comm):
+            lengths = [torch.zeros(1, dtype=torch.int64, device=ids.device) for _ in range(self.world)]
+            dist.all_gather(lengths, torch.tensor([ids.numel()], device=ids.device), group=self.group)
+            lengths = [int(n) for n in lengths]
+            parts = [torch.empty(n, dtype=torch.int64, device=ids.device) for n in lengths]
+            if len(set(lengths)) == 1:
+                dist.all_gather(parts, ids, group=self.group)
+            else:  # unequal slices: gloo's all_gather wants equal sizes, so pad to the longest
+                most = max(lengths)
+                padded = [torch.empty(most, dtype=torch.int64, device=ids.device) for _ in lengths]
+                dist.all_gather(padded, torch.cat([ids, ids.new_zeros(most - ids.numel())]), group=self.group)
+                parts = [p[:n] for p, n in zip(padded, lengths)]
+        row = torch.cat(parts)[None]
+        return segment_ids_to_cu_seqlens(row, row), sum(lengths[:self.rank])
+
+    def _trunk(self, tokens: torch.Tensor, cu_seqlens: Optional[torch.Tensor], start: Optional[int]) -> torch.Tensor:
+        """This slice's output of the final TimestepNorm (before the head)."""
+        m, cfg = self.module, self.module.config
         B, L = tokens.shape
         C = cfg.chunk_size
         r, P = self.rank, self.world
@@ -331,9 +412,7 @@ class ChunkParallelMegalodon(nn.Module):
             if r == P - 1 and start + L != cu[-1]:
                 raise ValueError(f"the last rank holds the end of the packed row: start + L_local must be "
                                  f"cu_seqlens[-1] = {cu[-1]}, got {start} + {L}")
-        if cfg.layerwise_ckpt and m.training and torch.is_grad_enabled():
-            raise NotImplementedError("layerwise_ckpt is not supported under chunk parallelism (recomputation "
-                                      "would repeat the state exchange); set layerwise_ckpt=False")
+        use_ckpt = self.checkpoint_layers and m.training and torch.is_grad_enabled()
         self._drain()  # sends of a previous forward (normally complete already)
 
         x = m.embed(tokens)
@@ -357,15 +436,14 @@ class ChunkParallelMegalodon(nn.Module):
                 ln.post_recv()
         grad_on = torch.is_grad_enabled()
 
-        def incoming(link, with_hx, hx_dtype=None):
-            """The received state, or None for one the first document does not continue (buf: to
-            be passed to :class:`_Ignore`, so its zero gradient still goes back)."""
+        def incoming(link, x, with_hx, hx_dtype=None):
+            """(x, the received state), the state None where the first document does not continue it."""
             if r == 0:
-                return None, None
+                return x, None
             anchor = torch.empty(0, device=dev, requires_grad=grad_on)
-            buf = _RecvState.apply(anchor, link)
+            x, buf = _RecvState.apply(x, anchor, link)
             if not continues:
-                return None, buf
+                return x, None
             hi, lo = buf[:B].detach().long(), buf[B:2 * B].detach().long()
             count = hi * _COUNT_SPLIT + lo
             stats = buf[2 * B:]
@@ -373,7 +451,7 @@ class ChunkParallelMegalodon(nn.Module):
             hx = None
             if with_hx:
                 hx = torch.view_as_complex(stats[2 * B * G:].view(B, D, N, 2).to(_real_dtype(hx_dtype)))
-            return (count, mean, var, hx), None
+            return x, (count, mean, var, hx)
 
         def per_document(state, norm):
             """A received state as the initial state of the local documents: the first continues
@@ -399,31 +477,34 @@ class ChunkParallelMegalodon(nn.Module):
             packed = torch.cat([t.to(link.dtype) for t in parts])
             return _SendState.apply(packed, link)
 
-        for i, layer in enumerate(m.layers):
-            link = links[i]
-            cdt = torch.complex128 if layer.mega.cema.alpha.dtype == torch.float64 else torch.complex64
-            received, unused = incoming(link, True, cdt)
-            if unused is not None:
-                x = _Ignore.apply(x, unused)
+        def stage(h, layer, link, cdt):
+            """One block with its exchange, all inside the block's call (see :class:`_RecvState`)."""
+            h, received = incoming(link, h, True, cdt)
             carry = per_document(received, layer.mega.timenorm)
             token = []  # filled by on_carry with the send's token
-            on_carry = (lambda *state, _l=link, _t=token: _t.append(outgoing(_l, *state))) if r < P - 1 else None
-            x = layer(x, carry=carry, on_carry=on_carry, cu_seqlens=local_cu)
-            if token:
-                x = _Attach.apply(x, token[0], link)
+            on_carry = (lambda *state: token.append(outgoing(link, *state))) if r < P - 1 else None
+            block = type(layer).forward
+            if use_ckpt:
+                # carry is an input of the recomputed region and its send a no-op there (_Link.sent)
+                h = checkpoint(lambda y: block(layer, y, carry=carry, on_carry=on_carry, cu_seqlens=local_cu),
+                               h, use_reentrant=False)
+            else:
+                h = block(layer, h, carry=carry, on_carry=on_carry, cu_seqlens=local_cu)
+            return _Attach.apply(h, token[0], link) if token else h
+
+        for i, layer in enumerate(m.layers):
+            cdt = torch.complex128 if layer.mega.cema.alpha.dtype == torch.float64 else torch.complex64
+            x = _run_as_forward(layer, lambda h, _l=layer, _k=links[i], _c=cdt: stage(h, _l, _k, _c), x)
 
         norm = m.output.final_norm
         link = links[-1]
-        received, unused = incoming(link, False)
-        if unused is not None:
-            x = _Ignore.apply(x, unused)
+        x, received = incoming(link, x, False)
         carry = per_document(received, norm)
         count, mean, var, _ = carry if carry is not None else (None, None, None, None)
         x, count_out, mean_out, var_out = norm(x, count, mean, var, cu_seqlens=local_cu)
         if r < P - 1:
             x = _Attach.apply(x, outgoing(link, count_out, mean_out, var_out), link)
-        logits = m.output.output(x)
-        return logits if logits.dtype == torch.float64 else logits.float()
+        return x
 
 
 @torch.no_grad()
