@@ -1,17 +1,26 @@
-"""python -m megalodon_kernels.bench report <pytest-benchmark json> [--out DIR]"""
+"""python -m megalodon_kernels.bench report|gpu ...
+
+    report <pytest-benchmark json> [--out DIR] [--no-triton-bytes]   markdown + plots of a bench/ run
+    gpu --out DIR [--budget-s 480] [--dry] [--steps ...]              the GPU acceptance run (bench/gpu_run.py)
+"""
 import sys
 
-from .report import main as report_main
-
-USAGE = "usage: python -m megalodon_kernels.bench report <pytest-benchmark json> [--out DIR] [--no-triton-bytes]"
+USAGE = ("usage: python -m megalodon_kernels.bench report <pytest-benchmark json> [--out DIR] [--no-triton-bytes]\n"
+         "       python -m megalodon_kernels.bench gpu --out DIR [--budget-s 480] [--dry] [--steps STEP ...]")
 
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] != "report":
-        print(USAGE, file=sys.stderr)
-        return 2
-    return report_main(argv[1:])
+    if argv and argv[0] == "report":
+        from .report import main as report_main
+
+        return report_main(argv[1:])
+    if argv and argv[0] == "gpu":
+        from .gpu_run import main as gpu_main
+
+        return gpu_main(argv[1:])
+    print(USAGE, file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":
