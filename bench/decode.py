@@ -21,6 +21,7 @@ model_dim 256, 2 layers, 1 head, z_dim 64, value_dim 512, FFN 640, cema_ndim 16,
 prompts one by one; and at batch 1 the per-token latency (wall and thread CPU time) and ATen calls
 of the general streaming path (the ops per layer), the fixed-shape step eager (``model.decode``)
 and the same step compiled (``StaticDecoder(..., compile={"backend": --compile})``, fullgraph).
+"""
 
 from __future__ import annotations
 
