@@ -138,6 +138,62 @@ def plots(t, sp, out_dir, stem):
     return files
 
 
+def roofline_plot(table, rows, out_dir, stem):
+    """``<stem>_roofline.png``: left, the A100/H100 roofs (datasheet bandwidth, fp32 and bf16 tensor peaks)
+    with every op x mode at the paper shapes placed at its ideal FLOPs per byte and the FLOP/s its lower
+    bound implies; right, the measured points of this run: achieved FLOP/s of the ideal FLOPs against the
+    same intensity, per library provider (no roof: no peak is claimed for the machine that ran it)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    from .roofline import DEVICES
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(15, 5.5))
+    xs = [r["intensity"] for r in table] + [r["ideal_flops"] / r["ideal_bytes"] for r in rows if r["ideal_bytes"]]
+    grid = np.logspace(np.log10(max(min(xs), 1e-3) / 2), np.log10(max(xs) * 2), 200)
+    for (name, dev), color in zip(DEVICES.items(), ("tab:blue", "tab:red")):
+        left.plot(grid, np.minimum(dev["bw"] * grid, dev["fp32"]), "-", color=color, lw=1, label=f"{name} fp32 roof")
+        left.plot(grid, np.minimum(dev["bw"] * grid, dev["bf16_tensor"]), ":", color=color, lw=1,
+                  label=f"{name} bf16 tensor roof")
+        pts = [r for r in table if r["device"] == name]
+        left.scatter([r["intensity"] for r in pts], [r["flops"] / (r["lb_us"] * 1e-6) for r in pts], color=color,
+                     s=14, alpha=0.7)
+        if name.startswith("H100"):
+            for r in pts:
+                if r["mode"] == "fwd" and r["L"] == max(p["L"] for p in pts):
+                    left.annotate(r["op"], (r["intensity"], r["flops"] / (r["lb_us"] * 1e-6)), fontsize=6)
+    left.set_title("lower bounds at the paper 7B shapes (bf16 I/O), datasheet roofs")
+    markers = {"fwd": "o", "bwd": "s", "fwd+bwd": "^"}
+    colors = {}
+    for r in rows:
+        if r["kind"] != "library" or not r["ideal_bytes"]:
+            continue
+        c = colors.setdefault(r["provider"], f"C{len(colors)}")
+        right.scatter([r["ideal_flops"] / r["ideal_bytes"]], [r["ideal_flops"] / r["median"]], color=c,
+                      marker=markers.get(r["mode"], "o"), s=18)
+    for p, c in colors.items():
+        right.scatter([], [], color=c, label=p)
+    for m, mk in markers.items():
+        right.scatter([], [], color="k", marker=mk, label=m)
+    right.set_title("measured in this run: achieved FLOP/s of the ideal FLOPs")
+    for ax in (left, right):
+        ax.set_xscale("log")
+        ax.set_yscale("log")
+        ax.set_xlabel("ideal FLOPs / ideal byte (bench/roofline.py)")
+        ax.set_ylabel("FLOP/s")
+        ax.grid(True, which="both", alpha=0.3)
+        if ax.get_legend_handles_labels()[0]:
+            ax.legend(fontsize=7)
+    fig.tight_layout()
+    name = f"{stem}_roofline.png"
+    fig.savefig(os.path.join(out_dir, name), dpi=90)
+    plt.close(fig)
+    return name
+
+
 def markdown(data, rows, json_path, out_dir, png_files, roofline_md):
     t = index(rows)
     sp_med, sp_min = speedups(t, "median"), speedups(t, "min")
@@ -196,7 +252,8 @@ def markdown(data, rows, json_path, out_dir, png_files, roofline_md):
                     cells.append("-")
             L.append(f"| {op} | {mode} | " + " | ".join(cells) + f" | {_geomean(gm):.2f}x ({_geomean(gmn):.2f}x) |")
     L.append("")
-    L.append(f"![speed-up]({png_files[-1]})" if png_files else "(no plots)")
+    sp_png = f"{stem_of(json_path)}_speedup.png"
+    L.append(f"![speed-up]({sp_png})" if sp_png in png_files else "(no plots: pip install matplotlib, the bench extra)")
     L.append("")
     L.append("## Per-op times")
     L.append("")
@@ -245,6 +302,9 @@ def markdown(data, rows, json_path, out_dir, png_files, roofline_md):
     L.append("")
     L.append(roofline_md)
     L.append("")
+    if f"{stem_of(json_path)}_roofline.png" in png_files:
+        L.append(f"![roofline]({stem_of(json_path)}_roofline.png)")
+        L.append("")
     return "\n".join(L)
 
 
@@ -277,7 +337,10 @@ def main(argv=None) -> int:
     ratios = None
     if not a.no_triton_bytes:
         ratios = roofline.triton_ratios(roofline.measure_triton()) or None
-    roof = roofline.markdown(roofline.table_rows(("a100", "h100"), ratios), ratios)
+    table = roofline.table_rows(("a100", "h100"), ratios)
+    roof = roofline.markdown(table, ratios)
+    if pngs:
+        pngs.append(roofline_plot(table, rows, out, stem))
     md = markdown(data, rows, a.json, a.out or out, pngs, roof)
     path = os.path.join(out, f"{stem}.md")
     with open(path, "w") as f:
