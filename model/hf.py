@@ -47,7 +47,11 @@ from .cache import MegalodonCache
 from .config import MegalodonConfig
 from .megalodon import Megalodon
 
-__all__ = ["MegalodonHFConfig", "MegalodonForCausalLM", "MegalodonHFCache"]
+__all__ = ["MegalodonHFConfig", "MegalodonForCausalLM", "MegalodonHFCache", "CACHE_ARG"]
+
+#: The name transformers gives the cache, as generate's argument and as the outputs' field:
+#: "cache" since transformers 5.24, "past_key_values" before.
+CACHE_ARG = "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
 
 _MODEL_FIELDS = tuple(f.name for f in dataclasses.fields(MegalodonConfig))
 
@@ -145,6 +149,9 @@ class MegalodonHFCache(Cache):
 
     def __repr__(self) -> str:
         return f"MegalodonHFCache(lengths={self.state.lengths.tolist()})"
+
+    def __len__(self) -> int:
+        return len(self.state.layers)  # transformers' meaning: the number of layers
 
     @property
     def batch_size(self) -> int:
@@ -288,14 +295,19 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
         """An empty cache for ``batch_size`` sequences."""
         return MegalodonHFCache(self._megalodon.init_cache(batch_size))
 
-    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, cache=None,
-                                      attention_mask=None, inputs_embeds=None, is_first_iteration=False, **kwargs):
+    def prepare_inputs_for_generation(self, input_ids, next_sequence_length=None, attention_mask=None,
+                                      inputs_embeds=None, is_first_iteration=False, **kwargs):
         if inputs_embeds is not None:
             raise ValueError("inputs_embeds is not supported by MegalodonForCausalLM: pass input_ids")
+        cache = None
+        for name in ("cache", "past_key_values"):
+            given = kwargs.pop(name, None)
+            cache = given if given is not None else cache
         if cache is None and kwargs.get("use_cache", True) is not False:
             cache = self.new_cache(input_ids.shape[0])
+        kwargs[CACHE_ARG] = cache
         model_inputs = super().prepare_inputs_for_generation(
-            input_ids, next_sequence_length=next_sequence_length, cache=cache, attention_mask=attention_mask,
+            input_ids, next_sequence_length=next_sequence_length, attention_mask=attention_mask,
             is_first_iteration=is_first_iteration, **kwargs)
         # The mask only grows by ones after the prompt; it was checked on the prompt.
         if cache is not None and not is_first_iteration:
@@ -413,7 +425,7 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
         if not return_dict:
             out = tuple(v for v in (logits, out_cache) if v is not None)
             return ((loss,) + out) if loss is not None else out
-        return CausalLMOutputWithPast(loss=loss, logits=logits, cache=out_cache)
+        return CausalLMOutputWithPast(loss=loss, logits=logits, **{CACHE_ARG: out_cache})
 
     @staticmethod
     def _kept_columns(logits_to_keep, input_ids):

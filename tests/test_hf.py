@@ -20,10 +20,15 @@ from transformers import AutoConfig, AutoModelForCausalLM  # noqa: E402
 from transformers.generation.streamers import BaseStreamer  # noqa: E402
 
 from megalodon_kernels.model import CheckpointMismatchError, Megalodon, MegalodonConfig, get_config  # noqa: E402
-from megalodon_kernels.model.hf import MegalodonForCausalLM, MegalodonHFCache, MegalodonHFConfig  # noqa: E402
+from megalodon_kernels.model.hf import CACHE_ARG, MegalodonForCausalLM, MegalodonHFCache, MegalodonHFConfig  # noqa: E402
 from megalodon_kernels.model.hf_convert import hf_to_upstream, main as convert_main, upstream_to_hf  # noqa: E402
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cache(out):
+    """The cache an output carries (its field is "cache" since transformers 5.24, "past_key_values" before)."""
+    return getattr(out, CACHE_ARG)
 
 
 def _model(seed=0, **overrides):
@@ -78,11 +83,11 @@ def test_parameter_names_and_logits_are_megalodons(model, prompt):
     assert list(model.state_dict()) == list(ref.state_dict())
     ref.load_state_dict(model.state_dict(), strict=True)
     out = model(prompt, use_cache=False)
-    assert out.cache is None and out.loss is None
+    assert _cache(out) is None and out.loss is None
     assert torch.equal(out.logits, ref(prompt))
     # the cache path gives the same logits and a cache that has consumed the prompt
     out = model(prompt)
-    assert isinstance(out.cache, MegalodonHFCache) and out.cache.get_seq_length() == prompt.shape[1]
+    assert isinstance(_cache(out), MegalodonHFCache) and _cache(out).get_seq_length() == prompt.shape[1]
     torch.testing.assert_close(out.logits, ref(prompt), rtol=0, atol=1e-5)
 
 
@@ -149,7 +154,7 @@ def test_attention_mask_forward(model, prompt):
             alone = model(p[None], use_cache=False).logits[0]
             torch.testing.assert_close(out.logits[b, ids.shape[1] - len(p):], alone, rtol=0, atol=1e-5)
             assert (out.logits[b, :ids.shape[1] - len(p)] == 0).all()
-    assert out.cache.state.lengths.tolist() == [20, 13, 5]
+    assert _cache(out).state.lengths.tolist() == [20, 13, 5]
     last = model(ids, attention_mask=mask, logits_to_keep=1).logits
     torch.testing.assert_close(last, out.logits[:, -1:], rtol=0, atol=1e-5)
 
@@ -163,7 +168,7 @@ def test_attention_mask_refusals(model, prompt):
     right = mask.flip(1)
     with pytest.raises(ValueError, match="left padding"):
         model(ids.flip(1), attention_mask=right)  # with a cache
-    used = model(ids[:, :4], use_cache=True).cache
+    used = _cache(model(ids[:, :4], use_cache=True))
     with pytest.raises(ValueError, match="fresh cache"):
         model(ids, attention_mask=mask, cache=used)
     with pytest.raises(ValueError, match="attention_mask"):
@@ -190,7 +195,7 @@ def test_bad_inputs(model, prompt):
         model(prompt, cache=model.megalodon.init_cache(2))
     with pytest.raises(ValueError, match="labels"):
         model(prompt, labels=prompt[:, :-1])
-    cache = model(prompt).cache
+    cache = _cache(model(prompt))
     with pytest.raises(NotImplementedError, match="cropped"):
         cache.crop(-1)
     with pytest.raises(ValueError, match="beam_idx"):
@@ -262,9 +267,12 @@ def test_eos_and_streamer(model, prompt, greedy):
 def test_continue_from_returned_cache(model, prompt, greedy):
     ref = greedy
     first = model.generate(prompt, max_new_tokens=6, do_sample=False, return_dict_in_generate=True)
-    # the last generated token has not been fed yet: it is the next call's whole input
-    more = model.generate(first.sequences[:, -1:], cache=first.cache, max_new_tokens=6, do_sample=False)
-    assert torch.equal(torch.cat([first.sequences, more[:, 1:]], 1), ref)
+    # The last generated token has not been fed yet: since transformers 5.24 (a cache of recurrent
+    # layers) it is the next call's whole input; before, generate takes the whole sequence and
+    # cuts off the get_seq_length() tokens the cache has seen.
+    ids = first.sequences[:, -1:] if CACHE_ARG == "cache" else first.sequences
+    more = model.generate(ids, max_new_tokens=6, do_sample=False, **{CACHE_ARG: _cache(first)})
+    assert torch.equal(torch.cat([first.sequences, more[:, ids.shape[1]:]], 1), ref)
 
 
 def test_beam_search_reorders_the_state(model, prompt):
@@ -400,13 +408,18 @@ def test_gradient_checkpointing(prompt):
     loss.backward()
     want = [p.grad.clone() for p in m.parameters()]
     m.zero_grad()
-    m.activation_checkpointing_enable()
-    assert m.megalodon.config.layerwise_ckpt and m.is_activation_checkpointing
+    # activation_* in recent transformers 5.x (gradient_* its deprecated alias), gradient_* only in older ones
+    enable, disable, enabled = (("activation_checkpointing_enable", "activation_checkpointing_disable",
+                                 "is_activation_checkpointing") if hasattr(m, "activation_checkpointing_enable") else
+                                ("gradient_checkpointing_enable", "gradient_checkpointing_disable",
+                                 "is_gradient_checkpointing"))
+    getattr(m, enable)()
+    assert m.megalodon.config.layerwise_ckpt and getattr(m, enabled)
     m(prompt, labels=prompt).loss.backward()
     for g, p in zip(want, m.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
-    m.activation_checkpointing_disable()
-    assert not m.megalodon.config.layerwise_ckpt and not m.is_activation_checkpointing
+    getattr(m, disable)()
+    assert not m.megalodon.config.layerwise_ckpt and not getattr(m, enabled)
 
 
 def test_example_runs(tmp_path, capsys):
