@@ -143,12 +143,16 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     to_up.add_argument("src", help="transformers directory (config.json + model.safetensors)")
     to_up.add_argument("dst", help="upstream directory to write")
     args = parser.parse_args(argv)
-    if args.direction == "to-hf":
-        ids = {k: getattr(args, k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")
-               if getattr(args, k) is not None}
-        out = upstream_to_hf(args.src, args.dst, max_shard_size=args.max_shard_size, **ids)
-    else:
-        out = hf_to_upstream(args.src, args.dst)
+    try:
+        if args.direction == "to-hf":
+            ids = {k: getattr(args, k) for k in ("eos_token_id", "bos_token_id", "pad_token_id")
+                   if getattr(args, k) is not None}
+            out = upstream_to_hf(args.src, args.dst, max_shard_size=args.max_shard_size, **ids)
+        else:
+            out = hf_to_upstream(args.src, args.dst)
+    except (OSError, ValueError) as e:  # a missing file, a mismatched checkpoint: the message says which
+        print(f"hf_convert {args.direction}: {e}", file=sys.stderr)
+        return 1
     print(f"wrote {out}")
     return 0
 

@@ -344,13 +344,15 @@ def test_convert_upstream_and_back(tmp_path, dtype, share_emb):
     assert json.loads((tmp_path / "up2" / "config.json").read_text())["model"] == cfg.to_upstream_dict()
 
 
-def test_convert_refuses_a_mismatched_checkpoint(tmp_path):
+def test_convert_refuses_a_mismatched_checkpoint(tmp_path, capsys):
     cfg = get_config("tiny")
     _upstream_dir(tmp_path / "up", cfg)
     (tmp_path / "up" / "config.json").write_text(json.dumps({"model": cfg.replace(swiglu=True).to_upstream_dict()}))
     with pytest.raises(CheckpointMismatchError, match="fc3"):
         upstream_to_hf(tmp_path / "up", tmp_path / "hf")
     assert not (tmp_path / "hf").exists()
+    assert convert_main(["to-hf", str(tmp_path / "up"), str(tmp_path / "hf")]) == 1  # the command: a message
+    assert "fc3" in capsys.readouterr().err and not (tmp_path / "hf").exists()
     m = _model(attn_fn="laplace")
     m.save_pretrained(tmp_path / "laplace")
     with pytest.raises(ValueError, match="attn_fn"):
