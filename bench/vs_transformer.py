@@ -13,11 +13,13 @@ tokens and the same fused output projection + cross-entropy (model/loss.py), so 
 in the blocks.
 
 One step = zero_grad, forward + loss over ``B`` sequences of ``tokens / B`` tokens, backward (no
-optimizer). Each (model, length) point runs in a process of its own, the models alternating at each
-length: a 256-token step first (one-time costs), then the first full step is the warm-up and gives the
-peak memory, then ``--steps`` timed steps
-(median). Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the step (parameters
-included); on the CPU the growth of the process's peak resident set (``ru_maxrss``) over the first
+optimizer). On the CPU, each (model, length) point first runs in a process of its own: a 256-token step
+(one-time costs), then the first full step, which gives the peak memory; then both models run in one
+process, one warm-up step each and ``--steps`` timed steps alternating between them, so that the load
+of a shared machine falls on both alike (median and minimum; a length above ``--max-timed-tokens``
+reports its single first step). On CUDA all of it runs in this process, model after model.
+Peak memory: on CUDA ``torch.cuda.max_memory_allocated`` over the step (parameters included); on the
+CPU the growth of the process's peak resident set (``ru_maxrss``) over the first
 step, above what the built model and its inputs already hold. A point whose warm-up step alone
 exceeds ``--max-step-s`` is reported as not measured instead of timed again.
 """
@@ -134,6 +136,9 @@ def n_params(model: nn.Module) -> int:
     return sum(p.numel() for p in model.parameters())
 
 
+KINDS = ("megalodon", "transformer")
+
+
 def build(kind: str, device="cpu") -> nn.Module:
     """``megalodon`` (the bench model) or ``transformer`` (matched to it), seeded, in train mode."""
     torch.manual_seed(0)
@@ -233,14 +238,38 @@ def decode_rate(kind: str, context: int, new: int, device="cpu", piece: int = 40
 
 def measure_in_child(kind: str, B: int, L: int, steps: int, threads: int, max_step_s: float) -> dict:
     """:func:`measure` in a fresh process (its own peak resident set), on the CPU."""
+    r = _child(f"measure({kind!r}, {B}, {L}, {steps}, 'cpu', {max_step_s!r})", threads)
+    return r if "error" not in r else dict(kind=kind, B=B, L=L, tokens=B * L, **r)
+
+
+def time_pair(B: int, L: int, steps: int, device="cpu") -> dict:
+    """Both models in this process, their steps alternating (megalodon, transformer, megalodon, ...) after
+    one warm-up step each, so that a shared machine's load falls on both alike: {kind: [seconds per step]}."""
+    device = torch.device(device)
+    models = {kind: build(kind, device) for kind in KINDS}
+    gen = torch.Generator().manual_seed(1)
+    tokens = torch.randint(0, VOCAB, (B, L + 1), generator=gen).to(device)
+    for model in models.values():
+        step(model, tokens)
+    _sync(device)
+    times = {kind: [] for kind in models}
+    for _ in range(steps):
+        for kind, model in models.items():
+            t0 = time.perf_counter()
+            step(model, tokens)
+            _sync(device)
+            times[kind].append(time.perf_counter() - t0)
+    return times
+
+
+def _child(call: str, threads: int):
     code = (f"import json, sys, torch; sys.path.insert(0, {str(Path(__file__).parent)!r}); "
-            f"torch.set_num_threads({threads}); from vs_transformer import measure; "
-            f"print('ROW' + json.dumps(measure({kind!r}, {B}, {L}, {steps}, 'cpu', {max_step_s!r})))")
+            f"torch.set_num_threads({threads}); import vs_transformer as v; print('ROW' + json.dumps(v.{call}))")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     for line in r.stdout.splitlines():
         if line.startswith("ROW"):
             return json.loads(line[3:])
-    return dict(kind=kind, B=B, L=L, tokens=B * L, error=(r.stderr.strip().splitlines() or ["no output"])[-1][:300])
+    return {"error": (r.stderr.strip().splitlines() or ["no output"])[-1][:300]}
 
 
 def ratios(rows: list[dict]) -> list[dict]:
@@ -253,6 +282,7 @@ def ratios(rows: list[dict]) -> list[dict]:
             continue
         ok = lambda k: m.get(k) and t.get(k)  # noqa: E731
         out.append(dict(tokens=tokens, time=(m["step_s"] / t["step_s"]) if ok("step_s") else None,
+                        time_min=(min(m["steps_s"]) / min(t["steps_s"])) if ok("steps_s") else None,
                         memory=(m["peak_bytes"] / t["peak_bytes"]) if ok("peak_bytes") else None))
     return out
 
@@ -263,20 +293,26 @@ def _fmt_s(x) -> str:
 
 def markdown(rows: list[dict], cmd: str, header: list[str]) -> str:
     lines = ["# Megalodon vs a matched Llama-style Transformer: training step", "", f"`{cmd}`", ""] + header + [""]
-    lines += ["| model | params | B x L | warm-up step | step (median) | steps | peak memory | loss |",
-              "|---|---|---|---|---|---|---|---|"]
+    lines += ["| model | params | B x L | first step | step (median) | min | steps | peak memory | loss |",
+              "|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if "error" in r:
             lines.append(f"| {r['kind']} | - | {r['B']} x {r['L']} | failed: {r['error']} | | | | |")
             continue
         steps = ", ".join(_fmt_s(s) for s in r["steps_s"]) or "not timed: warm-up over the step limit"
+        if r.get("first_step_only"):
+            steps = "first step only (longer than --max-timed-tokens)"
+        if r.get("timing_error"):
+            steps = f"timing failed: {r['timing_error']}"
+        low = min(r["steps_s"]) if r["steps_s"] else None
         lines.append(f"| {r['kind']} | {r['params']:,} | {r['B']} x {r['L']} | {_fmt_s(r['warmup_s'])} | "
-                     f"{_fmt_s(r['step_s'])} | {steps} | {r['peak_bytes'] / 2**20:.0f} MiB | {r['loss']:.4f} |")
+                     f"{_fmt_s(r['step_s'])} | {_fmt_s(low)} | {steps} | {r['peak_bytes'] / 2**20:.0f} MiB | "
+                     f"{r['loss']:.4f} |")
     lines += ["", "Megalodon / Transformer (< 1: Megalodon faster or smaller; from this one run):", "",
-              "| tokens | step time | peak memory |", "|---|---|---|"]
+              "| tokens | step time (medians) | step time (minima) | peak memory |", "|---|---|---|---|"]
     for q in ratios(rows):
         f = lambda x: "-" if x is None else f"{x:.2f}x"  # noqa: E731
-        lines.append(f"| {q['tokens']} | {f(q['time'])} | {f(q['memory'])} |")
+        lines.append(f"| {q['tokens']} | {f(q['time'])} | {f(q.get('time_min'))} | {f(q['memory'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -288,6 +324,8 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--max-step-s", type=float, default=900.0)
+    ap.add_argument("--max-timed-tokens", type=int, default=16384,
+                    help="CPU: longer points report their single first step instead of alternating timed steps")
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--json", type=Path, default=None)
     a = ap.parse_args(argv)
@@ -295,15 +333,31 @@ def main(argv=None) -> int:
         ap.error("every --tokens value must be a multiple of --B")
     cmd = "python bench/vs_transformer.py " + " ".join(
         [f"--tokens {' '.join(map(str, a.tokens))}", f"--B {a.B}", f"--steps {a.steps}", f"--threads {a.threads}",
-         f"--device {a.device}", f"--max-step-s {a.max_step_s:g}"] + ([f"--out {a.out}"] if a.out else []))
+         f"--device {a.device}", f"--max-step-s {a.max_step_s:g}", f"--max-timed-tokens {a.max_timed_tokens}"] + ([f"--out {a.out}"] if a.out else []))
     load_before = machine_load()
     rows = []
     for tokens in a.tokens:
-        for kind in ("megalodon", "transformer"):
-            if a.device == "cpu":
-                r = measure_in_child(kind, a.B, tokens // a.B, a.steps, a.threads, a.max_step_s)
-            else:
-                r = measure(kind, a.B, tokens // a.B, a.steps, a.device, a.max_step_s)
+        L = tokens // a.B
+        if a.device != "cpu":
+            for kind in KINDS:
+                rows.append(measure(kind, a.B, L, a.steps, a.device, a.max_step_s))
+                print(json.dumps(rows[-1]), flush=True)
+            continue
+        # the CPU: peak memory and the first step of each model in a process of its own, then the timed
+        # steps of both models alternating in one process (up to --max-timed-tokens)
+        pair = {}
+        here = [measure_in_child(kind, a.B, L, 0, a.threads, a.max_step_s) for kind in KINDS]
+        if tokens <= a.max_timed_tokens and a.steps > 0:
+            pair = _child(f"time_pair({a.B}, {L}, {a.steps})", a.threads)
+        for r in here:
+            if "error" in pair:
+                r["timing_error"] = pair["error"]
+            if pair.get(r["kind"]):
+                r["steps_s"] = pair[r["kind"]]
+                r["step_s"] = statistics.median(r["steps_s"])
+            elif "error" not in r:
+                r["steps_s"], r["step_s"] = [r["warmup_s"]], r["warmup_s"]
+                r["first_step_only"] = True
             rows.append(r)
             print(json.dumps(r), flush=True)
     try:
