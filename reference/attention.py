@@ -11,6 +11,8 @@ dropkey_softmax.
 """
 import numpy as np
 
+# Mega's Laplace attention function. A reference imports NumPy and the standard library only, so
+# these are a copy of ops/attention/laplace.py's, pinned to them by tests/test_attention_layouts.py.
 LAPLACE_MU = np.sqrt(0.5)
 LAPLACE_SIGMA = np.sqrt(1.0 / (4.0 * np.pi))
 

@@ -509,16 +509,16 @@ def test_triton_head_dim_256():
 
 def test_triton_softmax_lse_is_minus_inf_on_empty_rows_and_log_sum_exp_elsewhere():
     q, k, v, _ = make_qkv(1, 9, 4, 2, 4, 3, F32)
-    o, lse = triton_impl.attention_fwd(q, k, v, scale=0.5, causal=True, chunk_size=None, block_causal=False,
-                                       dropkey_p=0.0, seed=0, attn_fn="softmax")
+    o, lse = triton_impl.forward(q, k, v, scale=0.5, causal=True, chunk_size=None, block_causal=False,
+                                 dropkey_p=0.0, seed=0, attn_fn="softmax")
     s = 0.5 * np.einsum("blhd,bshd->bhls", to_np(q), to_np(k))
     vis = ref.visible_mask(9, 4)
     expected = np.log(np.where(vis, np.exp(s), 0.0).sum(-1))  # -inf where nothing is visible
     assert np.array_equal(np.isneginf(to_np(lse)), np.isneginf(expected))
     fin = np.isfinite(expected)
     assert_close("lse", to_np(lse)[fin], expected[fin], tol("triton", F32, "fwd"))
-    _, lse_lap = triton_impl.attention_fwd(q, k, v, scale=0.5, causal=True, chunk_size=None, block_causal=False,
-                                           dropkey_p=0.0, seed=0, attn_fn="laplace")
+    _, lse_lap = triton_impl.forward(q, k, v, scale=0.5, causal=True, chunk_size=None, block_causal=False,
+                                     dropkey_p=0.0, seed=0, attn_fn="laplace")
     assert lse_lap is None  # laplace is not normalised: nothing to save (as the torch backend)
 
 
@@ -752,7 +752,7 @@ def test_cuda_float64_forced_flash_gives_the_reason(attention_cuda, monkeypatch)
     # a direct call with path="flash" refuses with that reason ...
     kw = dict(scale=1.0, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0, attn_fn="softmax")
     with pytest.raises(ValueError, match="float64"):
-        attention_cuda.attention_fwd(q, q, q, path="flash", **kw)
+        attention_cuda.forward(q, q, q, path="flash", **kw)
     # ... and a configured path="flash" makes the dispatcher refuse the cuda backend up front
     monkeypatch.setitem(attention_cuda.DEFAULT_CONFIG, "path", "flash")
     reasons = attention_cuda.not_supported_reasons(q, q, q)

@@ -96,14 +96,14 @@ def test_tiles_of_another_tiling_are_not_used():
     """The backward uses tiles only if they can be its own: a tensor of another size (another
     tiling) is ignored and the tiles are rebuilt."""
     q, k, v = (t.detach() for t in _inputs())
-    o, lse = torch_impl.attention_fwd(q, k, v, scale=1.0, causal=True, chunk_size=None, block_causal=False,
-                                      dropkey_p=0.0, seed=0, attn_fn="softmax", **torch_impl.DEFAULT_CONFIG)
+    o, lse = torch_impl.forward(q, k, v, scale=1.0, causal=True, chunk_size=None, block_causal=False,
+                                dropkey_p=0.0, seed=0, attn_fn="softmax", **torch_impl.DEFAULT_CONFIG)
     do = torch.randn_like(o)
     kw = dict(scale=1.0, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0, attn_fn="softmax",
               **torch_impl.DEFAULT_CONFIG)
-    ref = torch_impl.attention_bwd(do, q, k, v, o, lse, **kw)
+    ref = torch_impl.backward(do, q, k, v, o, lse, **kw)
     wrong = torch.full((7,), float("nan"))
-    for g, r in zip(torch_impl.attention_bwd(do, q, k, v, o, lse, tiles=wrong, **kw), ref):
+    for g, r in zip(torch_impl.backward(do, q, k, v, o, lse, tiles=wrong, **kw), ref):
         assert torch.equal(g, r)
 
 

@@ -187,7 +187,7 @@ def test_launches_scale_with_buckets_not_documents(backend, monkeypatch):
     the packed row in one call; torch and CUDA run document rows of lengths 1, 2, 4 and 8: four
     forward and four backward calls. Never one per document."""
     module = {"torch": torch_impl, "triton": triton_impl}.get(backend) or ATTENTION.BACKENDS._load("cuda")
-    calls = {"attention_fwd": [], "attention_bwd": []}
+    calls = {"forward": [], "backward": []}
     for name, seen in calls.items():
         inner = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _inner=inner, _seen=seen, **kw: _seen.append(a[1].shape)
@@ -196,8 +196,8 @@ def test_launches_scale_with_buckets_not_documents(backend, monkeypatch):
     q, k, v, do, cu = packed_inputs(lengths, F32)
     run(q, k, v, do, cu_seqlens=cu, chunk_size=2, backend=backend)
     want = [(1, sum(lengths))] if backend == "triton" else [(10, 1), (10, 2), (15, 4), (5, 8)]
-    assert [s[:2] for s in calls["attention_fwd"]] == want
-    assert [s[:2] for s in calls["attention_bwd"]] == want
+    assert [s[:2] for s in calls["forward"]] == want
+    assert [s[:2] for s in calls["backward"]] == want
 
 
 def test_empty_row():

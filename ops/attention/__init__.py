@@ -12,7 +12,7 @@ mask from it.
 
 What the backward needs rides on the op's autograd node: q, k, v, o, lse and the seed, plus, for
 an eager call autograd records, the tiles a backend kept (the torch backend's P or DropKey masks,
-``torch_impl.forward_keeping_tiles``): a fourth output of the op that the node saves with the rest.
+``tiles_out`` of ``torch_impl.forward``): a fourth output of the op that the node saves with the rest.
 
 Packed rows (``cu_seqlens``): a backend that reads the document bounds itself (``PACKED_NATIVE``:
 Triton, FlashAttention-varlen style, one program row per document) runs the packed row in one
@@ -41,8 +41,8 @@ __all__ = ["attention", "ATTN_FNS"]
 
 BACKENDS = OpBackends("attention", {
     "cuda": "megalodon_kernels.ops.attention.cuda_impl",
-    "torch": "megalodon_kernels.ops.attention.torch_impl",
     "triton": "megalodon_kernels.ops.attention.triton_impl",
+    "torch": "megalodon_kernels.ops.attention.torch_impl",
 })
 
 autotune.register(
@@ -53,11 +53,7 @@ autotune.register(
         "H": q.shape[2], "dh": q.shape[3], "dv": v.shape[3], "L": autotune.pow2_bucket(q.shape[1]),
         "S": autotune.pow2_bucket(k.shape[1]), "C": chunk_size or 0, "causal": causal,
         "block_causal": block_causal, "dropkey": dropkey},
-    # cuda: "auto" = the CuTe flash kernel where it supports the inputs, else cuBLAS + dropkey_softmax
-    space={"cuda": {"path": ["auto", "matmul"]},
-           "triton": {"BLOCK_M": [64], "BLOCK_N": [64], "num_warps": [8], "num_stages": [2], "num_stages_bwd": [1],
-                      "maxnreg_bwd": [255]},
-           "torch": {"block_q": [128, 64, 256], "chunks_per_step": [64, 0, 4, 16], "max_block_elems": [1 << 22]}},
+    space=BACKENDS.config_spaces,  # each backend module's CONFIG_SPACE, read on first use
 )
 ATTN_FNS = ("softmax", "laplace")
 
@@ -90,7 +86,7 @@ def _packed_fwd(q, k, v, cu_seqlens, *, scale, causal, chunk_size, block_causal,
     L, H = q.shape[1], q.shape[2]
     impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
     if getattr(impl.module, "PACKED_NATIVE", False):
-        return impl.module.attention_fwd(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
+        return impl.module.forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
                                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                                          **_native(cu_seqlens, L), **impl.config)
     o = q.new_empty(1, L, H, v.shape[-1])
@@ -98,7 +94,7 @@ def _packed_fwd(q, k, v, cu_seqlens, *, scale, causal, chunk_size, block_causal,
     for bucket, extra in _document_rows(cu_seqlens, L, dropkey_p):
         qr, kr, vr = (bucket.rows(t, 1) for t in (q, k, v))
         impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-        o_rows, lse_rows = impl.module.attention_fwd(qr, kr, vr, scale=scale, causal=causal, chunk_size=chunk_size,
+        o_rows, lse_rows = impl.module.forward(qr, kr, vr, scale=scale, causal=causal, chunk_size=chunk_size,
                                                      block_causal=block_causal, dropkey_p=dropkey_p, seed=seed,
                                                      attn_fn=attn_fn, **extra, **impl.config)
         bucket.put(o_rows, o, 1)
@@ -115,7 +111,7 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
     L = q.shape[1]
     impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)  # the forward's choice
     if getattr(impl.module, "PACKED_NATIVE", False):
-        return impl.module.attention_bwd(do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size,
+        return impl.module.backward(do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size,
                                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                                          **_native(cu_seqlens, L), **impl.config)
     dq, dk, dv = (empty_like(t) for t in (q, k, v))
@@ -123,12 +119,17 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
         dor, qr, kr, vr, orr = (bucket.rows(t, 1) for t in (do, q, k, v, o))
         lser = None if lse is None else bucket.rows(lse, 2)
         impl = _select(qr, kr, vr, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-        grads = impl.module.attention_bwd(dor, qr, kr, vr, orr, lser, scale=scale, causal=causal,
+        grads = impl.module.backward(dor, qr, kr, vr, orr, lser, scale=scale, causal=causal,
                                           chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                                           seed=seed, attn_fn=attn_fn, **extra, **impl.config)
         for rows, out in zip(grads, (dq, dk, dv)):
             bucket.put(rows, out, 1)
     return dq, dk, dv
+
+
+def _keeps_tiles(impl) -> bool:
+    """Whether the chosen backend can keep tiles for its backward (the torch backend)."""
+    return getattr(impl.module, "KEEPS_TILES", False)
 
 
 def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend, cu_seqlens=None,
@@ -146,7 +147,8 @@ def _fwd_fake(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed,
 @custom_op("attention", _fwd_fake, tags=(torch.Tag.nondeterministic_seeded,))
 def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, chunk_size: Optional[int],
                  block_causal: bool, dropkey_p: float, seed: int, attn_fn: str, backend: str,
-                 cu_seqlens: Optional[Tensor] = None, keep_tiles: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+                 cu_seqlens: Optional[Tensor] = None,
+                 keep_tiles: bool = False) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (o, and for the backward: lse r(B H L) in the accumulation dtype (empty for laplace), the
     seed used (an int64 CPU tensor (1,)) and the tiles the backend kept (empty: none)).
     ``seed`` = DRAW_SEED draws one from torch's default generator here, at run time (so compiled
@@ -162,12 +164,12 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, ch
                              backend=backend)
     else:
         impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-        kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
-                  seed=seed, attn_fn=attn_fn, **impl.config)
-        if keep_tiles and hasattr(impl.module, "forward_keeping_tiles"):
-            o, lse, tiles = impl.module.forward_keeping_tiles(q, k, v, **kw)
-        else:
-            o, lse = impl.module.attention_fwd(q, k, v, **kw)
+        kept = []  # the tiles the backend keeps, if asked to
+        extra = {"tiles_out": kept} if keep_tiles and _keeps_tiles(impl) else {}
+        o, lse = impl.module.forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
+                                     block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
+                                     **extra, **impl.config)
+        tiles = kept[0] if kept else None
     lse = lse.to(acc) if attn_fn == "softmax" else absent(q, acc)
     return o, lse, seed_tensor(seed), absent(q, acc) if tiles is None else tiles
 
@@ -189,9 +191,8 @@ def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
                            block_causal=block_causal, dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn,
                            backend=backend)
     impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-    kept = ({"tiles": tiles} if tiles is not None and tiles.numel() and hasattr(impl.module, "forward_keeping_tiles")
-            else {})
-    dq, dk, dv = impl.module.attention_bwd(
+    kept = {"tiles": tiles} if tiles is not None and tiles.numel() and _keeps_tiles(impl) else {}
+    dq, dk, dv = impl.module.backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
         dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn, **kept, **impl.config)
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)

@@ -16,10 +16,15 @@ import ctypes
 import torch
 
 from ...cuda import runtime
-from ...cuda.backend import _Backend
+from ...cuda.backend import Backend
 from ...cuda.launch import Kernel, acc_dtype, launch, ptr, struct_arg
 from ..dropkey_rule import seed_key, threshold
 from ..dropkey_softmax import cuda_impl as dropkey_cuda
+
+#: path: "auto" = the CuTe flash kernel where it supports the inputs, else "matmul" (cuBLAS +
+#: dropkey_softmax); "flash" (not tuned: it refuses what it cannot run) is accepted as a forced path
+CONFIG_SPACE: dict = {"path": ["auto", "matmul"]}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 # ------------------------------------------------------------------------------------------------
 # flash: configurations (FwdCfg / BwdCfg / FwdSmem / BwdSmem of flash_attention.cuh)
@@ -346,7 +351,7 @@ def matmul_bwd(launcher, do, q, k, v, *, scale, causal, chunk_size, block_causal
     return back(dq, q), back(dk, k), back(dv, v)
 
 
-class AttentionBackend(_Backend):
+class AttentionBackend(Backend):
     """attention on the CUDA kernels, two paths.
 
     * "flash" (cuda/flash_attention.cuh, CuTe): fused forward (online softmax, saved lse) and
@@ -372,8 +377,8 @@ class AttentionBackend(_Backend):
     """
 
     _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
-    #: path: "auto" (flash where it supports the inputs, else matmul), "flash" or "matmul".
-    DEFAULT_CONFIG: dict = {"path": "auto"}
+    CONFIG_SPACE = CONFIG_SPACE
+    DEFAULT_CONFIG = DEFAULT_CONFIG  # the module's dict: a test that sets its path sets both
 
     def flash_reasons(self, q, v) -> list[str]:
         """Why the flash kernel cannot run these inputs ([] if it can)."""
@@ -434,7 +439,7 @@ class AttentionBackend(_Backend):
                            f"dropkey_softmax path has no laplace (use backend='torch')")
         return reasons
 
-    def attention_fwd(self, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+    def forward(self, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
                       path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                   seed=seed, batch_index=batch_index)
@@ -442,7 +447,7 @@ class AttentionBackend(_Backend):
             return flash_fwd(self.ext, q, k, v, attn_fn=attn_fn, **kw)
         return matmul_fwd(self.ext, q, k, v, **kw)
 
-    def attention_bwd(self, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
+    def backward(self, do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
                       attn_fn, path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                   seed=seed, batch_index=batch_index)
@@ -451,8 +456,22 @@ class AttentionBackend(_Backend):
         return matmul_bwd(self.ext, do, q, k, v, **kw)
 
 
-_backend = AttentionBackend(runtime.gpu_launcher)
-DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
-not_supported_reasons = _backend.not_supported_reasons
-attention_fwd = _backend.attention_fwd
-attention_bwd = _backend.attention_bwd
+# The backend module's names over the GPU launcher (tests build AttentionBackend over the emulator).
+_GPU = AttentionBackend(runtime.gpu_launcher)
+
+
+def not_supported_reasons(q, k=None, v=None, *, attn_fn="softmax", **other_inputs) -> list[str]:
+    return _GPU.not_supported_reasons(q, k, v, attn_fn=attn_fn, **other_inputs)
+
+
+def forward(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, path=None,
+            batch_index=None):
+    return _GPU.forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+                        dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, path=path, batch_index=batch_index)
+
+
+def backward(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, path=None,
+             batch_index=None):
+    return _GPU.backward(do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size,
+                         block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, path=path,
+                         batch_index=batch_index)

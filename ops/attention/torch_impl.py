@@ -20,7 +20,7 @@ rows per step, so memory stays bounded whatever B, H and S are. Everything is co
 
 Kept tiles: recomputing a tile in the backward (its scores, softmax and DropKey hash) costs more on
 the CPU than the tile's other matmuls, so an eager forward that autograd records
-(:func:`forward_keeping_tiles`) may return every tile's P (softmax) or DropKey mask in one flat
+(:func:`forward` with ``tiles_out``) may return every tile's P (softmax) or DropKey mask in one flat
 tensor, in tile order, when that takes little memory (:func:`_tiles_to_keep`). The op saves it on
 its autograd node and hands it to :func:`backward`, which reads the tiles instead of rebuilding
 them.
@@ -34,21 +34,18 @@ import torch
 from .._checks import acc_dtype
 from .._host_sync import any_or_device, on_host
 from ..dropkey_rule import drop_mask
+from . import laplace
 
-DEFAULT_CONFIG: dict = {
+CONFIG_SPACE: dict = {
     # Query rows per tile of the general path.
-    "block_q": 128,
+    "block_q": [128, 64, 256],
     # Chunks per batched matmul on the chunk-batched path; 0 disables that path.
-    "chunks_per_step": 64,
+    "chunks_per_step": [64, 0, 4, 16],
     # Upper bound on score entries (B * H * rows * keys) of one tile; bounds the fp32 scores,
     # probabilities and the int64 DropKey hash temporaries.
-    "max_block_elems": 1 << 22,
+    "max_block_elems": [1 << 22],
 }
-
-LAPLACE_MU = math.sqrt(0.5)
-LAPLACE_SIGMA = math.sqrt(1.0 / (4.0 * math.pi))
-_LAPLACE_INV = 1.0 / (LAPLACE_SIGMA * math.sqrt(2.0))  # erf argument scale
-_LAPLACE_PDF = 1.0 / (LAPLACE_SIGMA * math.sqrt(2.0 * math.pi))
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(q, k, v, **mask_modes) -> list[str]:
@@ -129,7 +126,7 @@ def _probs_fwd(s, mask, attn_fn, out=None):
     ``out`` (softmax only): the tile P is written to (a kept tile)."""
     if attn_fn == "laplace":
         # 0.5 * (1 + erf(z)) as 0.5 * erfc(-z): equal, but 1 + erf(z) cancels to 0 in fp32 for z << 0.
-        p = torch.special.erfc(s.sub_(LAPLACE_MU).mul_(-_LAPLACE_INV)).mul_(0.5)
+        p = torch.special.erfc(s.sub_(laplace.MU).mul_(-laplace.INV)).mul_(0.5)
         return _fill(p, mask, 0.0), None
     p, m, empty = _softmax_tile(s, mask, out)
     # softmax's largest entry is exp(0) / z, so lse = m + log z = m - log(max p) without another exp pass.
@@ -156,9 +153,9 @@ def _softmax_tile(s, mask, out=None):
 def _probs_bwd(s, mask, lse, attn_fn):
     """Recompute P (and for laplace the derivative factor) of a score tile in the backward."""
     if attn_fn == "laplace":
-        x = s.sub_(LAPLACE_MU)
-        p = _fill(torch.special.erfc(x * -_LAPLACE_INV).mul_(0.5), mask, 0.0)
-        dlap = _fill(x.square_().mul_(-0.5 / LAPLACE_SIGMA**2).exp_().mul_(_LAPLACE_PDF), mask, 0.0)
+        x = s.sub_(laplace.MU)
+        p = _fill(torch.special.erfc(x * -laplace.INV).mul_(0.5), mask, 0.0)
+        dlap = _fill(x.square_().mul_(-laplace.HALF_INV_VAR).exp_().mul_(laplace.PDF), mask, 0.0)
         return p, dlap
     # The forward's own steps on the same scores, so P is bit for bit the forward's (and a kept
     # tile's); lse is not needed.
@@ -466,32 +463,32 @@ def _forward(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, see
     return o, lse, tiles
 
 
-def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                  block_q, chunks_per_step, max_block_elems, batch_index=None):
+#: forward can keep its tiles for the backward (``tiles_out``; backward's ``tiles``)
+KEEPS_TILES = True
+
+
+def forward(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+            block_q, chunks_per_step, max_block_elems, batch_index=None, tiles_out=None):
     """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32/fp64 or None for laplace).
 
     ``batch_index`` (B,) int64 or None: the batch index b of each row in the DropKey rule
-    (packed document rows pass their documents' indices; None: b is the row itself)."""
-    o, lse, _ = _forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
-                         dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, block_q=block_q,
-                         chunks_per_step=chunks_per_step, max_block_elems=max_block_elems, batch_index=batch_index,
-                         keep=False)
+    (packed document rows pass their documents' indices; None: b is the row itself).
+    ``tiles_out``: None, or a list to append the kept tiles to (one flat tensor, for
+    :func:`backward`'s ``tiles``; nothing when they would take too much memory): a forward that
+    autograd records (module doc)."""
+    o, lse, tiles = _forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
+                             dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, block_q=block_q,
+                             chunks_per_step=chunks_per_step, max_block_elems=max_block_elems,
+                             batch_index=batch_index, keep=tiles_out is not None and batch_index is None)
+    if tiles is not None:
+        tiles_out.append(tiles)
     return o, lse
 
 
-def forward_keeping_tiles(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
-                          block_q, chunks_per_step, max_block_elems):
-    """:func:`attention_fwd` for a forward autograd records: (o, lse, the kept tiles as one flat
-    tensor for :func:`attention_bwd`, or None when they would take too much memory)."""
-    return _forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
-                    dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn, block_q=block_q,
-                    chunks_per_step=chunks_per_step, max_block_elems=max_block_elems, batch_index=None, keep=True)
-
-
-def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+def backward(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
                   block_q, chunks_per_step, max_block_elems, batch_index=None, tiles=None):
     """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile, or
-    reading them from ``tiles`` (:func:`forward_keeping_tiles` of the same inputs)."""
+    reading them from ``tiles`` (kept by :func:`forward` of the same inputs)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
     acc = acc_dtype(q.dtype)

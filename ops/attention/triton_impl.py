@@ -40,23 +40,22 @@ rows/keys).
 """
 from __future__ import annotations
 
-import math
-
 import torch
 
-from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 from ..dropkey_rule import seed_key, threshold
+from . import laplace
 
-#: Every config this backend may launch with, declared with the op's autotune registration in
-#: __init__.py (each AOT-compiled in tests); the first values are the default. BLOCK_M: query rows
-#: per program (forward, dq) and per inner step (dk/dv); BLOCK_N: keys per inner step (forward, dq)
-#: and per program (dk/dv); num_stages: forward; num_stages_bwd: backward kernels. num_warps = 4
-#: spilled 8-24 B in several backward and dh=128 forward variants; num_stages_bwd = 2 in dq at dh=256.
-#: maxnreg_bwd: the register cap handed to ptxas for the backward kernels. Without it ptxas limits
-#: these 256-thread kernels to 128 registers on sm_80 and 14 of them spilled 8-24 B (dq at dh=256,
-#: dk/dv with Laplace at dh=64); with 255 (the hardware limit) they take 124-146 and spill nothing.
-CONFIG_SPACE = autotune.get("attention").space["triton"]
+#: Every config this backend may launch with (each AOT-compiled in tests); the first values are
+#: the default. BLOCK_M: query rows per program (forward, dq) and per inner step (dk/dv); BLOCK_N:
+#: keys per inner step (forward, dq) and per program (dk/dv); num_stages: forward; num_stages_bwd:
+#: backward kernels. num_warps = 8 because 4 spilled in several backward and dh = 128 forward
+#: variants, and num_stages_bwd = 1 because 2 spilled in dq at dh = 256. maxnreg_bwd: the register
+#: cap handed to ptxas for the backward kernels: without it ptxas caps these 256-thread kernels at
+#: 128 registers on sm_80 and some spill; 255 (the hardware limit) removes the spills
+#: (bench/results/aot_archs.json).
+CONFIG_SPACE: dict = {"BLOCK_M": [64], "BLOCK_N": [64], "num_warps": [8], "num_stages": [2], "num_stages_bwd": [1],
+                      "maxnreg_bwd": [255]}
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 #: fp32 inputs (tf32x3 dots) on the GPU: head dims up to this (AOT-verified without spills)
@@ -67,9 +66,6 @@ MAX_HEAD_DIM = 256
 MAX_BLOCK_DV = 128
 #: score tiles and [rows, d] tiles are shrunk so that rows * max(d tile) stays under this (registers)
 MAX_TILE_ELEMS = 64 * 128
-
-LAPLACE_MU = math.sqrt(0.5)
-LAPLACE_SIGMA = math.sqrt(1.0 / (4.0 * math.pi))
 
 
 def not_supported_reasons(q, k, v, **_) -> list[str]:
@@ -85,10 +81,10 @@ def not_supported_reasons(q, k, v, **_) -> list[str]:
 if HAVE_TRITON:
     from .._triton_common import dropkey_row_keys, mix32  # the DropKey rule in uint32
 
-    MU_C = tl.constexpr(LAPLACE_MU)
-    INV_C = tl.constexpr(1.0 / (LAPLACE_SIGMA * math.sqrt(2.0)))  # erf argument scale
-    PDF_C = tl.constexpr(1.0 / (LAPLACE_SIGMA * math.sqrt(2.0 * math.pi)))
-    HALF_INV_VAR_C = tl.constexpr(0.5 / LAPLACE_SIGMA**2)
+    MU_C = tl.constexpr(laplace.MU)
+    INV_C = tl.constexpr(laplace.INV)
+    PDF_C = tl.constexpr(laplace.PDF)
+    HALF_INV_VAR_C = tl.constexpr(laplace.HALF_INV_VAR)
 
     @triton.jit
     def _floor_div(x, c):
@@ -522,7 +518,7 @@ def _row_grid(q, k, cu_seqlens, max_seqlen):
 PACKED_NATIVE = True
 
 
-def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+def forward(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
                   BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255,
                   batch_index=None, cu_seqlens=None, max_seqlen=None):
     """Returns (o r(B L H dv) in q's dtype, lse r(B H L) fp32, or None for laplace).
@@ -555,11 +551,11 @@ def attention_fwd(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p
     return o, lse
 
 
-def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
+def backward(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn,
                   BLOCK_M=64, BLOCK_N=64, num_warps=8, num_stages=2, num_stages_bwd=1, maxnreg_bwd=255,
                   batch_index=None, cu_seqlens=None, max_seqlen=None):
     """Returns (dq, dk, dv) in the input dtype, recomputing the probabilities tile by tile
-    (``batch_index``, ``cu_seqlens``, ``max_seqlen``: as for attention_fwd)."""
+    (``batch_index``, ``cu_seqlens``, ``max_seqlen``: as for forward)."""
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, L, H, dh = q.shape
     S, dv = k.shape[1], v.shape[-1]
@@ -570,14 +566,14 @@ def attention_bwd(do, q, k, v, o, lse, *, scale, causal, chunk_size, block_causa
     t = _tiles(dh, dv, BLOCK_M, BLOCK_N, exact=_exact(q.dtype))
     bdh, bdv, one = t["BLOCK_DH"], t["BLOCK_DV"], t["ONE_DV"]
     args, drop = _common(q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed)
-    laplace = attn_fn == "laplace"
-    flags = dict(OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=laplace, PREC=_prec(q.dtype),
+    is_laplace = attn_fn == "laplace"
+    flags = dict(OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=is_laplace, PREC=_prec(q.dtype),
                  PACKED=cu_seqlens is not None, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps,
                  num_stages=num_stages_bwd, maxnreg=maxnreg_bwd)
     bm_q, bn_q = t["dq"]
     bm_k, bn_k = t["dkdv"]
     delta = None
-    if not laplace and span_q > 0:
+    if not is_laplace and span_q > 0:
         delta = torch.empty((B, H, L), dtype=torch.float32, device=q.device)
         oc = o.contiguous()
         for grid, y0, _ in grid_launches(triton.cdiv(span_q, bm_q), rows * H):

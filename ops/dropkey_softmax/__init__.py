@@ -8,6 +8,8 @@ y = 0 and get zero gradient, so no mask replay is needed.
 """
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 from torch import Tensor
 
@@ -28,8 +30,7 @@ BACKENDS = OpBackends("dropkey_softmax", {
 autotune.register(
     "dropkey_softmax",
     key=lambda scores: {"L": autotune.pow2_bucket(scores.shape[-2]), "S": autotune.pow2_bucket(scores.shape[-1])},
-    space={"cuda": {}, "torch": {"block_q": [256, 64, 128, 512], "max_block_elems": [1 << 22]},
-           "triton": {"block_elems": [4096], "num_warps": [8]}},
+    space=BACKENDS.config_spaces,  # each backend module's CONFIG_SPACE, read on first use
 )
 
 
@@ -43,7 +44,7 @@ def dropkey_softmax_op(scores: Tensor, causal: bool, dropkey_p: float, seed: int
     """-> (y, the seed used as an int64 CPU tensor (1,)); ``seed`` = DRAW_SEED draws one here."""
     impl = BACKENDS.select(backend, {"scores": scores}, device=scores.device, dtype=scores.dtype)
     seed = resolve_seed(None) if seed == DRAW_SEED else seed
-    y = impl.module.dropkey_softmax_fwd(scores, causal=causal, dropkey_p=dropkey_p, seed=seed, **impl.config)
+    y = impl.module.forward(scores, causal=causal, dropkey_p=dropkey_p, seed=seed, **impl.config)
     return y, seed_tensor(seed)
 
 
@@ -53,19 +54,28 @@ def dropkey_softmax_bwd_op(dy: Tensor, y: Tensor, seed: Tensor, causal: bool, dr
                            backend: str) -> Tensor:
     """-> dscores from the saved output alone (dropped and masked entries have y = 0)."""
     impl = BACKENDS.select(backend, {"scores": y}, device=y.device, dtype=y.dtype)
-    return impl.module.dropkey_softmax_bwd(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed_value(seed),
+    return impl.module.backward(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed_value(seed),
                                            **impl.config).to(y.dtype)
 
 
+class _Options(NamedTuple):
+    """The forward's non-tensor arguments the backward op takes, in its order."""
+
+    causal: bool
+    dropkey_p: float
+    backend: str
+
+
 def _setup(ctx, inputs, output):
-    scores, causal, dropkey_p, seed, backend = inputs
-    ctx.save_for_backward(*output)
-    ctx.args = (causal, dropkey_p, backend)
+    _scores, causal, dropkey_p, _seed, backend = inputs
+    y, seed_t = output
+    ctx.save_for_backward(y, seed_t)
+    ctx.options = _Options(causal, dropkey_p, backend)
 
 
 def _backward(ctx, dy, _dseed):
-    y, seed = ctx.saved_tensors
-    return dropkey_softmax_bwd_op(dy, y, seed, *ctx.args), None, None, None, None
+    y, seed_t = ctx.saved_tensors
+    return dropkey_softmax_bwd_op(dy, y, seed_t, *ctx.options), *(None,) * (len(ctx.needs_input_grad) - 1)
 
 
 dropkey_softmax_op.register_autograd(_backward, setup_context=_setup)

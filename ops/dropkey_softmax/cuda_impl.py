@@ -12,16 +12,16 @@ import math
 
 import torch
 
-from ...cuda import launch as L
+from ...cuda import launch as cuda_launch
 from ...cuda import runtime
-from ...cuda.backend import _Backend
+from ...cuda.backend import Backend
 from ..dropkey_rule import seed_key, threshold
 
 ITEMS = 8          # kSoftmaxItems: scores per thread held in registers
 MAX_THREADS = 512  # kSoftmaxMaxThreads: the kernels' __launch_bounds__
 #: (scores dtype, "fwd" | "bwd") -> instantiation
-KERNELS_BY_KEY = {(dtype, d): L.Kernel("dropkey_softmax.cuh", f"mk::dropkey_softmax_{d}_kernel<{cpp}, {ITEMS}>")
-                  for d in ("fwd", "bwd") for dtype, cpp in L.CPP_TYPES.items()}
+KERNELS_BY_KEY = {(dtype, d): cuda_launch.Kernel("dropkey_softmax.cuh", f"mk::dropkey_softmax_{d}_kernel<{cpp}, {ITEMS}>")
+                  for d in ("fwd", "bwd") for dtype, cpp in cuda_launch.CPP_TYPES.items()}
 KERNELS = list(KERNELS_BY_KEY.values())
 
 
@@ -46,7 +46,7 @@ def _rows(shape) -> tuple[int, int, int, int]:
 
 
 def _check_dtype(t: torch.Tensor, name: str) -> None:
-    if t.dtype not in L.CPP_TYPES:
+    if t.dtype not in cuda_launch.CPP_TYPES:
         raise TypeError(f"the CUDA dropkey_softmax kernels take float32, bfloat16 or float64 {name}, got {t.dtype}")
 
 
@@ -70,10 +70,10 @@ def softmax_fwd(launcher, scores: torch.Tensor, *, causal: bool, dropkey_p: floa
     rows = Bf * H * Lq
     if rows == 0 or S == 0:
         return y
-    L.launch(launcher, KERNELS_BY_KEY[(x.dtype, "fwd")], L.grid_1d(rows), threads(S), 0,
-             [("ptr", L.ptr(x)), ("ptr", L.ptr(y)), ("i64", rows), ("i32", H), ("i32", Lq), ("i32", S),
+    cuda_launch.launch(launcher, KERNELS_BY_KEY[(x.dtype, "fwd")], cuda_launch.grid_1d(rows), threads(S), 0,
+             [("ptr", cuda_launch.ptr(x)), ("ptr", cuda_launch.ptr(y)), ("i64", rows), ("i32", H), ("i32", Lq), ("i32", S),
               ("bool", bool(causal)), ("u32", seed_key(int(seed))), ("u32", threshold(float(dropkey_p))),
-              ("ptr", L.ptr(bidx))], x.device)
+              ("ptr", cuda_launch.ptr(bidx))], x.device)
     return y
 
 
@@ -86,27 +86,41 @@ def softmax_bwd(launcher, dy: torch.Tensor, y: torch.Tensor, *, causal: bool) ->
     rows = Bf * H * Lq
     if rows == 0 or S == 0:
         return dx
-    L.launch(launcher, KERNELS_BY_KEY[(y.dtype, "bwd")], L.grid_1d(rows), threads(S), 0,
-             [("ptr", L.ptr(yc)), ("ptr", L.ptr(dyc)), ("ptr", L.ptr(dx)), ("i64", rows), ("i32", Lq), ("i32", S),
+    cuda_launch.launch(launcher, KERNELS_BY_KEY[(y.dtype, "bwd")], cuda_launch.grid_1d(rows), threads(S), 0,
+             [("ptr", cuda_launch.ptr(yc)), ("ptr", cuda_launch.ptr(dyc)), ("ptr", cuda_launch.ptr(dx)), ("i64", rows), ("i32", Lq), ("i32", S),
               ("bool", bool(causal))], y.device)
     return dx
 
 
-class DropKeySoftmaxBackend(_Backend):
+CONFIG_SPACE: dict = {}  # no knob: the launch is planned from the row length
+DEFAULT_CONFIG: dict = {}
+
+
+class DropKeySoftmaxBackend(Backend):
     FP64 = True  # double scores: exp and sums in double, the same DropKey decisions
 
     def not_supported_reasons(self, scores, **_other_inputs) -> list[str]:
         return self._reasons({"scores": scores}, "scores")
 
-    def dropkey_softmax_fwd(self, scores, *, causal, dropkey_p, seed):
+    def forward(self, scores, *, causal, dropkey_p, seed):
         return softmax_fwd(self.ext, scores, causal=causal, dropkey_p=dropkey_p, seed=seed)
 
-    def dropkey_softmax_bwd(self, dy, y, *, causal, dropkey_p=0.0, seed=0):
+    def backward(self, dy, y, *, causal, dropkey_p=0.0, seed=0):
+        # the saved output alone: dropped and masked entries have y = 0 (no mask replay)
         return softmax_bwd(self.ext, dy, y, causal=causal)
 
 
-_backend = DropKeySoftmaxBackend(runtime.gpu_launcher)
-DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
-not_supported_reasons = _backend.not_supported_reasons
-dropkey_softmax_fwd = _backend.dropkey_softmax_fwd
-dropkey_softmax_bwd = _backend.dropkey_softmax_bwd
+# The backend module's names over the GPU launcher (tests build DropKeySoftmaxBackend over the emulator).
+_GPU = DropKeySoftmaxBackend(runtime.gpu_launcher)
+
+
+def not_supported_reasons(scores, **other_inputs) -> list[str]:
+    return _GPU.not_supported_reasons(scores, **other_inputs)
+
+
+def forward(scores, *, causal, dropkey_p, seed):
+    return _GPU.forward(scores, causal=causal, dropkey_p=dropkey_p, seed=seed)
+
+
+def backward(dy, y, *, causal, dropkey_p=0.0, seed=0):
+    return _GPU.backward(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed)

@@ -14,12 +14,13 @@ from .._checks import acc_dtype
 from .._host_sync import any_or_device
 from ..dropkey_rule import drop_mask
 
-DEFAULT_CONFIG: dict = {
+CONFIG_SPACE: dict = {
     # Rows per block (upper bound; shrunk to respect max_block_elems).
-    "block_q": 256,
+    "block_q": [256, 64, 128, 512],
     # Upper bound on entries (batch * heads * rows * S) of one block's temporaries.
-    "max_block_elems": 1 << 22,
+    "max_block_elems": [1 << 22],
 }
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(scores) -> list[str]:
@@ -54,7 +55,7 @@ def _blocked(Bf, Hf, i0, i1, hi, L, S, causal, dropkey_p, seed, device):
     return blocked
 
 
-def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_q, max_block_elems):
+def forward(scores, *, causal, dropkey_p, seed, block_q, max_block_elems):
     """y of the scores' shape and dtype."""
     x = _as_bhls(scores)
     Bf, Hf, L, S = x.shape
@@ -84,7 +85,7 @@ def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_q, max_block_e
     return y.view(scores.shape)
 
 
-def dropkey_softmax_bwd(dy, y, *, causal, dropkey_p, seed, block_q, max_block_elems):
+def backward(dy, y, *, causal, dropkey_p, seed, block_q, max_block_elems):
     """dscores = y (dy - sum_j y dy); masked and dropped entries have y = 0, so no mask replay."""
     yb, dyb = _as_bhls(y), _as_bhls(dy)
     Bf, Hf, L, S = yb.shape

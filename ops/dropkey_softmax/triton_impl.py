@@ -21,14 +21,13 @@ import math
 
 import torch
 
-from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 from ..dropkey_rule import seed_key, threshold
 
-#: every config this backend may launch with, declared with the op's autotune registration in
-#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
-CONFIG_SPACE = autotune.get("dropkey_softmax").space["triton"]
-DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: every config this backend may launch with (the tuner chooses among them; each is AOT-compiled
+#: in tests); the first values are the default
+CONFIG_SPACE: dict = {"block_elems": [4096], "num_warps": [8]}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 #: key-window widths a launch can use: the smallest one >= S runs one pass, else the widest runs multi-pass
 BLOCK_S_TIERS = (64, 512, 4096)
 
@@ -178,7 +177,7 @@ def _i32(u):
     return u - (1 << 32) if u >= (1 << 31) else u
 
 
-def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_elems=4096, num_warps=8):
+def forward(scores, *, causal, dropkey_p, seed, block_elems=4096, num_warps=8):
     """y of the scores' shape and dtype."""
     x = scores.contiguous()
     BH, L, S, Hf = _shape3(x)
@@ -196,7 +195,7 @@ def dropkey_softmax_fwd(scores, *, causal, dropkey_p, seed, block_elems=4096, nu
     return y
 
 
-def dropkey_softmax_bwd(dy, y, *, causal, dropkey_p, seed, block_elems=4096, num_warps=8):
+def backward(dy, y, *, causal, dropkey_p, seed, block_elems=4096, num_warps=8):
     """dscores = y (dy - sum_j y dy); masked and dropped entries have y = 0, so no mask replay."""
     dy, y = dy.contiguous(), y.contiguous()
     BH, L, S, _ = _shape3(y)

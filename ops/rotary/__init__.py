@@ -42,15 +42,14 @@ __all__ = ["rotary", "rotation_tables", "xpos_limit"]
 
 BACKENDS = OpBackends("rotary", {
     "cuda": "megalodon_kernels.ops.rotary.cuda_impl",
-    "triton": "megalodon_kernels.ops.rotary.triton_impl",
     "torch": "megalodon_kernels.ops.rotary.torch_impl",
+    "triton": "megalodon_kernels.ops.rotary.triton_impl",
 })
 
 autotune.register(
     "rotary",
     key=lambda x: {"H": x.shape[2], "d": x.shape[3], "L": autotune.pow2_bucket(x.shape[1])},
-    space={"cuda": {}, "torch": {},
-           "triton": {"block_rows": [16, 4], "block_pairs": [64, 128], "num_warps": [4]}},
+    space=BACKENDS.config_spaces,  # each backend module's CONFIG_SPACE, read on first use
 )
 
 
@@ -151,25 +150,25 @@ def _like(x, *_):
 def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, backend: str) -> Tensor:
     """-> x rotated by the tables of :func:`rotation_tables`."""
     impl = BACKENDS.select(backend, {"x": x}, device=x.device, dtype=x.dtype)
-    return impl.module.rotary_fwd(x, cos, sin, **impl.config)
+    return impl.module.forward(x, cos, sin, **impl.config)
 
 
 @custom_op("rotary_bwd", _like)
 def rotary_bwd_op(dy: Tensor, cos: Tensor, sin: Tensor, backend: str) -> Tensor:
     """-> dx: the inverse rotation of dy (times the same xPos scale)."""
     impl = BACKENDS.select(backend, {"x": dy}, device=dy.device, dtype=dy.dtype)
-    return impl.module.rotary_bwd(dy, cos, sin, **impl.config).to(dy.dtype)
+    return impl.module.backward(dy, cos, sin, **impl.config).to(dy.dtype)
 
 
 def _setup(ctx, inputs, output):
-    x, cos, sin, backend = inputs
+    _x, cos, sin, backend = inputs
     ctx.save_for_backward(cos, sin)
     ctx.backend = backend
 
 
 def _backward(ctx, dy):
     cos, sin = ctx.saved_tensors
-    return rotary_bwd_op(dy, cos, sin, ctx.backend), None, None, None
+    return rotary_bwd_op(dy, cos, sin, ctx.backend), None, None, None  # cos, sin: tables, no gradient
 
 
 rotary_op.register_autograd(_backward, setup_context=_setup)

@@ -6,6 +6,7 @@ import torch
 from .._checks import acc_dtype
 from .table_cache import TABLES
 
+CONFIG_SPACE: dict = {}  # no knob: one fused expression
 DEFAULT_CONFIG: dict = {}
 
 
@@ -36,10 +37,10 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) 
     return out.flatten(-2).to(x.dtype)
 
 
-def rotary_fwd(x, cos, sin):
+def forward(x, cos, sin):
     return _rotate(x, cos, sin, 1.0)
 
 
-def rotary_bwd(dy, cos, sin):
+def backward(dy, cos, sin):
     # The map is x -> R x per pair with R = scale * rotation; its adjoint is scale * rotation^T.
     return _rotate(dy, cos, sin, -1.0)

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import torch
 
-from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 
-#: every config this backend may launch with, declared with the op's autotune registration in
-#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
-CONFIG_SPACE = autotune.get("rotary").space["triton"]
-DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: every config this backend may launch with (the tuner chooses among them; each is AOT-compiled
+#: in tests); the first values are the default
+CONFIG_SPACE: dict = {"block_rows": [16, 4], "block_pairs": [64, 128], "num_warps": [4]}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(x) -> list[str]:
@@ -65,9 +64,9 @@ def _launch(x, cos, sin, sign, block_rows, block_pairs, num_warps):
     return out
 
 
-def rotary_fwd(x, cos, sin, block_rows=16, block_pairs=64, num_warps=4):
+def forward(x, cos, sin, block_rows=16, block_pairs=64, num_warps=4):
     return _launch(x, cos, sin, 1.0, block_rows, block_pairs, num_warps)
 
 
-def rotary_bwd(dy, cos, sin, block_rows=16, block_pairs=64, num_warps=4):
+def backward(dy, cos, sin, block_rows=16, block_pairs=64, num_warps=4):
     return _launch(dy, cos, sin, -1.0, block_rows, block_pairs, num_warps)
