@@ -26,7 +26,7 @@ import dataclasses
 import json
 import os
 import pickle
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -65,11 +65,15 @@ def save_checkpoint(path: str, model: DistributedMegalodon, optimizer: torch.opt
     if not isinstance(step, int) or step < 0:
         raise ValueError(f"step must be an int >= 0, got {step!r}")
     os.makedirs(path, exist_ok=True)
+    if dist.get_rank() == 0 and os.path.exists(os.path.join(path, CONFIG_FILE)):
+        os.remove(os.path.join(path, CONFIG_FILE))  # overwriting: unfinished until the new one is written
+    dist.barrier()
     model_sd, optim_sd = _state_dicts(model, optimizer)
     per_rank = [None] * dist.get_world_size()
     dist.all_gather_object(per_rank, (_rng_state(), data_state))
     train = pickle.dumps({"step": step, "data": [d for _, d in per_rank], "rng": [r for r, _ in per_rank]})
-    dcp.save({"model": model_sd, "optim": optim_sd, "train": train}, checkpoint_id=path)
+    dcp.save({"model": model_sd, "optim": optim_sd, "train": train},
+             storage_writer=dcp.FileSystemWriter(path, overwrite=True))
     dist.barrier()
     if dist.get_rank() == 0:
         info = {"config": dataclasses.asdict(model.module.config), "step": step,
@@ -137,7 +141,7 @@ def load_checkpoint(path: str, model: DistributedMegalodon, optimizer: torch.opt
               "optim": _clone(optim_sd), "train": b""}
     flat, _ = flatten_state_dict(target)
     _check_tensors(path, dcp.FileSystemReader(path).read_metadata(), flat)
-    dcp.load(target, checkpoint_id=path)
+    dcp.load(target, storage_reader=dcp.FileSystemReader(path))
     set_state_dict(model.module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
     train = pickle.loads(target["train"]) if isinstance(target["train"], (bytes, bytearray)) else target["train"]
     r = dist.get_rank() if dist.get_rank() < len(train["rng"]) else 0

@@ -39,6 +39,10 @@ chunk group per replica (its P consecutive ranks, say) and one data group per ch
   exchanges run on the chunk group and DDP's bucketed all-reduces on the world group, so they can
   overlap in the backward. (With norm_prior_count > 0 the learnable priors are used on the first
   chunk rank only, so DDP then needs find_unused_parameters=True; the helper needs nothing.)
+* or shard the parameters with FSDP2 over the whole world: :func:`.distributed.parallelize` does
+  it in one call (docs/distributed.md). Each block's exchange runs inside the block's call
+  (:func:`_run_as_forward`), so FSDP2's all-gather of the block comes before the wait for the
+  predecessor's state, and the state's gradient is sent before the block's reduce-scatter.
 
 Packed rows (``forward(tokens, cu_seqlens=cu)``, batch 1): ``cu`` holds the document boundaries
 of the whole row and every rank passes the same one; a rank's documents are ``cu`` clipped to

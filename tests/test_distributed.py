@@ -40,9 +40,10 @@ DOCS = ([8, 20, 4], [5, 3, 12, 12])
 ROW = 32
 B_UNPACKED = 4  # unpacked global batch: 4 rows of ROW tokens
 FP32_TOL = 1e-5  # relative to the largest |value| of the reference (loss: relative)
-# bf16 compute (fp32 CEMA / norms / reductions) against the fp32 reference: measured loss 1e-3,
-# gradients 2e-2 of the largest |gradient| per parameter (bf16's 2**-8 rounding through two blocks)
-BF16_TOL = {"loss": 5e-3, "grad": 6e-2}
+# bf16 compute (fp32 CEMA / norms / reductions) against the fp32 reference: measured loss 2.5e-4
+# relative, gradients 5.0e-2 of the largest |gradient| per parameter (layers.1.mega.wr.weight:
+# bf16's 2**-8 rounding through two blocks); the budgets are 4x and 2x that
+BF16_TOL = {"loss": 1e-3, "grad": 1e-1}
 CKPT_STEPS, CKPT_AT = 4, 2
 
 
@@ -135,8 +136,9 @@ def runs(tmp_path_factory):
     procs = start_ranks([[__file__, "--worker", str(r), tmpdir] for r in range(WORLD)])
     with ranks_finished(procs, timeout=240):
         refs = {c: _reference(_model(), c) for c in ("packed", "unpacked_ckpt")}
-    print(f"\n4-rank launch: {time.perf_counter() - t0:.1f} s wall")
     res = [torch.load(os.path.join(tmpdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
+    print(f"\n4-rank launch: {time.perf_counter() - t0:.1f} s wall; rank 0 after start-up, cumulative: "
+          f"{res[0]['timing']}")
     return tmpdir, refs, res
 
 
@@ -236,7 +238,8 @@ def test_resume_other_meshes(runs):
 def test_bad_mesh_and_cp_size(runs, tmp_path):
     _, _, res = runs
     for r, out in enumerate(res):
-        assert "cp size 2" in out["bad"]["cp_whole_chunks"] and "whole attention chunks" in out["bad"]["cp_whole_chunks"]
+        msg = out["bad"]["cp_whole_chunks"]
+        assert "cp size 2" in msg and "whole attention chunks" in msg, msg
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
 
@@ -276,8 +279,9 @@ def _worker(rank, tmpdir):
     mesh41 = init_device_mesh("cpu", (4, 1), mesh_dim_names=("dp", "cp"))
     out = {}
     tokens, labels, cus, segs = _packed_rows()
+    t0 = time.perf_counter()
+    timing = {"start": t0}
     for case in CASES:
-        print(f"rank {rank}: {case}", flush=True)
         dm = parallelize(_model(), mesh22, checkpoint_layers=case.endswith("ckpt"),
                          param_dtype=torch.bfloat16 if case == "bf16" else None)
         res = {}
@@ -312,10 +316,11 @@ def _worker(rank, tmpdir):
         res["sharded_dtypes"] = {p.dtype for p in dm.parameters() if isinstance(p, DTensor)}
         res["grad_dtypes"] = {p.grad.dtype for p in dm.parameters()}
         out[case] = res
+        timing[case] = time.perf_counter() - t0
 
     # checkpoints: 4 steps uninterrupted, saving after step 2
     ckdir = os.path.join(tmpdir, "ckpt")
-    dm = parallelize(_model(), mesh22)
+    dm = dm22 = parallelize(_model(), mesh22)
     opt = torch.optim.AdamW(dm.parameters(), lr=1e-2)
     full = _train_losses(dm, opt, CKPT_AT)
     save_checkpoint(ckdir, dm, opt, step=CKPT_AT, data_state={"next_step": CKPT_AT + 1})
@@ -332,16 +337,17 @@ def _worker(rank, tmpdir):
             ck["step_loaded"] = loaded["step"]
         ck[f"resumed_{name}"] = _train_losses(dm, opt, CKPT_STEPS, first=loaded["step"] + 1)
     out["ckpt"] = ck
+    timing["ckpt"] = time.perf_counter() - t0
 
     bad = {}
+    dm.local_batch(torch.zeros(4, 3 * CHUNK, dtype=torch.long))  # mesh41: cp = 1 fits any whole chunks
     try:
-        dm.local_batch(torch.zeros(4, 3 * CHUNK, dtype=torch.long))  # mesh41: cp = 1 fits anything whole
-        dm22 = parallelize(_model(), mesh22)
         dm22.local_batch(torch.zeros(2, 3 * CHUNK, dtype=torch.long))  # 24 tokens: 12 per cp rank
         bad["cp_whole_chunks"] = "no error"
     except ValueError as e:
         bad["cp_whole_chunks"] = str(e)
     out["bad"] = bad
+    out["timing"] = {k: round(v, 2) for k, v in timing.items() if k != "start"}
     torch.save(out, os.path.join(tmpdir, f"rank{rank}.pt"))
     dist.barrier()
     dist.destroy_process_group()
