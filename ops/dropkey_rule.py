@@ -37,7 +37,7 @@ def mix32(x):
     is never modified)."""
     if isinstance(x, torch.Tensor):
         # The same steps, in place on one fresh tensor: a logit-sized mask is hashed with one
-        # allocation instead of nine (about 1.7x faster on CPU, where the hash dominates DropKey).
+        # allocation instead of nine (on the CPU the hash dominates DropKey's cost).
         x = x ^ (x >> 16)
         x.mul_(MIX_M1).bitwise_and_(MASK32)
         x.bitwise_xor_(x >> 15)
@@ -106,7 +106,7 @@ def drop_mask(
 def _ordered_hash(seed, b_idx, h_idx, i_idx, j_idx) -> torch.Tensor:
     """The per-logit hash u as int32 ordered like the uint32 u: compare it with thr - 2**31."""
     rows = mix32(head_keys(seed, b_idx, h_idx) ^ i_idx)
-    # The logit-sized part in int32: half the bytes of int64 per pass, ~2x faster on the CPU.
+    # The logit-sized part in int32: half the bytes of int64 per pass.
     # An int32 holds the uint32 hash in two's complement; flipping the sign bit maps unsigned
     # order to signed order, so u >= thr <=> (u ^ 2^31) >= thr - 2^31 as signed.
     u = _mix32_int32(_as_int32(rows) ^ _as_int32(j_idx))

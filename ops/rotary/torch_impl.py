@@ -27,8 +27,8 @@ def _complex_table(cos: torch.Tensor, sin: torch.Tensor, conjugate: bool, heads:
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, sign: float) -> torch.Tensor:
     # One complex multiply per pair: x[2j] + i x[2j+1] times (cos + i sign sin), in fp32 (fp64 for
-    # fp64), rounded once on return. Real-arithmetic formulations on strided (..., 2) views ran
-    # 7x slower on CPU (a pass and a temporary per product, and no vectorised inner loop).
+    # fp64), rounded once on return: real arithmetic on strided (..., 2) views would cost a pass and
+    # a temporary per product, with no vectorised inner loop on the CPU.
     xa = x.to(acc_dtype(x.dtype)).contiguous()
     if xa.storage_offset() % 2:  # view_as_complex needs pairs aligned to a complex element
         xa = xa.clone()
