@@ -5,8 +5,9 @@ Per layer (:class:`LayerState`), for B rows:
 * ``length`` int64 (B,): tokens this row has consumed;
 * ``norm_count`` int64 (B,), ``norm_mean`` / ``norm_var`` r(B G): the TimestepNorm running
   statistics, cumulative over every token so far (never reset at chunk boundaries);
-* ``hx`` r(B D N 2): the CEMA hidden state after the last token, complex numbers stored as
-  (real, imaginary) pairs (``torch.view_as_complex(hx)`` is the complex state);
+* ``hx`` r(B 2 D N): the CEMA hidden state after the last token, real parts then imaginary
+  parts (``torch.complex(hx[:, 0], hx[:, 1])`` is the complex state; planar, so the one-token
+  update reads and writes contiguous memory);
 * ``k`` r(B C H dz) (already rotated) and ``v`` r(B C H dv): one attention chunk of key / value
   slots. Slot j holds the key of chunk position j of the row's current chunk; only the slots
   below the row's ``length % C`` are live (attention never crosses a chunk boundary, so older

@@ -99,15 +99,17 @@ def _timestep_norm_step(norm, x: torch.Tensor, count: torch.Tensor, mean: torch.
 
 
 def _cema_step(cema, c: LayerConstants, x: torch.Tensor, hx: torch.Tensor) -> torch.Tensor:
-    """h = q h + p x, y = Re sum_n gamma_n h_n + omega x for one step x r(B D); hx r(B D N 2)
-    updated in place."""
+    """h = q h + p x, y = Re sum_n gamma_n h_n + omega x for one step x r(B D); hx r(B 2 D N)
+    (real, imaginary planes) updated in place."""
     acc = c.p.dtype
-    xa = x.to(acc)[..., None]
-    h_re, h_im = hx[..., 0], hx[..., 1]
-    new_re = c.q_re * h_re - c.q_im * h_im + c.p * xa
-    new_im = c.q_re * h_im + c.q_im * h_re
-    y = (c.g_re * new_re - c.g_im * new_im).sum(-1) + cema.omega.view(-1).to(acc) * x.to(acc)
-    hx.copy_(torch.stack([new_re, new_im], dim=-1))
+    xa = x.to(acc)
+    h_re, h_im = hx[:, 0], hx[:, 1]
+    # each line one pass over (B, D, N): these tensors are the step's largest at large batch
+    new_re = (c.p * xa[..., None]).addcmul_(c.q_re, h_re).addcmul_(c.q_im, h_im, value=-1.0)
+    new_im = torch.mul(c.q_re, h_im).addcmul_(c.q_im, h_re)
+    h_re.copy_(new_re)
+    h_im.copy_(new_im)
+    y = (h_re * c.g_re).sum(-1) - (h_im * c.g_im).sum(-1) + cema.omega.view(-1).to(acc) * xa
     return y.to(x.dtype)
 
 

@@ -369,7 +369,7 @@ def _incoming(state: LayerState):
     ts = (state.norm_count, state.norm_mean, state.norm_var, state.hx)
     if torch.is_grad_enabled():
         ts = tuple(t.clone() for t in ts)
-    return ts[:3] + (torch.view_as_complex(ts[3]),)
+    return ts[:3] + (torch.complex(ts[3][:, 0], ts[3][:, 1]),)
 
 
 def _row_view(state: LayerState, b: int) -> LayerState:
@@ -475,14 +475,15 @@ class MegalodonAttention(nn.Module):
             state.norm_count, state.norm_mean, state.norm_var = self.timenorm.initial_state(n, acc)
         if state.hx is None:
             cdt = torch.float64 if self.cema.alpha.dtype == torch.float64 else torch.float32
-            state.hx = torch.zeros(n, self.mdim, self.cema.ndim, 2, dtype=cdt, device=x.device)
+            state.hx = torch.zeros(n, 2, self.mdim, self.cema.ndim, dtype=cdt, device=x.device)
 
     @staticmethod
     def _store_stats(state: LayerState, count, mean, var, h) -> None:
         state.norm_count.copy_(count)
         state.norm_mean.copy_(mean)
         state.norm_var.copy_(var)
-        state.hx.copy_(torch.view_as_real(h))
+        state.hx[:, 0].copy_(h.real)
+        state.hx[:, 1].copy_(h.imag)
 
     def _continue(self, x, state: LayerState, offset: int, on_carry):
         """Every row at chunk position ``offset``: the live cached slots join the new keys."""

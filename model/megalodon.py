@@ -140,7 +140,7 @@ class Megalodon(nn.Module):
         ok = len(cache.layers) == len(self.layers) and cache.chunk_size == cfg.chunk_size and all(
             s.k.shape[1:] == (cfg.chunk_size, cfg.num_heads, cfg.z_head_dim)
             and s.v.shape[1:] == (cfg.chunk_size, cfg.num_heads, cfg.v_head_dim)
-            and (s.hx is None or s.hx.shape[1:] == (cfg.model_dim, cfg.cema_ndim, 2))
+            and (s.hx is None or s.hx.shape[1:] == (2, cfg.model_dim, cfg.cema_ndim))
             and (s.norm_mean is None or s.norm_mean.shape[1:] == (self.layers[0].mega.timenorm.num_groups,))
             and s.k.dtype == self.embed.weight.dtype
             for s in cache.layers) and cache.lengths.device == device
