@@ -191,7 +191,7 @@ def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
                            block_causal=block_causal, dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn,
                            backend=backend)
     impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
-    kept = {"tiles": tiles} if tiles is not None and tiles.numel() and _keeps_tiles(impl) else {}
+    kept = {"tiles": tiles} if tiles is not None and _keeps_tiles(impl) else {}
     dq, dk, dv = impl.module.backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
         dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn, **kept, **impl.config)
@@ -213,7 +213,7 @@ class _Options(NamedTuple):
 def _setup(ctx, inputs, output):
     q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, _seed, attn_fn, backend, cu_seqlens, _keep = inputs
     o, lse, seed_t, tiles = output
-    ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens, tiles)
+    ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens, tiles if tiles.numel() else None)
     ctx.options = _Options(scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
 
 
