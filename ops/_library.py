@@ -20,26 +20,27 @@ Rules the ops follow (so that a fake implementation can describe the real one ex
   ``return_state``, a gradient nobody asked for) is an empty placeholder (:func:`absent`),
   decided by the arguments alone; the public function turns it back into None.
 
-Eager calls take a shorter road to the same code (:class:`Op`). The dispatcher's road (boxing
-the arguments, the Python autograd kernel, a redispatch, the Python backend kernel, the
-dynamo-disable wrapper, the wrapper's context managers) measured ~8 us per forward call without
-autograd, ~20 us with it and ~30 us per forward + backward in a tight loop of tiny calls on one
-core of the shared 2-core x86 CPU, and several times that between large kernels (the Python runs
-out of cache): a large part of a small op's time on a CPU. When nothing can observe the
-difference (plain dense tensors, no torch.compile/export/jit tracing, no dispatch or function
-mode, no functorch transform or forward-mode AD level, no profiler, the default dispatch-key
-state), :class:`Op` calls the real implementation itself,
-under the same below-autograd guard the dispatcher's autograd kernel uses, and records the same
-autograd node (the registered setup_context and backward, in a ``torch.autograd.Function``).
-Anything else (and every argument of an unexpected type, so the schema's own errors and
-conversions stay) goes through the dispatcher as before.
+Calls go through the dispatcher (torch.library's own autograd and backend kernels), with one
+exception, :class:`Op`: a plain eager call that autograd will not record (``torch.no_grad()``,
+inference mode, or no input that requires grad; decoding, evaluation) runs the same wrapper the
+dispatcher's backend kernel runs, directly. The dispatcher's road costs tens of microseconds per
+call more (bench/results/library_fast_path.md), a large part of a small op's time and of a
+decoded token's. Whether a call is plain eager is :func:`plain_eager`, which reads private
+torch names; :func:`direct_calls_ok` checks once, on the running torch, that it still sees each
+thing it must (a function mode, a dispatch mode, a vmap level, a forward-AD level) and otherwise
+turns the exception off: every call then takes the dispatcher's road (same results, slower).
+Every call autograd records goes through torch.library, so no part of the autograd node is ours.
+
+The other private ``torch._C`` names this module reads: :func:`_fresh` (torch.library's own
+alias check) has a Python fallback where a torch release drops it; :func:`_lazy_views_resolved`
+(the thread's dispatch-key state) has none that keeps results right, so there a missing name is
+an AttributeError at the call, never a silently wrong result.
 """
 from __future__ import annotations
 
 import contextlib
 import functools
 import inspect
-import threading
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -71,9 +72,14 @@ def _fresh(outputs, inputs):
     # One C++ pass (the check torch.library runs after an implementation) answers the common case:
     # nothing shared, nothing to copy. Only when it finds a shared storage does the loop below
     # decide which outputs to copy.
-    if not torch._C._any_output_is_alias_to_input_or_output(tuple(inputs), {}, outs):
+    if _ALIAS_CHECK is not None and not _ALIAS_CHECK(tuple(inputs), {}, outs):
         return outs[0] if single else outs
     return _fresh_copies(outs, inputs, single)
+
+
+#: torch.library's own check that no output aliases an input or another output (one C++ pass);
+#: without it (a torch release that renames it) every call takes _fresh_copies' Python loop.
+_ALIAS_CHECK = getattr(torch._C, "_any_output_is_alias_to_input_or_output", None)
 
 
 def _fresh_copies(outputs, inputs, single):
@@ -151,7 +157,7 @@ def _on_device(device: torch.device):
 
 def custom_op(name: str, fake, *, tags=()):
     """Register ``fn`` as ``torch.ops.megalodon_kernels.<name>`` (schema from its annotations)
-    with the fake implementation ``fake``; returns the op (an :class:`Op`)."""
+    with the fake implementation ``fake``; returns the op (an :class:`Op` around torch.library's ``CustomOpDef``)."""
     def register(fn):
         lead = None  # (name, position) of the tensor whose device the call runs on; set below
 
@@ -172,60 +178,41 @@ def custom_op(name: str, fake, *, tags=()):
         op = torch.library.custom_op(f"{NAMESPACE}::{name}", real, mutates_args=(), tags=tags)
         op.register_fake(fake)
         lead = _lead_argument(op._opoverload._schema)
-        return Op(op, fn, real, lead)
+        return Op(op, real)
     return register
 
 
 # ---------------------------------------------------------------------------------------------
-# The eager fast path
+# Whether a call runs in plain eager mode (for an op's own caches, e.g. rotary's tables)
 
 
-def _tls_states() -> dict:
-    """raw (exclude, include) dispatch-key sets of the thread-local states the fast path accepts
-    -> (whether the dispatcher would run the op's autograd kernel there, or skip it in inference
-    mode or inside another op's below-autograd guard; whether autocast is off). Read in a fresh
-    thread, whose state is the default whatever the importing thread is doing. Autocast adds no
-    kernel for a custom op (the real implementation turns it off), so it may be on or off. None
-    of these states excludes the lazy-view keys (see _lazy_views_resolved)."""
-    states = {}
-    K = torch._C.DispatchKey
-
-    def record(autograd: bool):
-        ex, inc = torch._C._dispatch_tls_local_exclude_set(), torch._C._dispatch_tls_local_include_set()
-        for drop in ((), (K.AutocastCPU,), (K.AutocastCUDA,), (K.AutocastCPU, K.AutocastCUDA)):
-            e = ex
-            for k in drop:
-                e = e.remove(k)
-            states[(e.raw_repr(), inc.raw_repr())] = (autograd, not drop)
-
-    def read():
-        record(True)
-        with torch._C._AutoDispatchBelowAutograd():
-            record(False)
-        with torch.inference_mode():
-            record(False)
-            with torch._C._AutoDispatchBelowAutograd():
-                record(False)
-
-    t = threading.Thread(target=read)
-    t.start()
-    t.join()
-    return states
+def _probe(owner, name):
+    return getattr(owner, name, None)
 
 
-_TLS_STATES = _tls_states()
+#: What plain_eager asks, each a private torch name that may go: (tracing by torch.jit, a dispatch
+#: mode, a function mode, a functorch transform, the profiler). One missing: plain_eager answers
+#: False, so the callers build their tensors afresh as under a tracer (correct, a little slower).
+_EAGER_PROBES = (_probe(torch._C, "_is_tracing"), _probe(torch._C, "_len_torch_dispatch_stack"),
+                 _probe(torch._C, "_len_torch_function_stack"),
+                 _probe(getattr(torch._C, "_functorch", None), "peek_interpreter_stack"),
+                 _probe(getattr(torch._C, "_autograd", None), "_profiler_enabled"))
+_PROBES_OK = all(p is not None for p in _EAGER_PROBES) and hasattr(_forward_ad, "_current_level")
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
 
 
 def plain_eager(profiler_ok: bool = False) -> bool:
     """Whether this call runs in plain eager mode: not traced by torch.compile, torch.export or
     torch.jit, no dispatch or function mode (fake tensors, functionalization, ``torch.device``
-    contexts, debug modes), no functorch transform (vmap, grad), and unless ``profiler_ok`` no
-    profiler (whose trace should show every op), no forward-mode AD level (dual tensors). The
-    dispatch-key state is :class:`Op`'s check."""
-    return not (torch.compiler.is_compiling() or torch._C._is_tracing() or torch._C._len_torch_dispatch_stack()
-                or torch._C._len_torch_function_stack() or torch._C._functorch.peek_interpreter_stack() is not None
-                or _forward_ad._current_level >= 0 or (not profiler_ok and torch._C._autograd._profiler_enabled()))
+    contexts, debug modes), no functorch transform (vmap, grad), no forward-mode AD level (dual
+    tensors), and unless ``profiler_ok`` no profiler (whose trace should show every op). False
+    where this torch lacks a name the check reads (see _EAGER_PROBES)."""
+    if not _PROBES_OK:
+        return False
+    tracing, dispatch_modes, function_modes, transforms, profiling = _EAGER_PROBES
+    return not (torch.compiler.is_compiling() or tracing() or dispatch_modes() or function_modes()
+                or transforms() is not None or _forward_ad._current_level >= 0
+                or (not profiler_ok and profiling()))
 
 
 def plain_tensor(t) -> bool:
@@ -235,133 +222,83 @@ def plain_tensor(t) -> bool:
             and not t.is_nested)
 
 
-def _arg_kinds(schema) -> tuple | None:
-    """Per schema argument (kind, optional, default or _NO_DEFAULT), kind = "tensor" or the
-    Python type an eager argument must have for the fast path; None: this op always goes
-    through the dispatcher (a schema type the fast path does not check)."""
-    types = {torch._C.IntType: int, torch._C.FloatType: float, torch._C.BoolType: bool, torch._C.StringType: str}
-    kinds = []
-    for a in schema.arguments:
-        t = a.type
-        optional = isinstance(t, torch._C.OptionalType)
-        base = t.getElementType() if optional else t
-        if isinstance(base, torch._C.TensorType):
-            kind = "tensor"
-        elif type(base) in types:
-            kind = types[type(base)]
-        else:
-            return None
-        kinds.append((kind, optional, a.default_value if a.has_default_value() else _NO_DEFAULT))
-    return tuple(kinds)
+def _self_check() -> bool:
+    """Whether :func:`plain_eager` answers right on this torch: True in plain eager, False under a
+    function mode, a dispatch mode, a vmap level and a forward-AD level."""
+    if not _PROBES_OK or not plain_eager():
+        return False
+    seen = []
+    try:
+        from torch.overrides import TorchFunctionMode
+        from torch.utils._python_dispatch import TorchDispatchMode
+
+        class _NoFunctionMode(TorchFunctionMode):
+            def __torch_function__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        class _NoDispatchMode(TorchDispatchMode):
+            def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+                return func(*args, **(kwargs or {}))
+
+        with _NoFunctionMode():
+            seen.append(plain_eager())
+        with _NoDispatchMode():
+            seen.append(plain_eager())
+        with _forward_ad.dual_level():
+            seen.append(plain_eager())
+        torch.func.vmap(lambda t: seen.append(plain_eager()) or t)(torch.zeros(2))
+    except Exception:  # a torch where one of these contexts works differently: no direct calls
+        return False
+    return seen == [False] * 4
 
 
-_NO_DEFAULT = object()
-
-_backward_imports_done = False
+_SELF_CHECK: list = []  # [result] once run: the first call of any op runs it
 
 
-def _do_backward_imports() -> None:
-    """torch.autograd's first backward of a process imports torch.fx.experimental.symbolic_shapes
-    (and sympy: ~0.3 s). The dispatcher's road imported it at an op's first call; the fast path
-    does the same at the first call that records a node, so that one-time cost stays where it
-    was (a first forward) instead of landing inside the first backward."""
-    global _backward_imports_done
-    import torch.fx.experimental.symbolic_shapes  # noqa: F401
-    _backward_imports_done = True
+def direct_calls_ok() -> bool:
+    """Whether :class:`Op` may call an implementation directly (:func:`_self_check`, run once)."""
+    if not _SELF_CHECK:
+        ok = _self_check()
+        if not ok:
+            import logging
+
+            logging.getLogger("megalodon_kernels").info(
+                "torch %s: megalodon_kernels' eager shortcut failed its self-check; every op call goes through "
+                "the torch.library dispatcher (same results, more overhead per call)", torch.__version__)
+        _SELF_CHECK.append(ok)
+    return _SELF_CHECK[0]
 
 
 class Op:
-    """A registered custom op: calling it runs the dispatcher's path, or in plain eager use the
-    same implementation and autograd glue directly (module docstring). Every other attribute is
-    the ``torch.library`` op's (``register_autograd`` also arms the fast path's autograd)."""
+    """A registered custom op: calling it runs torch.library's op (the dispatcher), or for a plain
+    eager call autograd will not record, the op's implementation directly (module docstring).
+    Every other attribute is the ``CustomOpDef``'s."""
 
-    def __init__(self, op, fn, real, lead=None):
+    def __init__(self, op, real):
         self._op = op
-        self._fn = fn  # the implementation as written
-        self._real = real  # what the dispatcher runs: fn with lazy views on, autocast off, fresh outputs
-        self._lead = None if lead is None else lead[1]  # position of the tensor whose device the call runs on
-        self._kinds = _arg_kinds(op._opoverload._schema)
-        self._function = None  # the autograd.Function of the fast path, once register_autograd ran
+        self._real = real  # what the dispatcher's backend kernel runs: lazy views on, autocast off, fresh outputs
 
     def __getattr__(self, name):
         return getattr(self._op, name)
 
-    def register_autograd(self, backward, *, setup_context):
-        self._op.register_autograd(backward, setup_context=setup_context)
-        run = self._run
-
-        def forward(ctx, *args):
-            plain = args[-1]
-            args = args[:-1]
-            with torch._C._AutoDispatchBelowAutograd():  # as the dispatcher's autograd kernel runs it
-                out = run(args, plain)
-                setup_context(ctx=ctx, inputs=args, output=out)
-            return out
-
-        def backward_(ctx, *grads):
-            needs = ctx.needs_input_grad
-            ctx.needs_input_grad = needs[:-1]  # the op's own inputs, as in torch.library's node
-            try:
-                return *backward(ctx, *grads), None
-            finally:
-                ctx.needs_input_grad = needs
-
-        # the node autograd records: the name torch.library gives its own, same ctx API (the last
-        # input, whether autocast is off, is a bool: autograd hands it no gradient slot)
-        self._function = type(f"GeneratedBackwardFor_{NAMESPACE}_{self._op._name.split('::')[-1]}_default",
-                              (torch.autograd.Function,),
-                              {"forward": staticmethod(forward), "backward": staticmethod(backward_)})
-
-    def _run(self, args, plain):
-        """The implementation on ``args``; ``plain``: the thread's state is the default (autocast
-        off, lazy views on), so the dispatcher's wrapper has nothing to change."""
-        if plain:
-            # the device guard of ``real``, inlined (on a CUDA build, CPU tensors cost one attribute read)
-            device = cuda_device(args[self._lead]) if CUDA_BUILD and self._lead is not None else None
-            if device is None:
-                return _fresh(self._fn(*args), args)
-            with _on_device(device):
-                return _fresh(self._fn(*args), args)
-        return self._real(*args)
-
-    def _eager_args(self, args):
-        """The full positional arguments when the fast path may run these, else None."""
-        kinds = self._kinds
-        if kinds is None or len(args) > len(kinds) or not plain_eager():
-            return None
-        for value, (kind, optional, _) in zip(args, kinds):
-            if value is None:
-                if not optional:
-                    return None
-            elif kind == "tensor":
-                if not (type(value) in _PLAIN_TYPES and value.layout is torch.strided and (value.is_cpu or value.is_cuda)
-                        and not value.is_nested):  # plain_tensor, inlined: this runs for every argument of every call
-                    return None
-            elif type(value) is not kind:
-                return None  # e.g. an int for a float: the dispatcher converts it
-        if len(args) < len(kinds):  # the defaults the dispatcher's setup_context inputs hold
-            rest = tuple(default for _, _, default in kinds[len(args):])
-            if _NO_DEFAULT in rest:
-                return None
-            args = args + rest
-        return args
-
     def __call__(self, *args, **kwargs):
-        full = None if kwargs else self._eager_args(args)
-        if full is not None:
-            state = _TLS_STATES.get((torch._C._dispatch_tls_local_exclude_set().raw_repr(),
-                                     torch._C._dispatch_tls_local_include_set().raw_repr()))
-            if state is not None:
-                autograd, plain = state
-                if not (autograd and torch.is_grad_enabled() and torch._C._any_requires_grad(*full)):
-                    with torch._C._AutoDispatchBelowAutograd():
-                        return self._run(full, plain)
-                if self._function is not None:
-                    if not _backward_imports_done:
-                        _do_backward_imports()
-                    return self._function.apply(*full, plain)
-                # no autograd registered (a backward op under create_graph): the dispatcher's error path
+        # plain_eager first: under torch.compile it is False at once, and nothing after it is traced
+        if plain_eager() and direct_calls_ok() and self._direct(args) and self._direct(kwargs.values()):
+            return self._real(*args, **kwargs)
         return self._op(*args, **kwargs)
+
+    @staticmethod
+    def _direct(values) -> bool:
+        """No value autograd would record, every tensor a plain one, no container (whose
+        conversion the dispatcher's schema does)."""
+        grad = torch.is_grad_enabled()
+        for v in values:
+            if isinstance(v, torch.Tensor):
+                if not plain_tensor(v) or (grad and v.requires_grad):
+                    return False
+            elif isinstance(v, (list, tuple, dict)):
+                return False
+        return True
 
 
 def grad_or_none(g: torch.Tensor | None, needed: bool):

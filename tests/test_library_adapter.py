@@ -1,0 +1,128 @@
+"""ops/_library.py (issue 28 item 2): every op is a plain torch.library custom op, plus one adapter,
+``Op``: a plain eager call that autograd will not record runs the implementation directly, where
+the adapter's self-check passes on the running torch. Forced off (as on a torch where the
+self-check fails) every call goes through the dispatcher with the same results and gradients.
+Where a torch release drops one of the private names the module reads, the fallback keeps results
+right (checked here by removing them)."""
+import importlib
+
+import pytest
+import torch
+
+from megalodon_kernels import ops
+from megalodon_kernels.ops import _library
+
+rotary_module = importlib.import_module("megalodon_kernels.ops.rotary")
+norm_module = importlib.import_module("megalodon_kernels.ops.timestep_norm")
+
+
+class _Counting:
+    """Stands in for an Op's torch.library op and counts the calls that reach the dispatcher."""
+
+    def __init__(self, op):
+        self.op, self.calls = op, 0
+
+    def __call__(self, *args, **kwargs):
+        self.calls += 1
+        return self.op(*args, **kwargs)
+
+
+@pytest.fixture
+def dispatched(monkeypatch):
+    """{op name: counter of the calls that went through the dispatcher} for rotary and timestep_norm."""
+    counters = {}
+    for name, op in (("rotary", rotary_module.rotary_op), ("timestep_norm", norm_module.timestep_norm_op)):
+        counters[name] = _Counting(op._op)
+        monkeypatch.setattr(op, "_op", counters[name])
+    return counters
+
+
+def _inputs():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(1, 6, 2, 8, generator=g).requires_grad_()
+    xn = torch.randn(2, 5, 8, generator=g).requires_grad_()
+    w, b = torch.randn(8, generator=g).requires_grad_(), torch.randn(8, generator=g).requires_grad_()
+    return x, xn, w, b
+
+
+def _outputs(no_grad: bool):
+    """(rotary y, timestep_norm y) and, with autograd, every input's gradient of a weighted sum."""
+    x, xn, w, b = _inputs()
+    with torch.no_grad() if no_grad else torch.enable_grad():
+        y = ops.rotary(x, torch.arange(6), backend="torch")
+        yn = ops.timestep_norm(xn, w, b, 2, backend="torch")[0]
+    if no_grad:
+        return y, yn
+    loss = (y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum() + (yn * yn.detach()).sum()
+    return (y.detach(), yn.detach(), *torch.autograd.grad(loss, (x, xn, w, b)))
+
+
+def test_the_self_check_passes_here_and_no_grad_calls_skip_the_dispatcher(dispatched):
+    assert _library._self_check()
+    _outputs(no_grad=True)
+    assert dispatched["rotary"].calls == 0 and dispatched["timestep_norm"].calls == 0
+    _outputs(no_grad=False)  # recorded calls: torch.library's autograd kernel
+    assert dispatched["rotary"].calls == 1 and dispatched["timestep_norm"].calls == 1
+
+
+def test_an_eager_call_autograd_records_gets_torch_librarys_own_node():
+    x = _inputs()[0]
+    y = ops.rotary(x, torch.arange(6), backend="torch")
+    assert "megalodon_kernels_rotary" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+
+
+@pytest.mark.parametrize("no_grad", [True, False], ids=["no_grad", "autograd"])
+def test_forced_fallback_gives_the_same_results_and_gradients(dispatched, monkeypatch, no_grad):
+    direct = _outputs(no_grad)
+    monkeypatch.setattr(_library, "_SELF_CHECK", [False])  # as where the self-check failed
+    fallback = _outputs(no_grad)
+    assert dispatched["rotary"].calls == 1 + (not no_grad) and dispatched["timestep_norm"].calls == 1 + (not no_grad)
+    assert len(direct) == len(fallback) == (2 if no_grad else 6)
+    for d, f in zip(direct, fallback):  # the same implementation either way: bit for bit
+        torch.testing.assert_close(f, d, rtol=0, atol=0)
+
+
+def test_the_self_check_fails_without_the_eager_probes(monkeypatch):
+    monkeypatch.setattr(_library, "_PROBES_OK", False)  # a torch that lacks one of the probed names
+    assert not _library._self_check()
+    assert not _library.plain_eager()
+
+
+def test_the_self_check_fails_where_a_mode_goes_unseen(monkeypatch):
+    """A torch whose function-mode stack the probe no longer sees: plain_eager says True under a
+    mode, so the self-check must turn the direct calls off."""
+    probes = list(_library._EAGER_PROBES)
+    probes[2] = lambda: 0
+    monkeypatch.setattr(_library, "_EAGER_PROBES", tuple(probes))
+    assert not _library._self_check()
+
+
+def _rotary_result():
+    x = _inputs()[0]
+    y = ops.rotary(x, torch.arange(6), backend="torch")
+    (gx,) = torch.autograd.grad((y * torch.linspace(-1, 1, y.numel()).view_as(y)).sum(), x)
+    return y.detach(), gx
+
+
+def test_without_the_eager_probes_results_and_gradients_are_unchanged(monkeypatch):
+    expected = _rotary_result()
+    monkeypatch.setattr(_library, "_PROBES_OK", False)
+    monkeypatch.setattr(rotary_module, "_TABLES", {})
+    got = _rotary_result()
+    assert rotary_module._TABLES == {}, "the eager-only table cache ran without its probes"
+    for e, g in zip(expected, got):  # cached tables multiply as complex numbers: within 1 ulp of the real form
+        torch.testing.assert_close(g, e, rtol=1e-6, atol=1e-7)
+
+
+def test_without_the_alias_check_outputs_are_still_fresh(monkeypatch):
+    monkeypatch.setattr(_library, "_ALIAS_CHECK", None)
+    x = torch.randn(4)
+    same, view, _ = _library._fresh((x, x[:2], torch.ones(3)), [x])
+    for out in (same, view):
+        assert out.untyped_storage().data_ptr() != x.untyped_storage().data_ptr()
+    torch.testing.assert_close(same, x, rtol=0, atol=0)
+    torch.testing.assert_close(view, x[:2], rtol=0, atol=0)
+    expected = _rotary_result()
+    monkeypatch.undo()
+    for e, g in zip(expected, _rotary_result()):
+        torch.testing.assert_close(g, e, rtol=0, atol=0)
