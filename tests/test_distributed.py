@@ -235,7 +235,7 @@ def test_resume_other_meshes(runs):
         dist.destroy_process_group()
 
 
-def test_bad_mesh_and_cp_size(runs, tmp_path):
+def test_mesh_dims_and_cp_size(runs, tmp_path):
     _, _, res = runs
     for r, out in enumerate(res):
         msg = out["bad"]["cp_whole_chunks"]
@@ -254,6 +254,19 @@ def test_bad_mesh_and_cp_size(runs, tmp_path):
             parallelize(Megalodon(_config()), init_device_mesh("cpu", (1, 1), mesh_dim_names=("x", "cp")))
         with pytest.raises(ValueError, match="named dims"):
             parallelize(Megalodon(_config()), init_device_mesh("cpu", (1,)))
+        with pytest.raises(ValueError, match="neither data_dim='dp' nor cp_dim='cp'"):
+            parallelize(Megalodon(_config()), init_device_mesh("cpu", (1, 1, 1), mesh_dim_names=("dp", "cp", "tp")))
+        # an fsdp-only mesh without chunk parallelism: one process, the plain model's loss and gradients
+        ref = _model()
+        tokens, labels = _unpacked_batch()
+        loss = F.cross_entropy(ref(tokens).flatten(0, 1), labels.flatten())
+        loss.backward()
+        dm = parallelize(_model(), init_device_mesh("cpu", (1,), mesh_dim_names=("fsdp",)), cp_dim=None)
+        share = dm.loss(*dm.local_batch(tokens, labels))
+        share.backward()
+        assert dm.cp_size == 1 and share.item() == pytest.approx(loss.item(), rel=FP32_TOL)
+        for (k, p), q in zip(dm.module.named_parameters(), ref.parameters()):
+            assert _rel(p.grad.full_tensor(), q.grad) <= FP32_TOL, k
     finally:
         dist.destroy_process_group()
 
