@@ -135,13 +135,19 @@ def load_checkpoint(path: str, model: DistributedMegalodon, optimizer: torch.opt
         raise TypeError(f"model must come from parallelize(), got {type(model).__name__}")
     info = read_checkpoint_info(path)
     _check_config(path, model, info)
-    model_sd, optim_sd = _state_dicts(model, optimizer)
-    # loaded into copies, then set: a failure on the way leaves the live model and optimizer as they were
-    target = {"model": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model_sd.items()},
-              "optim": _clone(optim_sd), "train": b""}
-    flat, _ = flatten_state_dict(target)
-    _check_tensors(path, dcp.FileSystemReader(path).read_metadata(), flat)
-    dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+    fresh = not optimizer.state  # get_state_dict creates a fresh optimizer's (zero) state: undone on failure
+    try:
+        model_sd, optim_sd = _state_dicts(model, optimizer)
+        # loaded into copies, then set: a failure on the way leaves the live model and optimizer as they were
+        target = {"model": {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in model_sd.items()},
+                  "optim": _clone(optim_sd), "train": b""}
+        flat, _ = flatten_state_dict(target)
+        _check_tensors(path, dcp.FileSystemReader(path).read_metadata(), flat)
+        dcp.load(target, storage_reader=dcp.FileSystemReader(path))
+    except BaseException:
+        if fresh:
+            optimizer.state.clear()
+        raise
     set_state_dict(model.module, optimizer, model_state_dict=target["model"], optim_state_dict=target["optim"])
     train = pickle.loads(target["train"]) if isinstance(target["train"], (bytes, bytearray)) else target["train"]
     r = dist.get_rank() if dist.get_rank() < len(train["rng"]) else 0

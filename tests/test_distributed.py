@@ -231,6 +231,15 @@ def test_resume_other_meshes(runs):
         after = other.module.state_dict()
         assert all(torch.equal(after[k].full_tensor(), v) for k, v in before.items())
         assert not opt2.state
+        # the same model with another optimizer (SGD's momentum buffers are not in the checkpoint)
+        same = parallelize(_model(), mesh)
+        sgd = torch.optim.SGD(same.parameters(), lr=0.1, momentum=0.9)
+        before = {k: v.full_tensor().clone() for k, v in same.module.state_dict().items() if hasattr(v, "full_tensor")}
+        with pytest.raises(ValueError, match=r"does not fit this model / optimizer: missing \['optim.state.*momentum"):
+            load_checkpoint(os.path.join(tmpdir, "ckpt"), same, sgd)
+        after = same.module.state_dict()
+        assert all(torch.equal(after[k].full_tensor(), v) for k, v in before.items())
+        assert not sgd.state  # the zero state get_state_dict made for the comparison is gone again
     finally:
         dist.destroy_process_group()
 
