@@ -438,9 +438,9 @@ class MegalodonAttention(nn.Module):
         With a :class:`LayerState` of B rows (rows may be at different lengths), x r(B L D)
         continues every row, updating the state in place; with a state of n fresh rows and
         ``cu_seqlens`` (n + 1,), x is one packed row of n documents (a prefill) and row d receives
-        document d's final state. One token per row in eval mode runs :func:`.decode.mega_step`
-        (fixed shapes, no host read); rows at different chunk positions with L > 1 run one at a
-        time."""
+        document d's final state. One token per row in eval mode, autograd not recording, runs
+        :func:`.decode.mega_step` (fixed shapes, no host read); rows at different chunk positions
+        with L > 1 run one at a time."""
         if state is None:
             if carry is not None:
                 return self._run(x, *carry, cu_seqlens=cu_seqlens, on_carry=on_carry)[0]
@@ -457,7 +457,8 @@ class MegalodonAttention(nn.Module):
             raise ValueError(f"state was made for chunk_size {state.k.shape[1]}, this layer has {self.chunk_size}")
         if cu_seqlens is not None:
             return self._prefill_packed(x, state, cu_seqlens, on_carry)
-        if L == 1 and not self.training and on_carry is None:
+        if L == 1 and not self.training and on_carry is None and not (torch.is_grad_enabled()
+                                                                       and self.wz.weight.requires_grad):
             from .decode import layer_constants, mega_step
             return mega_step(self, layer_constants(self), x[:, 0], state)[:, None]
         self._fill_state(state, B, x)

@@ -224,8 +224,9 @@ class Megalodon(nn.Module):
             check_cu_seqlens(cu_seqlens, batch=B, length=L, device=tokens.device, batch_arg="tokens")
         if cache is not None:
             self._check_cache(cache, B if cu_seqlens is None else cu_seqlens.shape[0] - 1)
-            if L == 1 and cu_seqlens is None and not self.training and labels is None:
-                # one token per row: the fixed-shape step (model/decode.py)
+            recording = torch.is_grad_enabled() and self.embed.weight.requires_grad
+            if L == 1 and cu_seqlens is None and not self.training and labels is None and not recording:
+                # one token per row, nothing for autograd to record: the fixed-shape step (model/decode.py)
                 with torch.no_grad():
                     return decode_step(self, cache, tokens[:, 0], self._decode_constants())[:, None]
 

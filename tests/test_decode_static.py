@@ -97,3 +97,18 @@ def test_static_decoder_refuses_what_it_cannot_run():
     model.train()
     with pytest.raises(ValueError, match="eval mode"):
         StaticDecoder(model, model.init_cache(2))
+
+
+def test_one_token_with_autograd_recording_keeps_gradients():
+    """The step is inference-only (no_grad); with autograd recording, one-token streaming takes
+    the general path, and gradients flow."""
+    model = make_model()
+    cache = model.init_cache(2)
+    with torch.no_grad():
+        model(torch.randint(0, V, (2, 3)), cache=cache)
+    logits = model(torch.randint(0, V, (2, 1)), cache=cache)
+    assert logits.requires_grad
+    logits.sum().backward()
+    assert model.embed.weight.grad is not None and model.layers[0].mega.wz.weight.grad.abs().sum() > 0
+    with torch.no_grad():
+        assert not model(torch.randint(0, V, (2, 1)), cache=cache).requires_grad
