@@ -184,7 +184,7 @@ def main(argv=None):
         share = dm.loss(tok, lab, cu_seqlens=cu)
         opt.zero_grad(set_to_none=True)
         share.backward()
-        torch.nn.utils.clip_grad_norm_(dm.parameters(), 1.0)
+        dm.clip_grad_norm_(1.0)  # sharded and (under --bf16) replicated fp32 gradients together
         opt.step()
         step += 1
         tokens_since += args.row_tokens * dm.dp_size

@@ -37,7 +37,6 @@ from typing import Optional, Tuple
 
 import torch
 import torch.distributed as dist
-from torch import nn
 
 from .layers import ComplexEMA, LayerNorm, RMSNorm, TimestepNorm
 from .megalodon import Megalodon
@@ -124,6 +123,30 @@ class DistributedMegalodon(ChunkParallelMegalodon):
         dist.all_reduce(count, group=self.world_group)
         total = self(tokens, labels=labels, ignore_index=ignore_index, **kwargs)
         return total / count.to(total.dtype).clamp_min(1)
+
+    @torch.no_grad()
+    def clip_grad_norm_(self, max_norm: float) -> torch.Tensor:
+        """Scale every gradient by min(1, max_norm / total norm) and return the total norm (fp32):
+        the norm of the whole model's gradient, from the sharded ones (summed over the mesh) and the
+        replicated fp32 ones of a low-precision policy (the same on every rank), which
+        ``torch.nn.utils.clip_grad_norm_`` cannot mix."""
+        from torch.distributed.tensor import DTensor
+
+        grads = [p.grad for p in self.parameters() if p.grad is not None]
+        sharded = [g.to_local() for g in grads if isinstance(g, DTensor)]
+        plain = [g for g in grads if not isinstance(g, DTensor)]
+        dev = grads[0].device if grads else torch.device("cpu")
+        sq = torch.zeros(1, dtype=torch.float64, device=dev)
+        for g in sharded:
+            sq += g.double().pow(2).sum()
+        dist.all_reduce(sq, group=self.world_group)
+        for g in plain:
+            sq += g.double().pow(2).sum()
+        norm = sq.sqrt()
+        coef = (max_norm / (norm + 1e-6)).clamp(max=1.0)
+        for g in sharded + plain:
+            g.mul_(coef.to(g.dtype))
+        return norm.float().reshape(())
 
     def global_loss(self, share: torch.Tensor) -> float:
         """The global mean loss from every rank's :meth:`loss` share (an all-reduce; for logging)."""

@@ -160,6 +160,10 @@ def test_matches_one_process(runs, case):
             e = _rel(got["grads"][k], g)
             worst, where = max((worst, where), (e, k))
             assert e <= tol_grad, f"{case} rank {r} grad {k}: relative error {e:.3g} > {tol_grad}"
+    # clip_grad_norm_'s total norm over sharded (and, in bf16, replicated) gradients: the gathered ones'
+    for r, out in enumerate(res):
+        full = torch.cat([g.double().flatten() for g in out[case]["grads"].values()]).norm().item()
+        assert out[case]["norm"] == pytest.approx(full, rel=1e-6), (case, r)
     print(f"{case}: loss {res[0][case]['loss']:.6f} vs {ref_loss:.6f}, worst gradient error {worst:.2e} ({where})")
 
 
@@ -333,6 +337,7 @@ def _worker(rank, tmpdir):
         res["messages"] = dm.comm.messages
         res["grads"] = {k: p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad.clone()
                         for k, p in dm.module.named_parameters()}
+        res["norm"] = float(dm.clip_grad_norm_(1e30))  # no clipping: the total norm
         res["replicated"] = {k for k, p in dm.module.named_parameters() if not isinstance(p, DTensor)}
         res["replicated_dtypes"] = {p.dtype for p in dm.parameters() if not isinstance(p, DTensor)}
         res["sharded_dtypes"] = {p.dtype for p in dm.parameters() if isinstance(p, DTensor)}
