@@ -14,6 +14,7 @@ DistributedDataParallel over the whole world with a per-rank mean loss (equivale
 
 With ``--check``, every rank also runs the whole sequence on one process and the script asserts the
 chunk-parallel gradients equal it. Uses gloo (CPU); on GPUs pass --backend nccl (and move the model).
+examples/train_distributed.py shards the parameters too (FSDP2 x chunk parallelism, checkpoints).
 """
 import argparse
 import time
