@@ -146,8 +146,9 @@ class Megalodon(nn.Module):
             for s in cache.layers) and cache.lengths.device == device
         if not ok:
             heads = tuple(cache.layers[0].k.shape[2:]) if cache.layers else ()
+            dtype = cache.layers[0].k.dtype if cache.layers else ""
             raise ValueError(f"{arg} is not a cache of this model: it has {len(cache.layers)} layers, chunk size "
-                             f"{cache.chunk_size}, head shapes {heads}, {cache.layers[0].k.dtype if cache.layers else ''} "
+                             f"{cache.chunk_size}, head shapes {heads}, {dtype} "
                              f"on {cache.lengths.device}; the model has {len(self.layers)} layers, chunk size "
                              f"{cfg.chunk_size}, heads {(cfg.num_heads, cfg.z_head_dim)}, {self.embed.weight.dtype} "
                              f"on {device}. "
