@@ -5,7 +5,10 @@
 * the Python mirrors of the flash kernels' C++ in ops/attention/cuda_impl.py: ``FlashParams``
   against ``mk::flash::Params`` (sizeof, every field's offsetof), ``fwd/bwd_smem_bytes``
   against ``FwdSmem/BwdSmem::bytes``, and the tile and thread counts against ``FwdCfg/BwdCfg``,
-  for every instantiated (element, head dim).
+  for every instantiated (element, head dim);
+* ops/dropkey_softmax/cuda_impl.py's ITEMS and MAX_THREADS (its launch plan) against
+  cuda/dropkey_softmax.cuh's kSoftmaxItems and kSoftmaxMaxThreads (the kernels' registers and
+  __launch_bounds__).
 
 The C++ side is checked by the host compiler with the emulator build's flags: a probe source of
 static_asserts generated from the Python values, compiled with -fsyntax-only (a failure names the
@@ -24,6 +27,7 @@ import numpy as np
 import pytest
 
 from megalodon_kernels.ops.attention import cuda_impl, laplace
+from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
 from megalodon_kernels.reference import attention as ref
 
 LAPLACE_CPP = {"kLaplaceMu": laplace.MU, "kLaplaceInv": laplace.INV, "kLaplacePdf": laplace.PDF,
@@ -46,7 +50,10 @@ def _f32(x: float) -> str:
 
 def probe_source() -> str:
     """static_asserts of every mirrored fact, generated from the Python values."""
-    lines = ['#include "flash_attention.cuh"', "#include <cstddef>", "namespace F = mk::flash;", ""]
+    lines = ['#include "flash_attention.cuh"', '#include "dropkey_softmax.cuh"', "#include <cstddef>",
+             "namespace F = mk::flash;", "",
+             f'static_assert(mk::kSoftmaxItems == {dropkey_cuda.ITEMS}, "dropkey_softmax ITEMS");',
+             f'static_assert(mk::kSoftmaxMaxThreads == {dropkey_cuda.MAX_THREADS}, "dropkey_softmax MAX_THREADS");']
     for name, value in LAPLACE_CPP.items():
         lines.append(f'static_assert(F::{name} == {_f32(value)}, "{name} != ops/attention/laplace.py");')
     lines.append(f"static_assert(sizeof(F::Params) == {ctypes.sizeof(cuda_impl.FlashParams)}, "

@@ -17,7 +17,7 @@ from ...cuda import runtime
 from ...cuda.backend import Backend
 from ..dropkey_rule import seed_key, threshold
 
-ITEMS = 8          # kSoftmaxItems: scores per thread held in registers
+ITEMS = 8          # kSoftmaxItems: scores per thread held in registers (tests/test_attention_layouts.py)
 MAX_THREADS = 512  # kSoftmaxMaxThreads: the kernels' __launch_bounds__
 #: (scores dtype, "fwd" | "bwd") -> instantiation
 KERNELS_BY_KEY = {(dtype, d): cuda_launch.Kernel("dropkey_softmax.cuh", f"mk::dropkey_softmax_{d}_kernel<{cpp}, {ITEMS}>")
