@@ -15,6 +15,7 @@ Example::
     for piece in tokens.split(7, dim=1):           # any split gives the same logits
         step_logits = model(piece, cache=cache)
     out = model.generate(prompt, 32, top_k=20, temperature=0.8)
+    outs = model.generate([prompt_a, prompt_b], 32)  # ragged prompts: outs[b] as if alone (docs/serving.md)
 
     tokens, cu = pack([doc_a, doc_b, doc_c])       # one row (1, T), boundaries (4,)
     logits = model(tokens, cu_seqlens=cu)          # == each document run on its own
@@ -22,6 +23,7 @@ Example::
 from .cache import LayerState, MegalodonCache
 from .checkpoint import CheckpointMismatchError, check_state_dict, load_upstream, read_state_dict
 from .config import PRESETS, MegalodonConfig, get_config
+from .decode import StaticDecoder, decode_step
 from .layers import (ComplexEMA, LayerNorm, MegalodonAttention, MegalodonBlock, NormalizedFFN, RMSNorm,
                      TimestepNorm)
 from .loss import linear_cross_entropy
@@ -35,7 +37,7 @@ __all__ = [
     "MegalodonConfig", "PRESETS", "get_config",
     "ComplexEMA", "TimestepNorm", "RMSNorm", "LayerNorm", "MegalodonAttention", "NormalizedFFN", "MegalodonBlock",
     "Megalodon", "RotaryEmbedding", "OutputLayer", "sample_next", "linear_cross_entropy",
-    "MegalodonCache", "LayerState",
+    "MegalodonCache", "LayerState", "StaticDecoder", "decode_step",
     "pack", "segment_ids_to_cu_seqlens",
     "CheckpointMismatchError", "load_upstream", "from_upstream", "read_state_dict", "check_state_dict",
 ]
