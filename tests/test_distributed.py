@@ -18,6 +18,9 @@ tests/test_distributed.py --worker RANK DIR``) runs every multi-rank case on a 2
   repeats steps 3-4 bit for bit (and gets its RNG state back); one on 4 x 1 within fp32 tolerance;
   the parent (1 x 1) too. Loading into a model of another config raises and changes nothing.
 * bad input: a mesh without the dims asked for, a cp size that does not cut rows into whole chunks.
+
+With ``--stress`` the same launch also runs unpacked rows on a 1 x 4 mesh (the state passed through
+three chunk-rank boundaries), with and without checkpointing.
 """
 from __future__ import annotations
 
@@ -92,7 +95,7 @@ def _unpacked_batch(step=0):
 def _reference(model, case):
     """(loss, {name: grad}) of one process over the global batch: the mean over its predicted tokens."""
     model.zero_grad(set_to_none=True)
-    if case == "unpacked_ckpt":
+    if case.startswith("unpacked"):
         tokens, labels = _unpacked_batch()
         logits = model(tokens)
         total = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="sum")
@@ -110,6 +113,9 @@ def _reference(model, case):
 
 
 CASES = ("packed", "segments_ckpt", "unpacked_ckpt", "bf16")
+# with --stress also: 4 chunk ranks of one data rank (1 x 4: each slice one attention chunk, the
+# state passed through three ranks), with and without checkpointing
+STRESS_CASES = ("unpacked_1x4", "unpacked_1x4_ckpt")
 
 
 def _train_losses(dm, opt, steps, first=1):
@@ -130,12 +136,14 @@ def _train_losses(dm, opt, steps, first=1):
 
 
 @pytest.fixture(scope="module")
-def runs(tmp_path_factory):
+def runs(tmp_path_factory, request):
     tmpdir = str(tmp_path_factory.mktemp("dist"))
     t0 = time.perf_counter()
-    procs = start_ranks([[__file__, "--worker", str(r), tmpdir] for r in range(WORLD)])
-    with ranks_finished(procs, timeout=240):
-        refs = {c: _reference(_model(), c) for c in ("packed", "unpacked_ckpt")}
+    stress = request.config.getoption("--stress")
+    procs = start_ranks([[__file__, "--worker", str(r), tmpdir] + (["--stress"] if stress else [])
+                         for r in range(WORLD)])
+    with ranks_finished(procs, timeout=480 if stress else 240):
+        refs = {c: _reference(_model(), c) for c in ("packed", "unpacked_ckpt")}  # unpacked: every unpacked case
     res = [torch.load(os.path.join(tmpdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     print(f"\n4-rank launch: {time.perf_counter() - t0:.1f} s wall; rank 0 after start-up, cumulative: "
           f"{res[0]['timing']}")
@@ -146,10 +154,12 @@ def _rel(a, b):
     return float((a - b).abs().max()) / max(float(b.abs().max()), 1e-30)
 
 
-@pytest.mark.parametrize("case", CASES)
+@pytest.mark.parametrize("case", CASES + STRESS_CASES)
 def test_matches_one_process(runs, case):
     _, refs, res = runs
-    ref_loss, ref_grads = refs["unpacked_ckpt" if case == "unpacked_ckpt" else "packed"]
+    if case not in res[0]:
+        pytest.skip(f"{case}: run with --stress")
+    ref_loss, ref_grads = refs["unpacked_ckpt" if case.startswith("unpacked") else "packed"]
     tol_loss, tol_grad = (BF16_TOL["loss"], BF16_TOL["grad"]) if case == "bf16" else (FP32_TOL, FP32_TOL)
     worst, where = 0.0, ""
     for r, out in enumerate(res):
@@ -173,6 +183,8 @@ def test_checkpointing_does_not_resend(runs):
         plain, ckpt = out["packed"]["messages"], out["segments_ckpt"]["messages"]
         # segment_ids add one all-gather (counted by time, not as messages); the p2p traffic is the same
         assert plain == ckpt and plain > 0, (r, plain, ckpt)
+        if "unpacked_1x4" in out:  # --stress: middle chunk ranks receive and send
+            assert out["unpacked_1x4"]["messages"] == out["unpacked_1x4_ckpt"]["messages"] > 0, r
 
 
 def test_bf16_keeps_cema_and_norms_fp32(runs):
@@ -288,7 +300,7 @@ def test_mesh_dims_and_cp_size(runs, tmp_path):
 # worker
 
 
-def _worker(rank, tmpdir):
+def _worker(rank, tmpdir, stress=False):
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor
@@ -307,8 +319,12 @@ def _worker(rank, tmpdir):
     tokens, labels, cus, segs = _packed_rows()
     t0 = time.perf_counter()
     timing = {"start": t0}
-    for case in CASES:
-        dm = parallelize(_model(), mesh22, checkpoint_layers=case.endswith("ckpt"),
+    cases = [(c, mesh22) for c in CASES]
+    if stress:
+        mesh14 = init_device_mesh("cpu", (1, 4), mesh_dim_names=("dp", "cp"))
+        cases += [(c, mesh14) for c in STRESS_CASES]
+    for case, mesh in cases:
+        dm = parallelize(_model(), mesh, checkpoint_layers=case.endswith("ckpt"),
                          param_dtype=torch.bfloat16 if case == "bf16" else None)
         res = {}
         if case == "bf16":  # the parameters' dtypes inside their forward
@@ -320,7 +336,7 @@ def _worker(rank, tmpdir):
                                + "." + pn] = p.dtype
                 mod.register_forward_pre_hook(hook)
             res["dtypes"] = dtypes
-        if case == "unpacked_ckpt":
+        if case.startswith("unpacked"):
             tb, lb = _unpacked_batch()
             tok, lab = dm.local_batch(tb, lb)
             share = dm.loss(tok, lab)
@@ -383,4 +399,4 @@ def _worker(rank, tmpdir):
 
 
 if __name__ == "__main__" and len(sys.argv) > 1 and sys.argv[1] == "--worker":
-    _worker(int(sys.argv[2]), sys.argv[3])
+    _worker(int(sys.argv[2]), sys.argv[3], stress="--stress" in sys.argv[4:])
