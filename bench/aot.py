@@ -30,8 +30,32 @@ RESULTS_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"
 REPORT_COMMAND = "python -m megalodon_kernels.bench.resources --write"
 
 
-def report_path(cc: int) -> str:
-    return os.path.join(RESULTS_DIR, f"aot_sm{cc}.json")
+def _newest_triton() -> tuple[int, int]:
+    from .._versions import TRITON_TESTED
+
+    return TRITON_TESTED[1]
+
+
+def triton_tag(triton: tuple[int, int] | None = None) -> str:
+    """The report files' suffix for Triton ``major.minor``: "" for the newest tested release (the
+    report the tests' bounded sets and the arch tables read), "_triton3.6" for an older one."""
+    if triton is None or tuple(triton[:2]) == _newest_triton():
+        return ""
+    return f"_triton{triton[0]}.{triton[1]}"
+
+
+def report_path(cc: int, triton: tuple[int, int] | None = None) -> str:
+    """The committed report of sm_<cc> compiled with Triton ``triton`` (major, minor; None: the
+    newest tested release)."""
+    return os.path.join(RESULTS_DIR, f"aot_sm{cc}{triton_tag(triton)}.json")
+
+
+def report_tritons() -> list[tuple[int, int]]:
+    """The tested Triton releases with a committed report: the oldest and the newest of
+    _versions.TRITON_TESTED."""
+    from .._versions import TRITON_TESTED
+
+    return sorted(set(TRITON_TESTED))
 
 
 def _discover_triton_ops() -> tuple[str, ...]:
@@ -161,9 +185,10 @@ def _compile_job(args):
 
 # ------------------------------------------------------------------ the committed resources report
 
-def load_report(cc: int) -> dict:
-    """The committed report of sm_<cc>: {"rows": [{op, kernel, label, regs, smem, spill}], ...}."""
-    with open(report_path(cc)) as f:
+def load_report(cc: int, triton: tuple[int, int] | None = None) -> dict:
+    """The committed report of sm_<cc> (with Triton ``triton``, default the newest tested):
+    {"rows": [{op, kernel, label, regs, smem, spill}], ...}."""
+    with open(report_path(cc, triton)) as f:
         return json.load(f)
 
 
@@ -192,12 +217,17 @@ def heaviest(variants: list[Variant], report: dict) -> list[int]:
     return sorted(i for _, i in best.values())
 
 
-def compile_all(ops=TRITON_OPS, ccs=(80, 90), workers: int | None = None, bounded: bool = False) -> list[Resources]:
+def compile_all(ops=TRITON_OPS, ccs=(80, 90), workers: int | None = None, bounded: bool = False,
+                match: str | None = None) -> list[Resources]:
     """Compile every variant of ``ops`` (with ``bounded``: the :func:`heaviest` per kernel according
-    to the committed report) for every arch, in parallel worker processes."""
+    to the committed report; with ``match``: those whose "kernel label" the regular expression
+    finds) for every arch, in parallel worker processes."""
     by_op = {op: all_variants((op,)) for op in ops}
     report = report_rows() if bounded else None
     chosen = {op: heaviest(vs, report) if bounded else range(len(vs)) for op, vs in by_op.items()}
+    if match is not None:
+        chosen = {op: [i for i in idx if re.search(match, f"{by_op[op][i].kernel} {by_op[op][i].label}")]
+                  for op, idx in chosen.items()}
     results = _run_jobs([(op, i, cc, None) for op in ops for i in chosen[op] for cc in ccs], workers)
     failed = [f"{by_op[op][i].kernel} [{by_op[op][i].label}] sm_{cc}: {err}" for op, i, cc, _, err in results if err]
     if failed:

@@ -77,7 +77,7 @@ def _rotary_bytes():
     cos, sin = rotation_tables(torch.arange(L), d, 10000.0, None, False, torch.float32)
 
     def run():
-        y = rotary_impl.rotary_fwd(x, cos, sin)
+        y = rotary_impl.forward(x, cos, sin)
         return nbytes(x, cos, sin, y)
 
     yield "rotary fwd", f"B={B} L={L} H={H} d={d} fp32", run
@@ -138,16 +138,16 @@ def _dropkey_softmax_bytes():
     vis = _visible_elems(B * H, L, S, True)
 
     def fwd():
-        dropkey_impl.dropkey_softmax_fwd(x, **kw)
+        dropkey_impl.forward(x, **kw)
         return 4 * vis + x.numel() * 4
 
     yield "dropkey_softmax fwd", f"B={B} H={H} L={L} S={S} causal p=0.1 fp32", fwd
 
-    y = dropkey_impl.dropkey_softmax_fwd(x, **kw)
+    y = dropkey_impl.forward(x, **kw)
     dy = torch.randn_like(x)
 
     def bwd():
-        dropkey_impl.dropkey_softmax_bwd(dy, y, **kw)
+        dropkey_impl.backward(dy, y, **kw)
         return 2 * 4 * vis + x.numel() * 4
 
     yield "dropkey_softmax bwd", f"B={B} H={H} L={L} S={S} causal fp32", bwd
@@ -155,7 +155,7 @@ def _dropkey_softmax_bytes():
     xs = torch.randn(1, 2, 20, 5000)  # S > widest window: the multi-pass kernels
 
     def fwd_long():
-        dropkey_impl.dropkey_softmax_fwd(xs, causal=False, dropkey_p=0.0, seed=0)
+        dropkey_impl.forward(xs, causal=False, dropkey_p=0.0, seed=0)
         return 2 * xs.numel() * 4
 
     yield "dropkey_softmax fwd", "B=1 H=2 L=20 S=5000 2-pass fp32", fwd_long
@@ -637,15 +637,15 @@ def _attention_bytes():
         shape = f"B={B} H={H} L=S={L} dh={dh} dv={dv} {label} fp32"
 
         def fwd(kw=kw):
-            attention_impl.attention_fwd(q, k, v, **kw)
+            attention_impl.forward(q, k, v, **kw)
             return (2 * q.numel() + 2 * v.numel()) * f + lse_bytes
 
         yield "attention fwd", f"{shape}; GFLOP ideal {fl['fwd'][0] / 1e9:.3f} kernel {fl['fwd'][1] / 1e9:.3f}", fwd
-        o, lse = attention_impl.attention_fwd(q, k, v, **kw)
+        o, lse = attention_impl.forward(q, k, v, **kw)
         do = torch.randn(o.shape, generator=gen)
 
         def bwd(kw=kw, o=o, lse=lse, do=do):
-            attention_impl.attention_bwd(do, q, k, v, o, lse, **kw)
+            attention_impl.backward(do, q, k, v, o, lse, **kw)
             return (2 * (q.numel() + k.numel() + v.numel()) + 2 * o.numel()) * f + lse_bytes + 2 * lse_bytes
 
         yield "attention bwd", f"{shape}; GFLOP ideal {fl['bwd'][0] / 1e9:.3f} kernel {fl['bwd'][1] / 1e9:.3f}", bwd
@@ -677,9 +677,12 @@ def _declaration(op):
 
 def aot_variants(op: str, space: dict | None = None) -> list[Variant]:
     """Every variant ``op``'s Triton backend launches with the configs of ``space`` ({knob: [values]},
-    e.g. one value per knob for one config); None: the backend's whole CONFIG_SPACE."""
+    e.g. one value per knob for one config); None: the backend's whole config space on every tested
+    Triton release (``CONFIG_SPACE_ALL_RELEASES`` where the module prunes its ``CONFIG_SPACE`` for
+    the running release with _triton_common.release_config_space: the report of an older release
+    lists the pruned variants too, flagged)."""
     impl, variants, _ = _declaration(op)
-    return variants(impl.CONFIG_SPACE if space is None else space)
+    return variants(getattr(impl, "CONFIG_SPACE_ALL_RELEASES", impl.CONFIG_SPACE) if space is None else space)
 
 
 def bytes_cases(op: str):

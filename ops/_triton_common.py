@@ -11,6 +11,7 @@ truncates). On a GPU the same code compiles to the same rounding.
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import torch
 
@@ -79,6 +80,103 @@ def arch_reasons(op: str, device: torch.device) -> list[str]:
         return [f"{caps.name} ({caps.sm}) allows {caps.smem_per_block_optin} B of shared memory per block; the {op} "
                 f"Triton kernels need up to {need} B there; use backend='cuda' or 'torch'"]
     return []
+
+
+class ReleasePrune(NamedTuple):
+    """Launches that an older Triton release compiles to code that spills registers (or overflows
+    shared memory) on a GPU, where the newest tested release compiles them clean; refused on the
+    releases before ``below``. Either a config value (``config``: knob -> value, dropped from the
+    op's candidate space by :func:`release_config_space`) or a launch of every config (``launch``:
+    what :func:`release_reasons` is called with, e.g. the dtype and tile width)."""
+
+    op: str
+    below: tuple  # (major, minor): the first Triton release that compiles these launches clean
+    variants: tuple  # (kernel, label) rows of the older release's AOT report that spill there
+    why: str  # what spills, in words a user reads in not_supported_reasons / the candidate space
+    config: dict | None = None
+    launch: dict | None = None
+    families: tuple = ()  # launch prunes: the code-generation families (TRITON_FAMILY) it spills on
+
+
+_SPILL_36 = "spills registers to local memory on sm_90 (H100/H200) with Triton 3.6"
+
+
+#: From the committed AOT reports of each tested Triton release (bench/results/aot_sm80*.json,
+#: aot_sm90*.json; tests/test_triton_aot.py checks this table against them): every variant that
+#: spills or overflows with a tested release is pruned here for that release, and nothing else.
+#: Triton 3.6 on sm_90 (sm_80 compiles all of these clean, and config prunes cannot see the device,
+#: so direct_max_len=64 is left out everywhere on 3.6; the launch prunes apply to sm_90 only).
+RELEASE_PRUNES: tuple = (
+    ReleasePrune("fftconv", (3, 7), config={"direct_max_len": 64},
+                 variants=(("_direct_bwd_kernel", "direct bwd x=fp32 L<=64"),
+                           ("_direct_bwd_kernel", "direct bwd x=bf16 L<=64")),
+                 why=f"the direct path's backward for 32 < L <= 64 {_SPILL_36} (128 B per thread); those "
+                     "lengths take the FFT path instead"),
+    ReleasePrune("fftconv", (3, 7), launch={"path": "work"}, families=(90,),
+                 variants=(("_work_fwd_kernel", "work fwd x=fp32 BR=64 warps=8"),
+                           ("_work_fwd_kernel", "work fwd x=bf16 BR=64 warps=8"),
+                           ("_work_bwd_kernel", "work bwd dx x=fp32 BR=64 warps=8"),
+                           ("_work_bwd_kernel", "work bwd dx x=bf16 BR=64 warps=8")),
+                 why=f"the workspace path (L > 2048) {_SPILL_36} (24 B per thread)"),
+    ReleasePrune("timestep_norm", (3, 7), launch={"dtype": "bf16", "BLOCK_D": 256, "packed": True}, families=(90,),
+                 variants=(("_timestep_norm_fwd_kernel", "fwd bf16 T=16 D=256 warps=8 packed"),),
+                 why=f"the packed (cu_seqlens) bf16 forward for group sizes 65-256 {_SPILL_36} (8 B per thread)"),
+    ReleasePrune("timestep_norm", (3, 7), launch={"dtype": "fp32", "BLOCK_D": 1024, "packed": True}, families=(90,),
+                 variants=(("_timestep_norm_fwd_kernel", "fwd fp32 T=4 D=1024 warps=8 packed"),),
+                 why=f"the packed (cu_seqlens) fp32 forward for group sizes 257-1024 {_SPILL_36} (8 B per thread)"),
+)
+
+
+def triton_release() -> tuple | None:
+    """(major, minor) of the installed Triton; None without Triton."""
+    if not HAVE_TRITON:
+        return None
+    from .._versions import parse
+
+    v = parse(triton.__version__)
+    return v[:2] if v else None
+
+
+def _applies(prune: ReleasePrune, op: str, release) -> bool:
+    return prune.op == op and release is not None and tuple(release) < prune.below
+
+
+def release_config_space(op: str, space: dict, release=None) -> dict:
+    """``space`` ({knob: values}) without the values the running (or given) Triton release must
+    not launch (:data:`RELEASE_PRUNES`); the first remaining value stays the default."""
+    release = triton_release() if release is None else release
+    out = {k: tuple(v) for k, v in space.items()}
+    for p in RELEASE_PRUNES:
+        if p.config and _applies(p, op, release):
+            for knob, value in p.config.items():
+                out[knob] = tuple(v for v in out[knob] if v != value)
+    return out
+
+
+def release_pruned_configs(op: str, release=None) -> list[str]:
+    """Sentences: the config values of ``op`` this Triton release leaves out of the candidate
+    space, and why (for the autotuner's and ``show``'s listing)."""
+    release = triton_release() if release is None else release
+    return [f"{op}: {', '.join(f'{k}={v}' for k, v in p.config.items())} left out on Triton "
+            f"{release[0]}.{release[1]}: {p.why}" for p in RELEASE_PRUNES if p.config and _applies(p, op, release)]
+
+
+def release_reasons(op: str, device: torch.device, release=None, **launch) -> list[str]:
+    """Why the running (or given) Triton release must not run this launch of ``op`` on the CUDA
+    ``device`` (``launch``: the values the op's launch code picks, e.g. dtype="bf16",
+    BLOCK_D=256). The interpreter (CPU tensors) runs every launch."""
+    if device.type != "cuda":
+        return []
+    release = triton_release() if release is None else release
+    family = TRITON_FAMILY.get(cuda_device.caps(device).arch)
+    why = []
+    for p in RELEASE_PRUNES:
+        if (p.launch and _applies(p, op, release) and family in p.families
+                and all(launch.get(k) == v for k, v in p.launch.items())):
+            why.append(f"{op} on Triton {release[0]}.{release[1]}: {p.why}; Triton >= {p.below[0]}.{p.below[1]} "
+                       f"compiles it without spills (pip install 'triton>={p.below[0]}.{p.below[1]}'), or use "
+                       "backend='cuda' or 'torch'")
+    return why
 
 
 def device_reasons(*tensors: torch.Tensor, op: str | None = None) -> list[str]:

@@ -9,14 +9,23 @@ resources report bench/results/aot_sm*.json (most registers, ties by shared memo
 cannot go stale silently: its variant list must equal the declared variants (checked without
 compiling).
 
+Each tested Triton release has its own report (bench/results/aot_sm80.json, aot_sm90.json for the
+newest; aot_sm80_triton3.6.json etc. for the oldest). The rule, checked against them: nothing a
+backend may launch spills or overflows shared memory on a tested release; what does on an older
+release is pruned for it in ops/_triton_common.RELEASE_PRUNES (a config value out of the candidate
+space, or a launch refused with a reason), and the table prunes nothing else.
+
 Further archs (sm_75, 86, 89, 100, 120: bench/results/aot_archs.json, a bounded subset per kernel) are
 the data behind ops/_triton_common.TRITON_NEEDS, which every Triton backend's not_supported_reasons
 reads for the tensors' device: the table must equal the compiled figures, and each GPU profile of
 cuda/device.py must run or refuse (with a reason naming its arch) what the table implies."""
+import re
+
 import pytest
 
+from megalodon_kernels._versions import TRITON_TESTED, parse
 from megalodon_kernels.bench.aot import (REPORT_COMMAND, SMEM_LIMIT, TRITON_OPS, all_variants, compile_all, heaviest,
-                                         load_report, report_rows)
+                                         load_report, report_path, report_rows, report_tritons)
 
 
 @pytest.fixture(scope="module")
@@ -24,12 +33,26 @@ def compiled(request):
     return compile_all(TRITON_OPS, (80, 90), bounded=not request.config.getoption("--stress"))
 
 
+def _release_id(release):
+    return "triton%d.%d" % release
+
+
+@pytest.mark.parametrize("release", report_tritons(), ids=_release_id)
 @pytest.mark.parametrize("cc", sorted(SMEM_LIMIT))
-def test_report_lists_exactly_the_declared_variants(cc):
-    declared = [v.ident for v in all_variants()]
+def test_report_lists_exactly_the_declared_variants(cc, release):
+    """One report per arch and tested Triton release (report_path), each complete for what it
+    says it compiled: every variant for the newest release; an older release's report may be a
+    selection it records (its ops and a regular expression over "kernel label"; its markdown
+    says so), and then lists exactly the declared variants of that selection."""
+    report = load_report(cc, release)
+    newest = release == TRITON_TESTED[1]
+    ops = TRITON_OPS if newest else tuple(report["ops"])
+    match = None if newest else report.get("match")
+    assert ops and set(ops) <= set(TRITON_OPS), ops
+    declared = [v.ident for v in all_variants(ops) if match is None or re.search(match, f"{v.kernel} {v.label}")]
     assert len(set(declared)) == len(declared), "two declared variants share (op, kernel, label)"
-    report = load_report(cc)
     assert report["arch"] == f"sm_{cc}" and report["generated_by"] == REPORT_COMMAND
+    assert parse(report["triton"])[:2] == release, (report_path(cc, release), report["triton"])
     listed = [(r["op"], r["kernel"], r["label"]) for r in report["rows"]]
     missing, extra = set(declared) - set(listed), set(listed) - set(declared)
     assert not missing and not extra, (f"bench/results/aot_sm{cc}.json is stale (regenerate: {REPORT_COMMAND}); "
@@ -55,6 +78,63 @@ def test_bounded_set_is_the_heaviest_variant_of_every_kernel():
             assert weight == max(rivals), variants[i].ident
 
 
+def _over_limits(release) -> set:
+    """(op, kernel, label) of every variant that spills or overflows shared memory on sm_80 or
+    sm_90 according to ``release``'s committed report."""
+    return {(r["op"], r["kernel"], r["label"]) for cc in sorted(SMEM_LIMIT) for r in load_report(cc, release)["rows"]
+            if r["spill"] > 0 or r["smem"] > SMEM_LIMIT[cc]}
+
+
+@pytest.mark.parametrize("release", report_tritons(), ids=_release_id)
+def test_what_spills_on_a_release_is_exactly_what_is_pruned_there(release):
+    """The rule: on every tested Triton release no variant the backends may launch spills or
+    overflows shared memory; a launch that does on an older release is pruned for it
+    (_triton_common.RELEASE_PRUNES), and the table prunes nothing that does not."""
+    from megalodon_kernels.ops._triton_common import RELEASE_PRUNES
+
+    pruned = {(p.op, kernel, label) for p in RELEASE_PRUNES if release < p.below for kernel, label in p.variants}
+    bad = _over_limits(release)
+    assert bad == pruned, (f"Triton {release}: over the limits but not pruned: {sorted(bad - pruned)[:4]}; "
+                           f"pruned but fine: {sorted(pruned - bad)[:4]}")
+
+
+def test_release_prunes_are_lifted_by_a_tested_release_and_reach_the_user():
+    """Each prune ends at a tested release (the newest compiles everything clean), names what
+    spills, and is visible: a config value leaves the op's candidate space, a launch gets a
+    not_supported_reasons sentence naming the fixed release, on a CUDA device only."""
+    from megalodon_kernels.ops import _triton_common as tc
+
+    oldest, newest = TRITON_TESTED
+    assert not _over_limits(newest), "the newest tested Triton must compile every variant clean"
+    for p in tc.RELEASE_PRUNES:
+        assert oldest < p.below <= newest and p.why and p.variants, p
+        assert (p.config is None) != (p.launch is None), p
+        if p.config:
+            module = importlib.import_module(f"megalodon_kernels.ops.{p.op}.triton_impl")
+            space = getattr(module, "CONFIG_SPACE_ALL_RELEASES", module.CONFIG_SPACE)
+            full = tc.release_config_space(p.op, space, newest)
+            old = tc.release_config_space(p.op, space, oldest)
+            for knob, value in p.config.items():
+                assert value in full[knob] and value not in old[knob] and old[knob], (p, old)
+            assert any(p.why in line for line in tc.release_pruned_configs(p.op, oldest))
+            assert not tc.release_pruned_configs(p.op, newest)
+        else:
+            gpu = torch.device("cuda", 0)
+            assert p.families and set(p.families) <= set(tc.TRITON_FAMILY.values()), p
+            for profile, caps in cuda_device.PROFILES.items():
+                with cuda_device.faked(profile):
+                    why = tc.release_reasons(p.op, gpu, oldest, **p.launch)
+                    if tc.TRITON_FAMILY.get(caps.arch) not in p.families:
+                        assert not why, (profile, why)  # only where the report shows the spill
+                        continue
+                    assert why and p.why in why[0] and f"triton>={p.below[0]}.{p.below[1]}" in why[0], why
+                    assert not tc.release_reasons(p.op, gpu, newest, **p.launch)
+                    other = {k: ("other" if not isinstance(v, bool) else not v) for k, v in p.launch.items()}
+                    assert not tc.release_reasons(p.op, gpu, oldest, **other)
+            assert any(tc.TRITON_FAMILY.get(c.arch) in p.families for c in cuda_device.PROFILES.values()), p
+            assert not tc.release_reasons(p.op, torch.device("cpu"), oldest, **p.launch)  # the interpreter
+
+
 @pytest.mark.stress
 def test_every_chosen_variant_compiled_for_both_archs(compiled, stress):
     every = all_variants()
@@ -66,10 +146,19 @@ def test_every_chosen_variant_compiled_for_both_archs(compiled, stress):
 @pytest.mark.stress
 @pytest.mark.parametrize("op", TRITON_OPS)
 def test_variants_fit_shared_memory_and_do_not_spill(compiled, op):
+    """On the running Triton: every compiled variant fits and does not spill, except the ones
+    RELEASE_PRUNES prunes for this release (never launched on it; the committed reports check
+    that the table prunes exactly what spills)."""
+    from megalodon_kernels.ops._triton_common import RELEASE_PRUNES, triton_release
+
+    release = triton_release()
+    pruned = {(p.op, k, lab) for p in RELEASE_PRUNES if release < p.below for k, lab in p.variants}
     rows = [r for r in compiled if r.variant.op == op]
     assert rows, f"no AOT variants declared for {op}"
     spills = []
     for r in rows:
+        if r.variant.ident in pruned:
+            continue
         print(f"{op} {r.variant.label} sm_{r.cc}: regs={r.regs} smem={r.shared} local={r.local}")
         assert r.regs > 0, "cuobjdump reported no register count"
         assert r.shared <= SMEM_LIMIT[r.cc], f"{r.variant.label}: {r.shared} B smem > {SMEM_LIMIT[r.cc]} on sm_{r.cc}"
@@ -167,6 +256,18 @@ RUNS = {name: {op: caps.arch >= 80 or not _triton_common.TRITON_NEEDS[op][0] for
         for name, caps in cuda_device.PROFILES.items()}
 
 
+def _release_pruned_here(op: str, caps) -> bool:
+    """Whether the installed Triton refuses ``op`` on ``caps`` for _inputs' shapes (fftconv and
+    cema at L = 4096: the workspace path) by _triton_common.RELEASE_PRUNES, once the op's
+    not_supported_reasons asks release_reasons (its module then has CONFIG_SPACE_ALL_RELEASES)."""
+    conv = importlib.import_module("megalodon_kernels.ops.fftconv.triton_impl")
+    release = _triton_common.triton_release()
+    if op not in ("fftconv", "cema") or not hasattr(conv, "CONFIG_SPACE_ALL_RELEASES") or release is None:
+        return False
+    return any(p.op == "fftconv" and p.launch == {"path": "work"} and release < p.below
+               and _triton_common.TRITON_FAMILY.get(caps.arch) in p.families for p in _triton_common.RELEASE_PRUNES)
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("profile", list(cuda_device.PROFILES))
 def test_each_gpu_profile_runs_or_refuses_with_a_reason(profile, dtype):
@@ -179,7 +280,8 @@ def test_each_gpu_profile_runs_or_refuses_with_a_reason(profile, dtype):
             ran[op] = not why
             if why:
                 assert any(cuda_device.PROFILES[profile].sm in w and "backend=" in w for w in why), why
-    assert ran == RUNS[profile]
+    caps = cuda_device.PROFILES[profile]
+    assert ran == {op: runs and not _release_pruned_here(op, caps) for op, runs in RUNS[profile].items()}
     assert not all(RUNS["T4"].values()) and all(RUNS["A10"].values())  # the table itself is not vacuous
 
 
