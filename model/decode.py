@@ -30,7 +30,7 @@ from typing import List, Optional
 import torch
 import torch.nn.functional as F
 
-from megalodon_kernels.ops.attention.torch_impl import LAPLACE_MU, LAPLACE_SIGMA
+from megalodon_kernels.ops.attention import laplace
 from megalodon_kernels.ops.rotary import rotation_tables
 
 from .cache import LayerState, MegalodonCache
@@ -130,7 +130,7 @@ def _attend(mega, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, offsets: to
     C = k.shape[1]
     visible = (torch.arange(C, device=q.device)[None, :] <= offsets[:, None])[:, None, :]  # (B, 1, C)
     if mega.attn_fn == "laplace":
-        p = torch.special.erfc((s - LAPLACE_MU) * (-1.0 / (LAPLACE_SIGMA * math.sqrt(2.0)))) * 0.5
+        p = torch.special.erfc((s - laplace.MU) * -laplace.INV) * 0.5
         p = p.masked_fill(~visible, 0.0)
     else:
         p = torch.softmax(s.masked_fill(~visible, float("-inf")), dim=-1)

@@ -26,4 +26,4 @@ def test_cuda_fp64_backends_accept_float64_and_name_the_refused_dtype(emulated):
         why = impl.not_supported_reasons(**{arg: t.half()})
         assert any(f"float64 {arg}, got torch.float16" in r for r in why), (op, why)
     with pytest.raises(TypeError, match="float64 x, got torch.float16"):
-        emulated["rotary"].rotary_fwd(x64.half(), torch.ones(1, 2, 1, 2), torch.zeros(1, 2, 1, 2))
+        emulated["rotary"].forward(x64.half(), torch.ones(1, 2, 1, 2), torch.zeros(1, 2, 1, 2))

@@ -88,11 +88,11 @@ def test_rotary_gpu_launches_equal_the_emulator_launches(tee, dtype, path):
     x = torch.randn(B, L, H, d).to(dtype)
     cos, sin = rotation_tables(torch.arange(L), d, 10000.0, None, False, F64 if dtype == F64 else F32)
     backend = rotary_cuda.RotaryBackend(lambda: tee, "cpu")
-    y = getattr(backend, f"rotary_{path}")(x, cos, sin)
+    y = getattr(backend, {"fwd": "forward", "bwd": "backward"}[path])(x, cos, sin)
     assert torch.isfinite(y.float()).all()
     assert_same_launches(tee)
     conj = "true" if path == "bwd" else "false"
-    assert tee.emulator.records[0][0] == f"mk::rotary_kernel<{rotary_cuda.L.CPP_TYPES[dtype]}, {conj}>"
+    assert tee.emulator.records[0][0] == f"mk::rotary_kernel<{rotary_cuda.cuda_launch.CPP_TYPES[dtype]}, {conj}>"
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
@@ -197,13 +197,13 @@ def test_dropkey_softmax_gpu_launches_equal_the_emulator_launches(tee, dtype, ba
     assert torch.isfinite(y.float()).all()
     assert_same_launches(tee)
     (name, grid, block, smem, args), = tee.emulator.records
-    assert name == f"mk::dropkey_softmax_fwd_kernel<{dropkey_cuda.L.CPP_TYPES[dtype]}, 8>"
+    assert name == f"mk::dropkey_softmax_fwd_kernel<{dropkey_cuda.cuda_launch.CPP_TYPES[dtype]}, 8>"
     assert block == (64, 1, 1) and smem == 0
     assert [a[0] for a in args] == ["ptr", "ptr", "i64", "i32", "i32", "i32", "bool", "u32", "u32", "ptr"]
     assert args[7][1] == seed_key(2**40 + 7).to_bytes(4, "little") and args[8][1] == threshold(0.3).to_bytes(4, "little")
     assert (args[9][1] == bytes(8)) != batch_index  # a null pointer exactly when no batch index is given
     _reset(tee)
-    dx = backend.dropkey_softmax_bwd(torch.randn_like(y), y, causal=True)
+    dx = backend.backward(torch.randn_like(y), y, causal=True)
     assert torch.isfinite(dx.float()).all()
     assert_same_launches(tee)
     assert tee.emulator.records[0][0].startswith("mk::dropkey_softmax_bwd_kernel<")
@@ -243,7 +243,7 @@ def test_attention_flash_gpu_launches_equal_the_emulator_launches(tee, dtype, dh
               batch_index=torch.tensor([1, 0]) if mode == "batch_index" else None)
     backend = attention_cuda.AttentionBackend(lambda: tee, "cpu")
     assert backend.flash_reasons(q, v) == []
-    o, lse = backend.attention_fwd(q, k, v, path="flash", **kw)
+    o, lse = backend.forward(q, k, v, path="flash", **kw)
     assert torch.isfinite(o.float()).all()
     assert_same_launches(tee)
     D = attention_cuda.flash_head_dim(dh)
@@ -254,7 +254,7 @@ def test_attention_flash_gpu_launches_equal_the_emulator_launches(tee, dtype, dh
     assert grid == (2, B * H, ldv // attention_cuda.fwd_dv_tile(D)) and block == (128, 1, 1)
     assert smem == attention_cuda.fwd_smem_bytes(element, D) and [a[0] for a in args] == ["struct128"]
     _reset(tee)
-    grads = backend.attention_bwd(torch.randn_like(o), q, k, v, o, lse, path="flash", **kw)
+    grads = backend.backward(torch.randn_like(o), q, k, v, o, lse, path="flash", **kw)
     assert all(torch.isfinite(g.float()).all() for g in grads)
     assert_same_launches(tee)
     assert [r[0].split("<")[0] for r in tee.emulator.records] == [

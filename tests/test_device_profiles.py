@@ -170,8 +170,8 @@ def test_attention_path_per_device(profile, dtype):
             assert backend.not_supported_reasons(q, q, v) == []  # softmax: one of the two paths always runs
             rec = Recorder()
             backend._get_ext = lambda: rec
-            o, lse = backend.attention_fwd(q, q, v, attn_fn="softmax", **kw)
-            backend.attention_bwd(meta(*o.shape, dtype=dtype), q, q, v, o, lse, attn_fn="softmax", **kw)
+            o, lse = backend.forward(q, q, v, attn_fn="softmax", **kw)
+            backend.backward(meta(*o.shape, dtype=dtype), q, q, v, o, lse, attn_fn="softmax", **kw)
             assert_fit(rec.records, caps)
             kernels = families(rec.records)
             if path == "flash":
@@ -185,7 +185,7 @@ def test_attention_path_per_device(profile, dtype):
                 if why is not None:  # the device is the reason, and the reason says so
                     assert why in laplace and caps.sm in laplace
                     with pytest.raises(ValueError, match=caps.sm):
-                        backend.attention_fwd(q, q, v, attn_fn="softmax", path="flash", **kw)
+                        backend.forward(q, q, v, attn_fn="softmax", path="flash", **kw)
 
 
 # --- the other ops: no dynamic shared memory, every arch, the same launches everywhere ---------------
@@ -203,12 +203,12 @@ def _other_op_launches(dtype, B=2, L_=300, H=3, D=16, N=16):
     x = meta(B, L_, H, 2 * D, dtype=dtype)
     cos = meta(1, L_, 1, D, dtype=real)
     rotary = rotary_cuda.RotaryBackend(lambda: rec, "meta")
-    rotary.rotary_fwd(x, cos, cos)
-    rotary.rotary_bwd(x, cos, cos)
+    rotary.forward(x, cos, cos)
+    rotary.backward(x, cos, cos)
     scores = meta(B, H, L_, L_, dtype=dtype)
     dks = dropkey_cuda.DropKeySoftmaxBackend(lambda: rec, "meta")
-    y = dks.dropkey_softmax_fwd(scores, causal=True, dropkey_p=0.1, seed=1)
-    dks.dropkey_softmax_bwd(y, y, causal=True)
+    y = dks.forward(scores, causal=True, dropkey_p=0.1, seed=1)
+    dks.backward(y, y, causal=True)
     xt, G = meta(B, L_, D, dtype=dtype), 4
     tsn = tsn_cuda.TimestepNormBackend(lambda: rec, "meta")
     out = tsn.timestep_norm_fwd(xt, meta(D, dtype=real), meta(D, dtype=real), meta(B, dtype=torch.int64),
@@ -251,9 +251,9 @@ def test_grids_stay_within_limits_at_extreme_shapes():
         backend._get_ext = lambda: rec
         kw = dict(scale=0.125, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.1, seed=3,
                   attn_fn="softmax")
-        o, lse = backend.attention_fwd(q, q, q, path="flash", **kw)
+        o, lse = backend.forward(q, q, q, path="flash", **kw)
         fwd = list(rec.records)
-        backend.attention_bwd(o, q, q, q, o, lse, path="flash", **kw)
+        backend.backward(o, q, q, q, o, lse, path="flash", **kw)
         assert_fit(rec.records, caps)
         per = 65535 // H
         assert [r.grid[1] for r in fwd] == [per * H] * (B // per) + [(B % per) * H]
@@ -397,8 +397,8 @@ def _chosen_kernels(profile) -> dict:
         for dtype in (BF16, F16, F32):
             for dh in (64, 128, 256):
                 q = meta(1, 70, 2, dh, dtype=dtype)
-                o, lse = backend.attention_fwd(q, q, q, **kw)
-                backend.attention_bwd(o, q, q, q, o, lse, **kw)
+                o, lse = backend.forward(q, q, q, **kw)
+                backend.backward(o, q, q, q, o, lse, **kw)
     out = {}
     for r in rec.records:
         out[r.kernel] = max(out.get(r.kernel, 0), r.smem)

@@ -1,9 +1,12 @@
 """The package's import layering (docs/design.md, "Layering"), checked on the source itself.
 
 Every ``import`` statement of every module is read with ``ast``, including imports inside functions
-(a lazy import is still a dependency), and resolved to a ``megalodon_kernels.*`` module name. The
-rules are the ones a newcomer reads in docs/design.md; a new file that breaks one fails here with
-the file, the line and the rule.
+(a lazy import is still a dependency), and resolved to a ``megalodon_kernels.*`` module name; so is
+every import by name (``importlib.import_module("megalodon_kernels....")``, ``__import__``, an
+f-string's fixed prefix), which cannot dodge the rules. Across layers only public names are used:
+``from <other layer> import _name`` and ``<other layer's module>._name`` fail too. The rules are
+the ones a newcomer reads in docs/design.md; a new file that breaks one fails here with the file,
+the line and the rule.
 """
 from __future__ import annotations
 
@@ -40,12 +43,42 @@ def _sources() -> dict[str, Path]:
 SOURCES = _sources()
 
 
+#: functions that import a module named by their first argument
+_BY_NAME = {"import_module", "__import__", "find_spec"}
+
+
+def _named_module(node: ast.Call) -> str | None:
+    """The module an import-by-name call names, when its first argument is a literal or an
+    f-string (its fixed prefix up to the first placeholder, to the last whole name); else None."""
+    func = node.func
+    name = func.attr if isinstance(func, ast.Attribute) else func.id if isinstance(func, ast.Name) else None
+    if name not in _BY_NAME or not node.args:
+        return None
+    arg = node.args[0]
+    if isinstance(arg, ast.Constant) and isinstance(arg.value, str):
+        text = arg.value
+    elif isinstance(arg, ast.JoinedStr):
+        text = ""
+        for part in arg.values:
+            if not (isinstance(part, ast.Constant) and isinstance(part.value, str)):
+                text = text.rsplit(".", 1)[0] if "." in text else ""
+                break
+            text += part.value
+    else:
+        return None
+    return text if text == PKG or text.startswith(PKG + ".") else None
+
+
 def _imports(module: str, path: Path) -> list[tuple[int, str, tuple[str, ...]]]:
-    """(line, imported module, imported names) for every import in the file."""
+    """(line, imported module, imported names) for every import in the file, by statement or by name."""
     package = module if path.name == "__init__.py" else module.rsplit(".", 1)[0]
     out = []
     for node in ast.walk(ast.parse(path.read_text(), str(path))):
-        if isinstance(node, ast.Import):
+        if isinstance(node, ast.Call):
+            target = _named_module(node)
+            if target is not None:
+                out.append((node.lineno, target, ()))
+        elif isinstance(node, ast.Import):
             out += [(node.lineno, alias.name, ()) for alias in node.names]
         elif isinstance(node, ast.ImportFrom):
             if node.level:
@@ -111,6 +144,77 @@ def _bound_names(path: Path, lineno: int) -> list[str]:
     return []
 
 
+def test_imports_by_name_are_seen():
+    # the rules below would pass vacuously if imports by name were not read
+    def found(code: str) -> list[str]:
+        return [_named_module(n) for n in ast.walk(ast.parse(code)) if isinstance(n, ast.Call)]
+
+    assert found('importlib.import_module("megalodon_kernels.ops.cema.cuda_impl")') == [f"{OPS}.cema.cuda_impl"]
+    assert found('import_module(f"megalodon_kernels.ops.{op}.cuda_impl")') == [OPS]
+    assert found('__import__("megalodon_kernels.model")') == [f"{PKG}.model"]
+    assert found('importlib.import_module(path)') == [None]
+    assert found('importlib.import_module("numpy")') == [None]
+
+
+def _layer(module: str) -> str:
+    """The top folder of a module of the package (ops, autotune, cuda, model, ...)."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def _private(name: str) -> bool:
+    return name.startswith("_") and not name.startswith("__")
+
+
+#: what the runtime layers still read of each other's private names, each waiting for a change
+#: outside the files of the layering rules' owner: (importing module, imported module, name)
+PENDING = {
+    # cuda/build.py to make its build helpers public (the compiled CPU backends share them)
+    *((f"{OPS}._cpu_build", f"{PKG}.cuda.build", n) for n in ("_Lock", "_atomic_move", "_digest", "_run",
+                                                              "_tool_version")),
+}
+
+
+def _private_reads(module: str) -> list[tuple[int, str, str, str]]:
+    """(line, other layer's module, private name, how) for each private name ``module`` reads
+    from another layer."""
+    path = SOURCES[module]
+    out, aliases = [], {}  # aliases: local name -> the other layer's module it is bound to
+    for line, target, names in IMPORTS[module]:
+        if not _inside(target, PKG) or _layer(target) in ("", _layer(module)):
+            continue
+        out += [(line, target, n, "imports") for n in names if _private(n) and f"{target}.{n}" not in SOURCES]
+        for bound in _bound_names(path, line):
+            aliases[bound] = target
+    for node in ast.walk(ast.parse(path.read_text())):
+        if (isinstance(node, ast.Attribute) and _private(node.attr) and isinstance(node.value, ast.Name)
+                and node.value.id in aliases):
+            out.append((node.lineno, aliases[node.value.id], node.attr, "reads"))
+    return out
+
+
+#: the runtime layers (tooling, bench and the CLIs, reaches into kernels by their private names to
+#: compile and time them)
+RUNTIME = [m for m in SOURCES if _layer(m) in ("ops", "cuda", "model", "reference")
+           and m != f"{PKG}.cuda.__main__"] + AUTOTUNE_RUNTIME
+
+
+def test_no_private_names_across_layers():
+    """A runtime layer reads another layer's public names only: ``from <module of another layer>
+    import _x`` and ``<alias of such a module>._x`` are refused (a module named with an
+    underscore, such as ops/_packing.py, is shared and may be imported; its own underscore names
+    are not)."""
+    bad, pending = [], set()
+    for module in RUNTIME:
+        for line, target, name, how in _private_reads(module):
+            if (module, target, name) in PENDING:
+                pending.add((module, target, name))
+            else:
+                bad.append(f"{SOURCES[module].relative_to(ROOT)}:{line} {how} {name} from {target}")
+    assert not bad, "another layer's private names:\n" + "\n".join(bad)
+    assert pending == PENDING, f"fixed, remove from PENDING: {sorted(PENDING - pending)}"
+
+
 def test_no_op_imports_another_ops_private_names_or_package_for_a_side_effect():
     bad = []
     for module in _modules(OPS):
@@ -156,10 +260,20 @@ def test_model_sits_on_the_ops_only():
     assert not bad, "\n".join(bad)
 
 
+#: cuda/instances.py imports the ops by name when asked for the kernel list before they were
+#: imported, until megalodon_kernels/__init__.py hands it the ops' provider (a change outside the
+#: files of the layering rules' owner): (importing module, imported module)
+PENDING_CUDA = {(f"{PKG}.cuda.instances", OPS)}
+
+
 def test_cuda_loader_imports_nothing_above_it():
-    bad = _violations(_modules(f"{PKG}.cuda"), [OPS, f"{PKG}.model", f"{PKG}.autotune", f"{PKG}.bench",
-                                                 f"{PKG}.reference"])
+    bad = [v for v in _violations(_modules(f"{PKG}.cuda"), [OPS, f"{PKG}.model", f"{PKG}.autotune", f"{PKG}.bench",
+                                                             f"{PKG}.reference"])
+           if not any(v.startswith(f"{SOURCES[m].relative_to(ROOT)}:") and v.endswith(f" imports {t}")
+                      for m, t in PENDING_CUDA)]
     assert not bad, "\n".join(bad)
+    still = {(m, t) for m, t in PENDING_CUDA if any(target == t for _, target, _ in IMPORTS[m])}
+    assert still == PENDING_CUDA, f"fixed, remove from PENDING_CUDA: {sorted(PENDING_CUDA - still)}"
 
 
 def test_autotune_never_imports_the_model():

@@ -36,9 +36,9 @@ FORWARD = {
     "fftconv": ("fftconv_fwd", None),
     "cema": ("cema_fwd", (0, 1)),                        # (y, h, saved)
     "timestep_norm": ("timestep_norm_fwd", (0,)),        # (y, count, mean, var, saved)
-    "attention": ("attention_fwd", (0,)),                # (o, lse)
-    "dropkey_softmax": ("dropkey_softmax_fwd", None),
-    "rotary": ("rotary_fwd", None),
+    "attention": ("forward", (0,)),                      # (o, lse)
+    "dropkey_softmax": ("forward", None),
+    "rotary": ("forward", None),
 }
 
 

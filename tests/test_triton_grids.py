@@ -93,8 +93,8 @@ def test_attention_packed_100k_documents(record):
     kw = dict(scale=1.0, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.1, seed=1,
               attn_fn="softmax", cu_seqlens=cu, max_seqlen=1, batch_index=torch.arange(n))
     impl = _impl("attention")
-    o, lse = impl.attention_fwd(q, q, q, **kw)
-    impl.attention_bwd(q, q, q, q, o, lse, **kw)
+    o, lse = impl.forward(q, q, q, **kw)
+    impl.backward(q, q, q, q, o, lse, **kw)
     _check_limits(launches)
     for kernel in ("_attn_fwd_kernel", "_attn_bwd_delta_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel"):
         _check_cover(launches, kernel, n * H)
@@ -108,12 +108,12 @@ def test_attention_and_dropkey_200k_planes(record):
     q, v = torch.zeros(B, 1, H, 16), torch.zeros(B, 1, H, 256)
     kw = dict(scale=1.0, causal=True, chunk_size=None, block_causal=False, dropkey_p=0.0, seed=0, attn_fn="softmax")
     impl = _impl("attention")
-    o, lse = impl.attention_fwd(q, q, v, **kw)
-    impl.attention_bwd(o, q, q, v, o, lse, **kw)
+    o, lse = impl.forward(q, q, v, **kw)
+    impl.backward(o, q, q, v, o, lse, **kw)
     scores = torch.zeros(B, H, 1, 1)
     dk = _impl("dropkey_softmax")
-    y = dk.dropkey_softmax_fwd(scores, causal=True, dropkey_p=0.1, seed=2)
-    dk.dropkey_softmax_bwd(scores, y, causal=True, dropkey_p=0.1, seed=2)
+    y = dk.forward(scores, causal=True, dropkey_p=0.1, seed=2)
+    dk.backward(scores, y, causal=True, dropkey_p=0.1, seed=2)
     _check_limits(launches)
     assert any(launch.grid[2] > 1 for launch in launches), "the dv tiles should be on grid z"
     for kernel in ("_attn_fwd_kernel", "_attn_bwd_dkdv_kernel", "_attn_bwd_dq_kernel",
@@ -134,7 +134,7 @@ def test_groups_pairs_and_length_blocks_beyond_the_limit(record):
     tn.timestep_norm_bwd(x, None, None, saved, n)
     ro = _impl("rotary")
     xr = torch.zeros(1, 1, 1, 2 * n)
-    ro.rotary_fwd(xr, torch.ones(1, 1, 1, n), torch.zeros(1, 1, 1, n), block_pairs=1)
+    ro.forward(xr, torch.ones(1, 1, 1, n), torch.zeros(1, 1, 1, n), block_pairs=1)
     ck, eh = _impl("cema_kernel"), _impl("ema_hidden")
     p = torch.rand(2, 16)
     log_q = torch.complex(-torch.rand(2, 16), torch.rand(2, 16))

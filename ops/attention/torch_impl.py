@@ -35,7 +35,6 @@ from .._checks import acc_dtype
 from .._host_sync import any_or_device, on_host
 from ..dropkey_rule import drop_mask
 from . import laplace
-from .laplace import MU as LAPLACE_MU, SIGMA as LAPLACE_SIGMA  # noqa: F401  (model/decode.py's names)
 
 CONFIG_SPACE: dict = {
     # Query rows per tile of the general path.
