@@ -8,7 +8,7 @@ An op registers itself once, at import, in its ``__init__.py``::
     registry.register(
         "rotary",
         key=lambda x: {"H": x.shape[2], "d": x.shape[3], "L": registry.pow2_bucket(x.shape[1])},
-        space={"torch": {}},                                   # backend -> knob -> allowed values
+        space=BACKENDS.config_spaces,  # backend -> knob -> allowed values, read on first use
     )
 
 * The key function receives the same ``inputs`` dict the op passes to its dispatcher (and to each
@@ -16,7 +16,8 @@ An op registers itself once, at import, in its ``__init__.py``::
   buckets of lengths. Never the raw batch size or the raw length: every new length would be a new
   key and so a miss (FLA users saw 50-100x slowdowns from re-tuning per length).
 * The space lists, per backend, every knob with its allowed values; the FIRST value of each knob is
-  the backend's ``DEFAULT_CONFIG`` value. Candidates are the product of the knobs. A table entry
+  the backend's ``DEFAULT_CONFIG`` value. Each backend module declares its own ``CONFIG_SPACE``;
+  the op hands the registry a function that collects them (``OpBackends.config_spaces``). Candidates are the product of the knobs. A table entry
   whose config is outside this space is rejected (tables are data, not trusted code).
 * The harness (how to build a test case for a shape, run it forward and backward, and compute the
   float64 reference) imports the op and its reference, so it lives in the tuning layer, in
@@ -222,11 +223,38 @@ def _check_space(op: str, space) -> dict:
     return out
 
 
-def register(op: str, *, key: Callable[..., Mapping], space: Mapping, harness: Harness | None = None,
-             replace: bool = False) -> Tunable:
-    """Declare ``op`` tunable (see the module docstring). Registering an op twice is an error
-    unless ``replace=True``. ``harness``: a :class:`Harness` object to tune with instead of the
-    op's harness module (tests tune fake ops this way)."""
+class _DeclaredLater(Mapping):
+    """A space given as a function (the op's ``OpBackends.config_spaces``: each backend module's
+    ``CONFIG_SPACE``), called and checked on first read, so that registering an op at import
+    imports none of its backend modules (Triton's, say)."""
+
+    def __init__(self, op: str, source: Callable[[], Mapping]):
+        self._op, self._source, self._space = op, source, None
+
+    def _resolved(self) -> dict:
+        if self._space is None:
+            self._space = _check_space(self._op, self._source())
+        return self._space
+
+    def __getitem__(self, backend):
+        return self._resolved()[backend]
+
+    def __iter__(self):
+        return iter(self._resolved())
+
+    def __len__(self):
+        return len(self._resolved())
+
+    def __repr__(self):
+        return repr(self._resolved())
+
+
+def register(op: str, *, key: Callable[..., Mapping], space: Mapping | Callable[[], Mapping],
+             harness: Harness | None = None, replace: bool = False) -> Tunable:
+    """Declare ``op`` tunable (see the module docstring). ``space``: the space, or a function
+    returning it, called on first use. Registering an op twice is an error unless
+    ``replace=True``. ``harness``: a :class:`Harness` object to tune with instead of the op's
+    harness module (tests tune fake ops this way)."""
     if not isinstance(op, str) or not _NAME.match(op):
         raise TypeError(f"op name must match {_NAME.pattern}, got {op!r}")
     if not callable(key):
@@ -235,7 +263,8 @@ def register(op: str, *, key: Callable[..., Mapping], space: Mapping, harness: H
         raise TypeError(f"harness of {op} must be a Harness or None, got {type(harness).__name__}")
     if op in _OPS and not replace:
         raise ValueError(f"op {op} is already registered for autotuning")
-    _OPS[op] = Tunable(op, key, _check_space(op, space), harness)
+    declared = _DeclaredLater(op, space) if callable(space) else _check_space(op, space)
+    _OPS[op] = Tunable(op, key, declared, harness)
     _changed()
     return _OPS[op]
 
@@ -287,6 +316,12 @@ def force(op: str, backend: str, config: Mapping):
             f"the dispatcher of {op} never consulted megalodon_kernels.autotune.registry.forced(), so the "
             f"config {state.config} was not applied; see autotune/registry.py for the dispatcher hook"
         )
+
+
+def forcing() -> bool:
+    """Whether the tuner forces a candidate in this context right now (the dispatcher's cheap test
+    before it calls :func:`forced`; outside the tuner it is False)."""
+    return _FORCED.get() is not None
 
 
 def forced(op: str, inputs: Mapping | None = None) -> tuple[str, dict] | None:

@@ -1,17 +1,18 @@
-"""The backend-object base shared by every op's CUDA backend (``_Backend``: availability, device
+"""The backend-object base shared by every op's CUDA backend (``Backend``: availability, device
 and dtype reasons over a getter of the launcher).
 
 Each op's ``<Op>Backend`` (in its ``ops/<op>/cuda_impl.py``) has the backend-module interface of
-ops/_dispatch.py (``DEFAULT_CONFIG``, ``not_supported_reasons(**inputs)`` (inputs it does not use
-are ignored, so an op may pass more), the op's ``*_fwd``/``*_bwd``) over a launcher
-getter and a device type; tests build the same classes over the CPU emulator
-(``device_type="cpu"``) to run the ops' autograd Functions end to end.
+ops/_dispatch.py (``CONFIG_SPACE``, ``DEFAULT_CONFIG``, ``not_supported_reasons(**inputs)``
+(inputs it does not use are ignored, so an op may pass more), ``forward``/``backward``) over a
+launcher getter and a device type. The module's own functions of those names run it over the GPU
+launcher; tests build the same class over the CPU emulator (``device_type="cpu"``) and swap it in
+as the op's "cuda" backend (``OpBackends.use``) to run the ops end to end.
 
-Device limits: a backend plans its launches for :meth:`_Backend.caps` of the inputs' device (the
+Device limits: a backend plans its launches for :meth:`Backend.caps` of the inputs' device (the
 GPU's compute capability, opt-in shared memory per block and grid limits from cuda/device.py; the
 emulator's profile, an A100 unless faked, for CPU tensors) and says in ``not_supported_reasons``
 what does not fit, so ``auto`` falls back (the per-op plans: fftconv's ``config``, attention's
-``flash_device_reasons``; a GPU NVRTC cannot target: :meth:`_Backend._arch_reasons`). The
+``flash_device_reasons``; a GPU NVRTC cannot target: :meth:`Backend._arch_reasons`). The
 launchers check every launch against the same limits again (cuda/launch.py ``check_fits``), so a
 plan that missed one fails with its reason instead of trapping on the GPU.
 
@@ -29,7 +30,9 @@ DTYPES = (torch.float32, torch.bfloat16)
 FP64_DTYPES = (*DTYPES, torch.float64)
 
 
-class _Backend:
+class Backend:
+    #: the knobs (none by default) and their first values, as in a backend module
+    CONFIG_SPACE: dict = {}
     DEFAULT_CONFIG: dict = {}
     #: the op's kernels also run in float64 (FP64_DTYPES)
     FP64 = False
@@ -74,12 +77,19 @@ class _Backend:
         reason = runtime.arch_reason(t.device)
         return [] if reason is None else [reason]
 
-    def _reasons(self, named: dict, dtype_of: str) -> list[str]:
-        reasons = self._available() + self._arch_reasons(named.values())
+    def _device_reasons(self, named: dict) -> list[str]:
+        """Why the kernels cannot take these tensors (name -> tensor or None) for their device:
+        the first one not on this backend's device type (empty when all are)."""
         for name, t in named.items():
-            if t.device.type != self.device_type:
-                reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} "
-                               f"(use backend='torch')")
-                break
+            if t is not None and t.device.type != self.device_type:
+                return [f"needs {self.device_type} tensors, got {name} on {t.device} (use backend='torch')"]
+        return []
+
+    def _reasons(self, named: dict, dtype_of: str) -> list[str]:
+        reasons = self._available() + self._arch_reasons(named.values()) + self._device_reasons(named)
         reasons += self._dtype_reason(dtype_of, named[dtype_of])
         return reasons
+
+
+#: the former name, still imported by the attention family's cuda_impl modules
+_Backend = Backend

@@ -1,30 +1,54 @@
 """Every kernel instantiation of the package, as NVRTC name expressions: the ``KERNELS`` lists of
-the ops' launch descriptions (``ops/<op>/cuda_impl.py``).
+the ops' launch descriptions (``ops/<op>/cuda_impl.py``), which the ops hand to this loader.
 
-The GPU runtime compiles them with NVRTC on first use (``python -m megalodon_kernels.cuda
-compile`` compiles them all ahead of time); the emulator build (cuda/build.py) registers them,
-plus the ops' ``EMULATOR_KERNELS`` (configurations that exist only on the CPU, such as flash
-attention's fp32 tiles), for launch by name.
+``megalodon_kernels.ops`` calls :func:`provide` when it is imported, with a function returning its
+launch descriptions. (Until the package's ``__init__.py`` hands that function over too, a list
+asked for before the ops were imported imports them here: :func:`_ops_not_imported`.) The GPU runtime compiles the kernels
+with NVRTC on first use (``python -m megalodon_kernels.cuda compile`` compiles them all ahead of
+time); the emulator build (cuda/build.py) registers them, plus the ops' ``EMULATOR_KERNELS``
+(configurations that exist only on the CPU, such as flash attention's fp32 tiles), for launch by
+name.
 """
 from __future__ import annotations
 
 import importlib
+from typing import Callable, Iterable
 
 from .launch import Kernel
 
-#: the ops with a CUDA backend, each a launch description (ops/<op>/cuda_impl.py with KERNELS)
-DESCRIBED_OPS = ("rotary", "timestep_norm", "cema_kernel", "ema_hidden", "fftconv", "dropkey_softmax", "attention")
+#: the functions the ops handed over (:func:`provide`), each returning launch descriptions:
+#: objects with ``KERNELS`` (and optionally ``EMULATOR_KERNELS``) lists of Kernel
+_providers: list[Callable[[], Iterable]] = []
+
+
+def provide(descriptions: Callable[[], Iterable]) -> None:
+    """Register a function that returns launch descriptions (called by ``megalodon_kernels.ops``
+    at import; lazy, so importing the ops loads no CUDA description). Registering the same
+    function again changes nothing."""
+    if descriptions not in _providers:
+        _providers.append(descriptions)
+
+
+def _ops_not_imported() -> None:
+    """Import the ops, which hand their descriptions over (:func:`provide`): a caller (a tool, the
+    emulator build) asked for the list first. Transitional: to go when megalodon_kernels/__init__.py
+    registers the ops' provider itself (tests/test_layering.py lists it as pending)."""
+    importlib.import_module("megalodon_kernels.ops")
+    if not _providers:
+        raise RuntimeError("megalodon_kernels.ops handed no CUDA launch descriptions to cuda/instances.py")
 
 
 def described_kernels(emulator: bool = False) -> list[Kernel]:
-    """[Kernel] over DESCRIBED_OPS, in order, without duplicates; ``emulator``: with the ops'
-    emulator-only instantiations."""
+    """[Kernel] of every launch description handed over, in order, without duplicates;
+    ``emulator``: with the ops' emulator-only instantiations."""
+    if not _providers:
+        _ops_not_imported()
     out = []
-    for op in DESCRIBED_OPS:
-        module = importlib.import_module(f"megalodon_kernels.ops.{op}.cuda_impl")
-        for k in [*module.KERNELS, *(getattr(module, "EMULATOR_KERNELS", []) if emulator else [])]:
-            if k not in out:
-                out.append(k)
+    for descriptions in _providers:
+        for module in descriptions():
+            for k in [*module.KERNELS, *(getattr(module, "EMULATOR_KERNELS", []) if emulator else [])]:
+                if k not in out:
+                    out.append(k)
     return out
 
 

@@ -29,9 +29,10 @@ bf16 model, or the autocast dtype under autocast), the softmax and the loss in f
 for float64 inputs), and the gradient GEMMs in that same float32/float64 accumulation dtype
 (a bf16 model's dW is summed over all rows in fp32 and rounded once).
 
-The op is a torch.library custom op (``torch.ops.megalodon_model.linear_cross_entropy``): under
-torch.compile it is one opaque node (``fullgraph=True`` works), and its real implementation
-always runs eagerly. That real implementation checks the targets' range (one host read of two
+The op is a torch.library custom op registered like the library's own ops (ops/_library.py:
+``torch.ops.megalodon_kernels.linear_cross_entropy``, run with autocast off and on the inputs'
+CUDA device): under torch.compile it is one opaque node (``fullgraph=True`` works), and its
+real implementation always runs eagerly. That real implementation checks the targets' range (one host read of two
 flags per call; on CUDA this is a synchronisation).
 """
 from __future__ import annotations
@@ -39,6 +40,8 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+
+from megalodon_kernels.ops._library import absent, custom_op
 
 __all__ = ["linear_cross_entropy", "default_block_rows"]
 
@@ -56,22 +59,20 @@ def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
-def _absent(like: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Placeholder (0,) tensor for a gradient nobody asked for (a custom op returns tensors only)."""
-    return like.new_empty(0, dtype=dtype)
+def _lce_fake(hidden, weight, bias, target, ignore_index, block_rows, grad_hidden, grad_weight):
+    acc = _acc_dtype(hidden.dtype)
+    scalar = hidden.new_empty((), dtype=acc)
+    dh = hidden.new_empty(hidden.shape, dtype=acc) if grad_hidden else absent(hidden, acc)
+    dw = weight.new_empty(weight.shape, dtype=acc) if grad_weight else absent(hidden, acc)
+    db = weight.new_empty(weight.shape[:1], dtype=acc) if grad_weight and bias is not None \
+        else absent(hidden, acc)
+    return scalar, hidden.new_empty((), dtype=acc), dh, dw, db
 
 
-@torch.library.custom_op("megalodon_model::linear_cross_entropy", mutates_args=())
+# custom_op runs it with autocast off: autocast would recast the GEMMs below (and break their
+# out= buffers); the public function already cast the inputs to the autocast dtype.
+@custom_op("linear_cross_entropy", _lce_fake)
 def _lce(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
-         ignore_index: int, block_rows: int, grad_hidden: bool, grad_weight: bool
-         ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    # Autocast stays on inside a custom op's implementation: it would recast the GEMMs below (and
-    # break their out= buffers); the wrapper already cast the inputs to the autocast dtype.
-    with torch.autocast(hidden.device.type, enabled=False):
-        return _lce_impl(hidden, weight, bias, target, ignore_index, block_rows, grad_hidden, grad_weight)
-
-
-def _lce_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], target: torch.Tensor,
          ignore_index: int, block_rows: int, grad_hidden: bool, grad_weight: bool
          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """(loss, n_valid, dh, dW, db): the mean loss and the count of non-ignored rows (both in the
@@ -94,10 +95,10 @@ def _lce_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     logp_target = torch.empty(N, 1, dtype=acc, device=hidden.device)
 
     need_grad = grad_hidden or grad_weight
-    dh = torch.empty(N, D, dtype=acc, device=hidden.device) if grad_hidden else _absent(hidden, acc)
-    dw = torch.zeros(V, D, dtype=acc, device=hidden.device) if grad_weight else _absent(hidden, acc)
+    dh = torch.empty(N, D, dtype=acc, device=hidden.device) if grad_hidden else absent(hidden, acc)
+    dw = torch.zeros(V, D, dtype=acc, device=hidden.device) if grad_weight else absent(hidden, acc)
     db = torch.zeros(V, dtype=acc, device=hidden.device) if grad_weight and bias is not None \
-        else _absent(hidden, acc)
+        else absent(hidden, acc)
     w_acc = weight if weight.dtype == acc else weight.to(acc)  # for the gradient GEMMs
 
     R = max(1, min(block_rows, N))
@@ -137,17 +138,6 @@ def _lce_impl(hidden: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.T
     # mean over non-ignored rows; 0 / 0 = nan when every row is ignored, as F.cross_entropy
     loss = -torch.where(valid, logp_target.squeeze(1), 0.0).sum() / n_valid
     return loss, n_valid, dh, dw, db
-
-
-@_lce.register_fake
-def _lce_fake(hidden, weight, bias, target, ignore_index, block_rows, grad_hidden, grad_weight):
-    acc = _acc_dtype(hidden.dtype)
-    scalar = hidden.new_empty((), dtype=acc)
-    dh = hidden.new_empty(hidden.shape, dtype=acc) if grad_hidden else _absent(hidden, acc)
-    dw = weight.new_empty(weight.shape, dtype=acc) if grad_weight else _absent(hidden, acc)
-    db = weight.new_empty(weight.shape[:1], dtype=acc) if grad_weight and bias is not None \
-        else _absent(hidden, acc)
-    return scalar, hidden.new_empty((), dtype=acc), dh, dw, db
 
 
 def _setup_context(ctx, inputs, output):

@@ -53,6 +53,17 @@ def check_tensor(
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
 
 
+def device_reasons(backend: str, device_type: str, **tensors) -> list[str]:
+    """For a backend whose kernels run on ``device_type`` tensors only: why it cannot take these
+    (the first tensor elsewhere; None entries are absent inputs), as ``not_supported_reasons``
+    sentences; empty when it can."""
+    for name, t in tensors.items():
+        if t is not None and t.device.type != device_type:
+            return [f"{name} is on {t.device}: the {backend} backend runs on {device_type.upper()} tensors "
+                    f"(use backend='torch')"]
+    return []
+
+
 def check_same_dtype(names: Sequence[str], tensors: Sequence[torch.Tensor]) -> None:
     first = tensors[0].dtype
     for n, t in zip(names[1:], tensors[1:]):

@@ -1,13 +1,14 @@
 """Backend selection for every op (docs/design.md, "Backends and dispatch").
 
 Each op owns an :class:`OpBackends` naming the modules that implement it, one per backend
-(``ops/<op>/torch_impl.py``, ``triton_impl.py``, ``cuda_impl.py``, and for the ops whose CPU
-kernel is an inherently sequential scan, ``cpu_impl.py``: compiled C++). A backend module provides:
+(``ops/<op>/torch_impl.py``, ``triton_impl.py``, ``cuda_impl.py``, ``cpu_impl.py``). A backend
+module provides, with the same names and signatures in every backend of the op:
 
 * ``not_supported_reasons(**inputs) -> list[str]``: empty when it can run these inputs, else one
   sentence per obstacle, each with a hint how to fix it;
-* ``DEFAULT_CONFIG: dict``: its tuning knobs (the autotune registry enumerates alternatives);
-* the op's ``fwd``/``bwd`` functions, with the same signature in every backend.
+* ``CONFIG_SPACE: dict`` (knob -> allowed values, the first the default; the op registers it
+  with the autotune registry) and ``DEFAULT_CONFIG`` (the first values);
+* ``forward(...)`` and ``backward(...)``, which take the knobs as keyword arguments.
 
 ``backend="auto"`` resolves as: explicit argument > ``MEGALODON_KERNELS_BACKEND`` > autotune
 table entry for (op, device, dtype, key) > first supported backend in :data:`PRIORITY`. ``auto``
@@ -17,26 +18,27 @@ at INFO level on the ``megalodon_kernels`` logger.
 
 ``select`` runs inside each op's torch.library custom op (``ops/_library.py``), when the op
 runs, never while torch.compile or torch.export trace it: it reads the environment, the autotune
-tables and this cache, none of which a graph could hold. The backward op selects again from the
+tables and its cache, none of which a graph could hold. The backward op selects again from the
 same inputs and gets the same (cached) choice.
 
-A resolved :class:`Choice` is cached, so that a repeated call costs building a key and one
-dictionary lookup. The key holds everything the choice was resolved from: the backend argument,
-``MEGALODON_KERNELS_BACKEND`` (for ``auto``), the autotune user cache dir, device, dtype and the
-:func:`signature` of the inputs (what ``not_supported_reasons`` and the key function can read from
-them). The cache is dropped when the autotune tables are re-read or the registrations change
-(``autotune.cache.version``) and when a backend module is replaced; an entry is resolved again
-when the chosen backend's ``DEFAULT_CONFIG`` was changed in place. While the tuner forces a
-candidate (``autotune.registry.force``) the cache is neither read nor written. So a backend's
-reasons must depend on the inputs, its module and its DEFAULT_CONFIG only, and on settings fixed
-for the process (``TRITON_INTERPRET``, whether the CUDA runtime is available) and on the
-device's capabilities (cuda/device.py; a faked profile is part of the key).
+The cache: a resolved :class:`Choice` is kept per op (at most :data:`MAX_CHOICES`, oldest
+dropped first), so that a repeated call costs building a key and one dictionary lookup. The key
+holds everything the choice was resolved from: the backend argument, ``MEGALODON_KERNELS_BACKEND``
+(for ``auto``), the autotune user cache dir, device, dtype, the device's capability profile
+(cuda/device.py) and the :func:`signature` of the inputs. All entries are dropped when the
+autotune tables are re-read or the registrations change (``autotune.cache.version``); an entry
+is not used when its backend module was swapped (:meth:`OpBackends.use`) or the module's
+``DEFAULT_CONFIG`` was changed in place. While the tuner forces a candidate
+(``autotune.registry.force``) the cache is neither read nor written. So a backend's reasons must
+depend on the inputs, its module and its DEFAULT_CONFIG only, and on settings fixed for the
+process (``TRITON_INTERPRET``, whether the CUDA runtime is available).
 """
 from __future__ import annotations
 
 import importlib
 import logging
 import os
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from types import ModuleType
 
@@ -57,7 +59,10 @@ _BACKEND_ARGS = ("auto", *PRIORITY)
 #: Resolved choices kept per op; the oldest is dropped beyond this (a model calls a few shapes).
 MAX_CHOICES = 1024
 
+#: (op, backend, device type, dtype, key) already logged; cleared when it reaches MAX_LOGGED
 _logged: set = set()
+MAX_LOGGED = 4096
+_MISSING = object()
 
 
 @dataclass(frozen=True)
@@ -76,57 +81,18 @@ class NoBackendError(ValueError):
 
 def signature(inputs: dict) -> tuple:
     """What a backend's ``not_supported_reasons`` and the op's key function can read from
-    ``inputs``: each tensor's shape, strides, dtype and device, each other value itself (with its
-    type, so that True and 1 stay apart)."""
+    ``inputs`` besides the call's device (part of the cache key on its own: the public functions
+    refuse inputs on different devices): each tensor's shape, strides and dtype, each other
+    value itself (with its type, so that True and 1 stay apart)."""
     return tuple([
-        (name, value.shape, value.stride(), value.dtype, value.device) if isinstance(value, torch.Tensor)
+        (name, value.shape, value.stride(), value.dtype) if isinstance(value, torch.Tensor)
         else (name, type(value), value)
         for name, value in inputs.items()
     ])
 
 
-_ENCODED = {}  # variable name -> its key in os.environ's own dict (POSIX)
-
-
-def _getenv(name: str) -> str:
-    """``os.environ.get(name, "")``, read from the environment's own dict on POSIX: every op
-    call reads two variables, and os.environ's Mapping methods encode the key and decode the
-    value in Python (a few us per call on a busy CPU). Writes through os.environ (tests'
-    monkeypatch.setenv included) update that dict, so no value is cached here."""
-    data = getattr(os.environ, "_data", None)
-    if os.name == "posix" and type(data) is dict:
-        key = _ENCODED.get(name)
-        if key is None:
-            key = _ENCODED[name] = os.fsencode(name)
-        value = data.get(key)
-        return "" if value is None else os.fsdecode(value)
-    return os.environ.get(name, "")
-
-
 def _default_config(module) -> dict:
     return getattr(module, "DEFAULT_CONFIG", {})
-
-
-class _Watched(dict):
-    """A dict that calls ``on_change`` after an item is set or deleted: an OpBackends' modules,
-    which tests replace (an emulated CUDA backend) under its cached choices."""
-
-    def __init__(self, items, on_change):
-        super().__init__(items)
-        self._on_change = on_change
-
-    def __setitem__(self, key, value):
-        super().__setitem__(key, value)
-        self._on_change()
-
-    def __delitem__(self, key):
-        super().__delitem__(key)
-        self._on_change()
-
-    def add(self, key, value):
-        """Set a new item without calling ``on_change``: a backend's first load changes no cached
-        choice (a choice that consulted a backend loaded it first)."""
-        super().__setitem__(key, value)
 
 
 def check_backend(backend) -> str:
@@ -146,16 +112,41 @@ class OpBackends:
         # memo -> (choice, the chosen module's DEFAULT_CONFIG when it was resolved); see select
         self._choices: dict[tuple, tuple[Choice, dict]] = {}
         self._version = autotune_cache.version()
-        self._modules = _Watched(modules, self._choices.clear)
-        self._loaded: _Watched = _Watched({}, self._choices.clear)  # name -> module, or why it cannot load
+        self._declared = dict(modules)  # name -> import path of the op's own module
+        self._modules = dict(modules)  # the same, or a description of a module swapped in (use)
+        self._loaded: dict = {}  # name -> module, or the exception that kept it from loading
+
+    def config_spaces(self) -> dict:
+        """{backend: its module's CONFIG_SPACE}, in the order the op lists its backends: the op's
+        autotune space (autotune/registry.py reads it on first use)."""
+        return {name: importlib.import_module(path).CONFIG_SPACE for name, path in self._declared.items()}
 
     def _load(self, name: str) -> ModuleType | Exception:
         if name not in self._loaded:
             try:
-                self._loaded.add(name, importlib.import_module(self._modules[name]))
+                self._loaded[name] = importlib.import_module(self._modules[name])
             except Exception as exc:  # an optional dependency (triton, the extension) is absent
-                self._loaded.add(name, exc)
+                self._loaded[name] = exc
         return self._loaded[name]
+
+    @contextmanager
+    def use(self, name: str, module, description: str | None = None):
+        """Within this block, backend ``name`` is ``module`` (any object with the backend-module
+        interface): how tests run an op's CUDA backend in the emulator or wrap a backend to record
+        its calls. Cached choices made with the previous module are not used meanwhile, nor after."""
+        if name not in PRIORITY:
+            raise ValueError(f"unknown backend name {name!r}; one of {list(PRIORITY)}")
+        saved = {d: d.get(name, _MISSING) for d in (self._modules, self._loaded)}
+        self._modules[name] = description or f"(swapped in) {getattr(module, '__name__', type(module).__name__)}"
+        self._loaded[name] = module
+        try:
+            yield module
+        finally:
+            for d, value in saved.items():
+                if value is _MISSING:
+                    d.pop(name, None)
+                else:
+                    d[name] = value
 
     def reasons(self, name: str, inputs: dict) -> list[str]:
         """Why backend ``name`` cannot run ``inputs`` (empty list: it can)."""
@@ -184,14 +175,14 @@ class OpBackends:
         if type(backend) is not str or backend not in _BACKEND_ARGS:
             check_backend(backend)  # raises
         # the tuner's forced candidate, read only while the tuner forces one (most calls: never)
-        tuning = autotune_registry.forced(self.op, inputs) if autotune_registry._FORCED.get() is not None else None
+        tuning = autotune_registry.forced(self.op, inputs) if autotune_registry.forcing() else None
         if tuning is not None:  # the tuner is measuring one candidate: exactly that one
             name, config = tuning
             if self.reasons(name, inputs):
                 raise self._error(inputs, f"{self.op}: backend {name!r} (forced by the tuner) cannot run these inputs:")
             return self._finish(name, "autotune override", device, dtype, config)
-        env = _getenv(ENV_VAR) if backend == "auto" else ""
-        memo = (backend, env, _getenv(autotune_cache.ENV_CACHE), device, dtype, cuda_device.generation(),
+        env = os.environ.get(ENV_VAR, "") if backend == "auto" else ""
+        memo = (backend, env, os.environ.get(autotune_cache.ENV_CACHE, ""), device, dtype, cuda_device.generation(),
                 signature(inputs))
         version = autotune_cache.version()
         if version != self._version:
@@ -201,8 +192,11 @@ class OpBackends:
             cached = self._choices.get(memo)
         except TypeError:  # an unhashable input value: nothing to key a cache entry on
             return self._resolve(backend, env, inputs, device, dtype)
-        if cached is not None and cached[1] == _default_config(cached[0].module):
-            return cached[0]
+        if cached is not None:
+            choice, config = cached
+            # still the module the dispatcher holds (tests swap modules: use), with the same knobs
+            if self._loaded.get(choice.name) is choice.module and config == _default_config(choice.module):
+                return choice
         choice = self._resolve(backend, env, inputs, device, dtype)
         if len(self._choices) >= MAX_CHOICES:
             self._choices.pop(next(iter(self._choices), None), None)  # the oldest (another thread may race)
@@ -248,6 +242,8 @@ class OpBackends:
         key_text = autotune_registry.key_string(key) if key else ""
         log_key = (self.op, name, device.type, dtype, key_text)
         if log_key not in _logged:
+            if len(_logged) >= MAX_LOGGED:
+                _logged.clear()  # a process that meets this many keys hears of some choices twice
             _logged.add(log_key)
             logger.info("%s: using backend %r %s for %s/%s%s (chosen by %s)", self.op, name, merged or "",
                         device.type, dtype, f" key {key_text}" if key_text else "", source)

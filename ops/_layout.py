@@ -12,7 +12,7 @@ from __future__ import annotations
 import torch
 
 #: Positions of the destination's last dimension per slab: 64 fp32 rows of a few hundred
-#: features stay in L1/L2 while they are written out (measured: 64 beats 16..512).
+#: features stay in L1/L2 while they are written out.
 SLAB = 64
 #: Below this many elements the copy is cheap whatever its order.
 MIN_ELEMS = 1 << 16

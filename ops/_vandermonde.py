@@ -68,13 +68,13 @@ def exact_powers(log_q: torch.Tensor, exponents: torch.Tensor) -> torch.Tensor:
     e = exponents.to(device=log_q.device, dtype=torch.float64)
     # Both products are exact for fp32 log_q (24-bit mantissa times a <=29-bit integer).
     real = log_q.real.dtype
-    # exp underflows (to 0) on a slow path, ~30x slower on the CPU; below the floor the power
+    # exp underflows (to 0) on a slow path of the CPU's libm; below the floor the power
     # rounds to 0 in the output dtype anyway (fp32: exp(-110) < half the least subnormal)
     floor = -746.0 if real == torch.float64 else -110.0
     magnitude = torch.exp((lq.real.unsqueeze(-1) * e).clamp_min(floor))
     phase = torch.fmod(lq.imag.unsqueeze(-1) * e, _TWO_PI)
     # = torch.polar(magnitude, phase).to(log_q.dtype), the same float64 products rounded once;
-    # polar is not vectorised on the CPU (4x slower than these real ops)
+    # polar is not vectorised on the CPU (slower than these real ops)
     return torch.complex((magnitude * torch.cos(phase)).to(real), (magnitude * torch.sin(phase)).to(real))
 
 
@@ -235,7 +235,7 @@ def analyze(w: torch.Tensor, table: PowerTable, weighted: bool):
     if table.pad:
         w = F.pad(w, (table.pad, 0) if table.reverse else (0, table.pad))
     # contiguous: an upstream gradient may be an expanded (stride-0) tensor, e.g. from .sum(),
-    # which sends CPU bmm to a per-matrix fallback ~10x slower than one batched call.
+    # which sends CPU bmm to a per-matrix fallback, far slower than one batched call.
     w = w.contiguous().view(*w.shape[:-1], M, T)                     # [..., D, M, T]
     q1 = table.q1
     parts = [q1.real, q1.imag]

@@ -7,6 +7,7 @@ harness (``autotune/tuning/harness/<op>.py``); the cpu shape set covers the op a
 a key the registration accepts.
 """
 import importlib
+import inspect
 import pkgutil
 
 import pytest
@@ -51,3 +52,29 @@ def test_harness_and_cpu_shapes(op):
         small = harness.check_shape(shape) if harness.check_shape else shape
         case = harness.make_case(small, torch.float32, torch.device("cpu"), 0)
         assert tunable.key(case.inputs) == tunable.key(harness.make_case(shape, torch.float32, "cpu", 0).inputs)
+
+
+#: the ops whose backends follow the one backend-module shape (ops/_dispatch.py's docstring)
+UNIFORM_OPS = ["cema", "cema_kernel", "ema_hidden", "fftconv", "timestep_norm"]
+
+
+def _required(fn) -> list[str]:
+    """The parameters a caller must pass (positional, no default): the op's inputs."""
+    return [p.name for p in inspect.signature(fn).parameters.values()
+            if p.kind == p.POSITIONAL_OR_KEYWORD and p.default is p.empty]
+
+
+@pytest.mark.parametrize("op", UNIFORM_OPS)
+def test_every_backend_module_has_the_same_shape(op):
+    backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
+    shapes = {}
+    for name, path in backends.config_spaces().items():
+        module = importlib.import_module(f"megalodon_kernels.ops.{op}.{name}_impl")
+        for attr in ("not_supported_reasons", "forward", "backward", "CONFIG_SPACE", "DEFAULT_CONFIG"):
+            assert hasattr(module, attr), f"ops/{op}/{name}_impl.py has no {attr}"
+        assert inspect.isfunction(module.forward) and inspect.isfunction(module.backward), (
+            f"ops/{op}/{name}_impl.py: forward/backward must be module-level functions")
+        assert module.DEFAULT_CONFIG == {k: v[0] for k, v in module.CONFIG_SPACE.items()}
+        shapes[name] = (_required(module.forward), _required(module.backward))
+    first = next(iter(shapes.values()))
+    assert all(s == first for s in shapes.values()), f"{op}: forward/backward inputs differ between backends: {shapes}"

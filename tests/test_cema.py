@@ -18,8 +18,8 @@ import torch
 from hypothesis import given, strategies as st
 
 from megalodon_kernels.ops.cema import cema
-from megalodon_kernels.ops.cema import cpu_impl as cema_cpu, torch_impl as cema_torch
-from megalodon_kernels.ops.fftconv import cpu_impl as conv_cpu
+from megalodon_kernels.ops.cema import compose, cpu_impl as cema_cpu, torch_impl as cema_torch
+from megalodon_kernels.ops.fftconv import cpu_impl as conv_cpu, torch_impl as conv_torch
 from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.fftconv import fftconv
@@ -211,13 +211,23 @@ def test_streaming(backend, xdtype, cdtype):
         assert_close(f"streamed h (split {L1})", h2, to_np(h), tol(backend, cdtype, "fwd"))
 
 
+def _record_forms(monkeypatch) -> list:
+    """Record, in call order, each form the composition runs: the chunked pieces, the recurrence,
+    and the convolution (torch's "fftconv_fwd/bwd", the compiled kernel's "compiled fftconv_*")."""
+    calls = []
+    patches = [(compose, name, name) for name in ("chunked_conv_fwd", "chunked_conv_bwd", "recurrence_fwd")]
+    patches += [(conv_torch, "forward", "fftconv_fwd"), (conv_torch, "backward", "fftconv_bwd"),
+                (conv_cpu, "forward", "compiled fftconv_fwd"), (conv_cpu, "backward", "compiled fftconv_bwd")]
+    for module, name, tag in patches:
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _tag=tag, **k: calls.append(_tag) or _real(*a, **k))
+    return calls
+
+
 def test_torch_form_follows_chunk_min_len(monkeypatch):
     # the chunked form runs from chunk_min_len steps on (and for the recurrence's few steps), the
     # FFT form below, forward and backward alike; chunk = 0 never runs it
-    calls = []
-    for name in ("chunked_conv_fwd", "chunked_conv_bwd", "recurrence_fwd", "fftconv_fwd", "fftconv_bwd"):
-        real = getattr(cema_torch, name)
-        monkeypatch.setattr(cema_torch, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    calls = _record_forms(monkeypatch)
     gen = torch.Generator().manual_seed(8)
     want = {(64, 40, 39): ["fftconv_fwd", "fftconv_bwd"], (64, 40, 40): ["chunked_conv_fwd", "chunked_conv_bwd"],
             (0, 0, 40): ["fftconv_fwd", "fftconv_bwd"], (64, 40, 3): ["recurrence_fwd", "chunked_conv_bwd"]}
@@ -235,13 +245,7 @@ def test_cpu_backend_form_and_its_compiled_convolution(monkeypatch):
     # chunk_min_len and above the recurrence's few steps; the other forms are the torch backend's
     if isinstance(conv_cpu._library(), Exception):
         pytest.skip(f"the cpu fftconv kernel cannot be built here: {conv_cpu._library()}")
-    calls = []
-    for module, names in ((conv_cpu, ("fftconv_fwd", "fftconv_bwd")), (cema_torch, ("chunked_conv_fwd",
-                          "chunked_conv_bwd", "recurrence_fwd", "fftconv_fwd", "fftconv_bwd"))):
-        for name in names:
-            tag = ("compiled " if module is conv_cpu else "") + name
-            real = getattr(module, name)
-            monkeypatch.setattr(module, name, lambda *a, _real=real, _tag=tag, **k: calls.append(_tag) or _real(*a, **k))
+    calls = _record_forms(monkeypatch)
     gen = torch.Generator().manual_seed(8)
     limit = cema_cpu.DEFAULT_CONFIG["chunk_min_len"]
     want = {(limit, 40): ["compiled fftconv_fwd", "compiled fftconv_bwd"],

@@ -223,8 +223,8 @@ def test_direct_equals_fft_torch(dtype, L, seed):
     outs = {}
     for path, config in PATHS.items():
         limit = config["torch"]["direct_max_len"]
-        outs[path] = (conv_torch.fftconv_fwd(x, k, direct_max_len=limit),
-                      *conv_torch.fftconv_bwd(dy, x, k, direct_max_len=limit))
+        outs[path] = (conv_torch.forward(x, k, direct_max_len=limit),
+                      *conv_torch.backward(dy, x, k, direct_max_len=limit))
     for name, a, b in zip(("y", "dx", "dk"), outs["direct"], outs["fft"]):
         assert_close(f"{name} direct vs fft", a, to_np(b), tol("torch", dtype, "fwd"))
 
@@ -236,7 +236,7 @@ def test_direct_equals_fft_triton():
     outs = {}
     for path, config in PATHS.items():
         cfg = dict(conv_triton.DEFAULT_CONFIG, **config["triton"])
-        outs[path] = (conv_triton.fftconv_fwd(x, k, **cfg), *conv_triton.fftconv_bwd(dy, x, k, True, True, **cfg))
+        outs[path] = (conv_triton.forward(x, k, **cfg), *conv_triton.backward(dy, x, k, True, True, **cfg))
     for name, a, b in zip(("y", "dx", "dk"), outs["direct"], outs["fft"]):
         assert_close(f"{name} direct vs fft", a, to_np(b), tol("triton", F32, "fwd"))
 
@@ -310,7 +310,7 @@ def test_triton_largest_tile_one_gradient(need):
     x, dy = torch.randn(2, 3, 1, 2000, generator=gen)
     k = torch.randn(1, 2000, generator=gen) / 40.0
     cfg = dict(conv_triton.DEFAULT_CONFIG, **PATHS["fft"]["triton"])
-    dx, dk = conv_triton.fftconv_bwd(dy, x, k, need == "x", need == "k", **cfg)
+    dx, dk = conv_triton.backward(dy, x, k, need == "x", need == "k", **cfg)
     dx_ref, dk_ref = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
     if need == "x":
         assert dk is None
@@ -329,11 +329,11 @@ def test_triton_long_length():
     k = torch.randn(1, L, generator=gen, dtype=F64) * torch.exp(-torch.arange(L) / 20000.0)
     dy = torch.randn(1, 1, L, generator=gen, dtype=F64)
     cfg = dict(conv_triton.DEFAULT_CONFIG, **FAST_WORK)
-    y = conv_triton.fftconv_fwd(x.float(), k.float(), **cfg)
-    dx, dk = conv_triton.fftconv_bwd(dy.float(), x.float(), k.float(), True, True, **cfg)
+    y = conv_triton.forward(x.float(), k.float(), **cfg)
+    dx, dk = conv_triton.backward(dy.float(), x.float(), k.float(), True, True, **cfg)
     xs, ks, dys = x.float().double(), k.float().double(), dy.float().double()   # the inputs as the kernel saw them
-    assert_close("y", y, to_np(conv_torch.fftconv_fwd(xs, ks, direct_max_len=0)), tol("triton", F32, "fwd"))
-    dx_ref, dk_ref = conv_torch.fftconv_bwd(dys, xs, ks, direct_max_len=0)
+    assert_close("y", y, to_np(conv_torch.forward(xs, ks, direct_max_len=0)), tol("triton", F32, "fwd"))
+    dx_ref, dk_ref = conv_torch.backward(dys, xs, ks, direct_max_len=0)
     assert_close("dx", dx, to_np(dx_ref), tol("triton", F32, "bwd"))
     assert_close("dk", dk, to_np(dk_ref), tol("triton", F32, "bwd"))
     # the first samples of y (no error hiding in the max over a long row). Their error is the whole
@@ -353,8 +353,8 @@ def _cpu_available():
 
 def _cpu_vs_float64(B, D, L, dtype, seed, need_x=True, need_k=True):
     x, k, dy = _inputs64(seed, B, D, L)
-    y = conv_cpu.fftconv_fwd(x.to(dtype), k.to(dtype))
-    dx, dk = conv_cpu.fftconv_bwd(dy.to(dtype), x.to(dtype), k.to(dtype), need_x, need_k)
+    y = conv_cpu.forward(x.to(dtype), k.to(dtype))
+    dx, dk = conv_cpu.backward(dy.to(dtype), x.to(dtype), k.to(dtype), need_x, need_k)
     yr, dxr, dkr = _fft_ref(*(t.to(dtype).double() for t in (x, k, dy)))  # the inputs as the kernel saw them
     assert_close("y", y, yr, tol("cpu", dtype, "fwd"))
     assert (dx is None) != need_x and (dk is None) != need_k
@@ -390,7 +390,7 @@ def test_cpu_kernel_any_thread_count_gives_identical_results():
     try:
         for threads in (1, 2, 3):
             torch.set_num_threads(threads)  # the kernel's OpenMP team
-            runs.append((conv_cpu.fftconv_fwd(x, k), *conv_cpu.fftconv_bwd(dy, x, k)))
+            runs.append((conv_cpu.forward(x, k), *conv_cpu.backward(dy, x, k)))
     finally:
         torch.set_num_threads(before)
     for other in runs[1:]:
@@ -401,7 +401,7 @@ def test_cpu_kernel_any_thread_count_gives_identical_results():
 def test_cpu_kernel_empty_batch_and_auto_choice():
     _cpu_available()
     x, k = torch.zeros(0, 3, 8), torch.randn(3, 8)
-    dx, dk = conv_cpu.fftconv_bwd(torch.zeros(0, 3, 8), x, k)
+    dx, dk = conv_cpu.backward(torch.zeros(0, 3, 8), x, k)
     assert dx.shape == (0, 3, 8) and torch.equal(dk, torch.zeros(3, 8))
     # without a table entry for this shape, auto takes the compiled kernel before the torch backend
     from megalodon_kernels.ops.fftconv import BACKENDS
@@ -424,7 +424,7 @@ def test_cpu_backend_names_its_length_limit_and_auto_falls_back():
                for w in conv_cpu.not_supported_reasons(x))
     assert BACKENDS.select("auto", {"x": x, "k": x[0]}, device=x.device, dtype=x.dtype).name == "torch"
     with pytest.raises(ValueError, match=f"L = {conv_cpu.MAX_LEN + 1} > {conv_cpu.MAX_LEN}"):
-        conv_cpu.fftconv_fwd(x, x[0])
+        conv_cpu.forward(x, x[0])
 
 
 def test_cpu_backend_without_a_compiler_says_so_and_auto_falls_back(monkeypatch, tmp_path):

@@ -184,7 +184,7 @@ def test_bad_inputs_are_refused():
 def test_custom_op_registration():
     """Schema, fake implementation (shapes/dtypes for torch.compile) and autograd registration."""
     h, w, b, t = _inputs(torch.float32, bias=True)
-    op = torch.ops.megalodon_model.linear_cross_entropy.default
+    op = torch.ops.megalodon_kernels.linear_cross_entropy.default
     for args in ((h, w, b, t, -100, 64, True, True), (h, w, None, t, -100, 64, False, True),
                  (h, w, b, t, -100, 64, False, False)):
         torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor",

@@ -235,10 +235,11 @@ def test_one_backend_call_per_bucket(backend, monkeypatch):
     batch of rows, not one per document."""
     modules = {"torch": (torch_impl, hidden_torch), "triton": (triton_impl, hidden_triton)}[backend]
     calls = {}
-    for module, names in zip(modules, (("cema_fwd", "cema_bwd"), ("ema_hidden_fwd", "ema_hidden_bwd"))):
-        for name in names:
-            seen = calls.setdefault(name, [])
-            index = 2 if name == "cema_bwd" else 0  # the rows of x (cema_bwd: dy, dh, x, ...) or of dh
+    for module, op in zip(modules, ("cema", "ema_hidden")):
+        for name in ("forward", "backward"):
+            seen = calls.setdefault(f"{op}.{name}", [])
+            # the rows of x (cema's backward: dy, dh, x, ...) or of dh
+            index = 2 if (op, name) == ("cema", "backward") else 0
             monkeypatch.setattr(module, name, lambda *a, _inner=getattr(module, name), _seen=seen, _i=index, **kw:
                                 _seen.append(a[_i].shape[0]) or _inner(*a, **kw))
     args, dy, dh, cu = packed_inputs([1, 2, 3, 4, 5, 0, 3, 1, 2] * 2, F32, F32)

@@ -177,14 +177,14 @@ def test_one_backend_call_per_bucket(backend, monkeypatch):
     """45 documents of lengths 0..5 fall into the row lengths 1, 2, 4 and 8: four forward and
     four backward calls of the backend, each on a batch of rows, not one per document."""
     module = {"torch": torch_impl, "triton": triton_impl}.get(backend) or EMA_HIDDEN.BACKENDS._load("cuda")
-    calls = {"ema_hidden_fwd": [], "ema_hidden_bwd": []}
+    calls = {"forward": [], "backward": []}
     for name, seen in calls.items():
         inner = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _inner=inner, _seen=seen, **kw: _seen.append(a[0].shape[0])
                             or _inner(*a, **kw))
     x, p, log_q, hx, dh, cu = packed_inputs([1, 2, 3, 4, 5, 0, 3, 1, 2] * 5, F32, F32)
     run(x, p, log_q, hx, dh, cu_seqlens=cu, backend=backend)
-    assert calls["ema_hidden_fwd"] == [10, 10, 15, 5] and calls["ema_hidden_bwd"] == [10, 10, 15, 5]
+    assert calls["forward"] == [10, 10, 15, 5] and calls["backward"] == [10, 10, 15, 5]
 
 
 def test_bad_input():

@@ -141,7 +141,7 @@ def test_one_backend_call_per_bucket(backend, monkeypatch):
     """45 documents of lengths 0..5 fall into the row lengths 1, 2, 4 and 8: four forward and
     four backward calls of the backend, each on a batch of rows, not one per document."""
     module = {"torch": torch_impl, "triton": triton_impl}.get(backend) or FFTCONV.BACKENDS._load("cuda")
-    calls = {"fftconv_fwd": [], "fftconv_bwd": []}
+    calls = {"forward": [], "backward": []}
     for name, seen in calls.items():
         inner = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _inner=inner, _seen=seen, **kw: _seen.append(tuple(a[0].shape))
@@ -149,7 +149,7 @@ def test_one_backend_call_per_bucket(backend, monkeypatch):
     x, k, dy, cu = packed_inputs([1, 2, 3, 4, 5, 0, 3, 1, 2] * 5, F32, F32)
     run(x, k, dy, cu_seqlens=cu, backend=backend)
     rows = [(10, D, 1), (10, D, 2), (15, D, 4), (5, D, 8)]
-    assert calls["fftconv_fwd"] == rows and calls["fftconv_bwd"] == rows
+    assert calls["forward"] == rows and calls["backward"] == rows
 
 
 def test_only_the_gradient_asked_for():

@@ -192,16 +192,16 @@ def test_one_backend_call_per_packed_call(backend, monkeypatch):
     leaves = leaves_of(p, F32)
     L = p["x"].shape[1]
     module = BACKENDS.select(backend, {"x": p["x"].float(), "num_groups": 1}, device=p["x"].device, dtype=F32).module
-    rows = {"fwd": [], "bwd": []}
+    rows = {"forward": [], "backward": []}
     for kind in rows:
-        fn = getattr(module, f"timestep_norm_{kind}")
-        monkeypatch.setattr(module, f"timestep_norm_{kind}",
+        fn = getattr(module, kind)
+        monkeypatch.setattr(module, kind,
                             lambda *a, _fn=fn, _rows=rows[kind], **kw: (_rows.append(a[0].shape[:2]), _fn(*a, **kw))[1])
     with short_chunks(backend):
         y, count, mean, var = run_packed(p, leaves, backend)
         torch.autograd.grad((y.sum() + mean.sum() + var.sum()), list(leaves.values()))
     # every backend reads the document bounds itself: the packed row is one call, forward and backward
-    assert rows["fwd"] == [(1, L)] and rows["bwd"] == [(1, L)]
+    assert rows["forward"] == [(1, L)] and rows["backward"] == [(1, L)]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -29,15 +29,14 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import absent, custom_op, empty_like, grad_or_none
 from .._packing import check_cu_seqlens, check_per_document, plan
-from ..cema_kernel import TRITON_SPACE as KERNEL_TRITON_SPACE
-from ..ema_hidden import packed_state, packed_state_grads
-from ..fftconv import TRITON_SPACE as CONV_TRITON_SPACE
+from ..ema_hidden import kept, packed_state, packed_state_grads
+from .compose import Needs, Saved, add_optional
 
 __all__ = ["cema"]
 
 BACKENDS = OpBackends("cema", {
-    "cpu": "megalodon_kernels.ops.cema.cpu_impl",
     "torch": "megalodon_kernels.ops.cema.torch_impl",
+    "cpu": "megalodon_kernels.ops.cema.cpu_impl",
     "triton": "megalodon_kernels.ops.cema.triton_impl",
 })
 
@@ -45,12 +44,7 @@ autotune.register(
     "cema",
     key=lambda x, p, log_q, gamma, omega, hx: {"D": x.shape[1], "N": p.shape[1], "L": autotune.pow2_bucket(x.shape[2]),
                                                "hx": hx is not None},
-    space={"torch": {"chunk": [64, 0, 128], "chunk_min_len": [4096, 0], "power_block": [64, 32, 128],
-                     "direct_max_len": [16, 0, 256]},
-           "cpu": {"chunk": [64], "chunk_min_len": [32768, 4096, 0], "power_block": [64, 32, 128]},
-           # Triton: the stage kernels' knobs (cema_kernel's, and fftconv's with its num_warps as conv_warps)
-           "triton": {**KERNEL_TRITON_SPACE,
-                      **{("conv_warps" if k == "num_warps" else k): v for k, v in CONV_TRITON_SPACE.items()}}},
+    space=BACKENDS.config_spaces,
 )
 
 
@@ -60,8 +54,8 @@ def _select(x, p, log_q, gamma, omega, hx, backend):
 
 
 def _state_backend(backend):
-    """ema_hidden's backend for the packed state: cema's cpu backend runs the torch backend's stages
-    except the convolution (ema_hidden has no compiled CPU kernel)."""
+    """ema_hidden's backend for the packed state: cema's cpu backend runs ema_hidden's torch
+    backend (ema_hidden has no compiled CPU kernel)."""
     return "torch" if backend == "cpu" else backend
 
 
@@ -78,9 +72,9 @@ def _packed_fwd(x, p, log_q, gamma, omega, hx, cu_seqlens, return_state, weighte
     for bucket in plan(cu_seqlens, L).buckets:  # in increasing row length: the last row is the longest
         xr, hr = bucket.rows(x, 2), _per_document(hx, bucket)
         impl = _select(xr, p, log_q, gamma, omega, hr, backend)
-        yr, _, (kr, _, _) = impl.module.cema_fwd(xr, p, log_q, gamma, omega, hr, False, False, **impl.config)
+        yr, _, saved = impl.module.forward(xr, p, log_q, gamma, omega, hr, False, False, **impl.config)
         bucket.put(yr, y, 2)
-        longest = kr
+        longest = saved.k
     k[:, :longest.shape[-1]] = longest
     h = V = W = None
     if return_state:
@@ -92,7 +86,7 @@ def _packed_bwd(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, cu_seqlen
     """The gradients of (x, p, log_q, gamma, omega, hx) of a packed call, None where not needed:
     each bucket's through y (its rows, its documents' hx, the first Lb entries of k), summed over
     buckets, plus the state's through ema_hidden's packed backward."""
-    needs = (*needs[:5], needs[5] and hx is not None)
+    needs = needs._replace(hx=needs.hx and hx is not None)
     need_x, need_p, need_lq, need_gamma, need_omega, need_hx = needs
     L = x.shape[-1]
     dx = dp = dlq = dgamma = domega = None
@@ -100,29 +94,22 @@ def _packed_bwd(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, cu_seqlen
     for bucket in plan(cu_seqlens, L).buckets:
         dyr, xr, hr = bucket.rows(dy, 2), bucket.rows(x, 2), _per_document(hx, bucket)
         impl = _select(xr, p, log_q, gamma, omega, hr, backend)
-        grads = impl.module.cema_bwd(dyr, None, xr, p, log_q, gamma, omega, hr,
-                                     (k[:, :bucket.size].contiguous(), None, None), needs, **impl.config)
+        grads = impl.module.backward(dyr, None, xr, p, log_q, gamma, omega, hr,
+                                     Saved(k[:, :bucket.size].contiguous(), None, None), needs, **impl.config)
         gx, gp, glq, ggamma, gomega, ghx = grads
         if need_x:
             dx = gx.new_empty(x.shape) if dx is None else dx
             bucket.put(gx, dx, 2)
-        dp, dlq, dgamma, domega = (_add(a, b) for a, b in zip((dp, dlq, dgamma, domega), (gp, glq, ggamma, gomega)))
+        dp, dlq, dgamma, domega = (add_optional(a, b) for a, b in zip((dp, dlq, dgamma, domega),
+                                                                      (gp, glq, ggamma, gomega)))
         if need_hx:
             dhx.index_add_(0, bucket.docs, ghx.to(dhx.dtype))
     if dh is not None:
         state = packed_state_grads(dh, x, p, log_q, hx, V, W, (need_x, need_p, need_lq, need_hx), cu_seqlens,
                                    _state_backend(backend))
-        dx, dp, dlq, dhx = (_add(a, b) if need else None
+        dx, dp, dlq, dhx = (add_optional(a, b) if need else None
                             for a, b, need in zip((dx, dp, dlq, dhx), state, (need_x, need_p, need_lq, need_hx)))
     return dx, dp, dlq, dgamma, domega, dhx
-
-
-def _add(a, b):
-    if a is None:
-        return b
-    if b is None:
-        return a
-    return a + b
 
 
 def _fwd_fake(x, p, log_q, gamma, omega, hx, return_state, weighted, backend, cu_seqlens=None):
@@ -146,8 +133,7 @@ def cema_op(x: Tensor, p: Tensor, log_q: Tensor, gamma: Tensor, omega: Tensor, h
         y, h, k, V, W = _packed_fwd(x, p, log_q, gamma, omega, hx, cu_seqlens, return_state, weighted, backend)
     else:
         impl = _select(x, p, log_q, gamma, omega, hx, backend)
-        y, h, (k, V, W) = impl.module.cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted,
-                                               **impl.config)
+        y, h, (k, V, W) = impl.module.forward(x, p, log_q, gamma, omega, hx, return_state, weighted, **impl.config)
     if not return_state:
         h = V = absent(log_q)
     return y, h, k.to(p.dtype), V, (W if weighted else absent(log_q))
@@ -165,19 +151,17 @@ def cema_bwd_op(dy: Tensor, dh: Optional[Tensor], x: Tensor, p: Tensor, log_q: T
                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> the gradients of (x, p, log_q, gamma, omega, hx) in their dtypes, placeholders where not
     needed; ``dh`` is None without return_state."""
+    needs = Needs(*needs)
+    W = kept(W)  # None: the forward ran without a log_q gradient in sight
     if cu_seqlens is not None:
-        # W's placeholder: the forward ran without a log_q gradient in sight (recomputed if needed)
-        grads = _packed_bwd(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W if W.dim() == 3 else None, needs,
-                            cu_seqlens, backend)
+        grads = _packed_bwd(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, cu_seqlens, backend)
     else:
         impl = _select(x, p, log_q, gamma, omega, hx, backend)
         if dh is None:
             V = W = None
-        elif W.dim() != 3:  # forward without a log_q gradient in sight
-            W = None
-            if needs[2]:
-                V, W = impl.module.cema_fwd(x, p, log_q, gamma, omega, hx, True, True, **impl.config)[2][1:]
-        grads = impl.module.cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, (k, V, W), tuple(needs), **impl.config)
+        elif W is None and needs.log_q:  # the forward did not keep W: recompute the sums
+            _, _, (_, V, W) = impl.module.forward(x, p, log_q, gamma, omega, hx, True, True, **impl.config)
+        grads = impl.module.backward(dy, dh, x, p, log_q, gamma, omega, hx, Saved(k, V, W), needs, **impl.config)
     inputs = (x, p, log_q, gamma, omega, hx)
     return tuple(g.to(t.dtype) if t is not None and need else absent(x)
                  for g, t, need in zip(grads, inputs, needs))

@@ -221,8 +221,8 @@ def chunked_conv_bwd(dy, x, p, log_q, gamma, hx, needs, chunk, cd):
 
 
 #: Up to this many steps the chunked form's forward runs the recurrence itself: decoding feeds one
-#: token per call, where the chunk matmuls, power rows and ema_hidden's tables cost ~1.5 ms of
-#: per-op overhead for a few hundred flops (bench model, 1 thread); the backward is the chunked one.
+#: token per call, where the chunk matmuls, power rows and ema_hidden's tables cost far more in
+#: per-op overhead than the step's few hundred flops; the backward is the chunked one.
 RECURRENCE_MAX_LEN = 4
 
 

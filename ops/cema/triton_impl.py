@@ -13,7 +13,7 @@ domega[d] = sum_{b,t} dy x (both tiles are loaded for dk anyway) per feature pro
 then cema_kernel's backward takes (dk, db = dy) and ema_hidden's backward adds the dh terms:
 
     dx = fftconv_x(dy) + omega dy (+ ema_hidden_x(dh)),  domega = sum_{b,t} dy x
-    (dp, dlog_q, dgamma, dhx) = cema_kernel_bwd(dk, db = dy) (+ ema_hidden's terms)
+    (dp, dlog_q, dgamma, dhx) = cema_kernel's backward(dk, db = dy) (+ ema_hidden's terms)
 
 Saved for the backward: the inputs, k r(D L) and ema_hidden's sums V, W (as the torch backend).
 """
@@ -21,19 +21,17 @@ from __future__ import annotations
 
 import torch
 
-from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, arch_reasons, dtype_reasons
 from ..cema_kernel import triton_impl as kernel_impl
 from ..ema_hidden import triton_impl as hidden_impl
 from ..fftconv import triton_impl as conv_impl
-from .torch_impl import _add  # the gradient sums of the two stages, None-aware
+from .compose import Needs, Saved, add_optional
 
-#: the stage knobs: block_m/block_r/num_warps/analysis_warps for cema_kernel and ema_hidden, and the
-#: fftconv knobs (its num_warps as conv_warps)
-#: every config this backend may launch with: the stages' spaces, declared with the op's autotune
-#: registration in __init__.py (the first values are the default)
-CONFIG_SPACE = autotune.get("cema").space["triton"]
-DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: the stage kernels' knobs: cema_kernel's (ema_hidden's kernels share them) and fftconv's, its
+#: num_warps as conv_warps
+CONFIG_SPACE: dict = {**kernel_impl.CONFIG_SPACE,
+                      **{("conv_warps" if k == "num_warps" else k): v for k, v in conv_impl.CONFIG_SPACE.items()}}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 _STAGE = ("block_m", "block_r", "num_warps", "analysis_warps")
 _CONV = ("direct_max_len", "work_warps", "work_bc", "direct_warps")
@@ -58,22 +56,22 @@ def not_supported_reasons(x=None, p=None, log_q=None, gamma=None, omega=None, hx
     return why
 
 
-def cema_fwd(x, p, log_q, gamma, omega, hx, return_state, weighted=False, **config):
-    """-> (y r(B D L) in x's dtype, h c(B D N) or None, saved = (k, V, W))."""
+def forward(x, p, log_q, gamma, omega, hx, return_state, weighted=False, **config):
+    """-> (y r(B D L) in x's dtype, h c(B D N) or None, Saved)."""
     stage, conv = _split(config)
     L = x.shape[-1]
-    k, b = kernel_impl.cema_kernel_fwd(p, log_q, gamma, L, hx, **stage)
+    k, b = kernel_impl.forward(p, log_q, gamma, L, hx, **stage)
     y = conv_impl.conv_fwd(x, k, bias=b, omega=omega.to(torch.float32), **conv)
     h = V = W = None
     if return_state:
-        h, V, W = hidden_impl.ema_hidden_fwd(x, p, log_q, hx, weighted, **stage)
-    return y, h, (k, V, W)
+        h, V, W = hidden_impl.forward(x, p, log_q, hx, weighted, **stage)
+    return y, h, Saved(k, V, W)
 
 
-def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **config):
+def backward(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **config):
     """-> (dx, dp, dlog_q, dgamma, domega, dhx), any of them None when not needed; dy/dh may be None."""
     stage, conv = _split(config)
-    need_x, need_p, need_lq, need_gamma, need_omega, need_hx = needs
+    need_x, need_p, need_lq, need_gamma, need_omega, need_hx = Needs(*needs)
     k, V, W = saved
     L = x.shape[-1]
     dx = dp = dlq = dgamma = domega = dhx = None
@@ -87,14 +85,11 @@ def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **config):
         if not need_omega:
             domega = None
         if need_k or (need_hx and hx is not None):
-            dp, dlq, dgamma, dhx = kernel_impl.cema_kernel_bwd(
+            dp, dlq, dgamma, dhx = kernel_impl.backward(
                 dk, None if hx is None else dy, p, log_q, gamma, L, hx, (need_p, need_lq, need_gamma, need_hx),
                 **stage)
     if dh is not None:
-        dxh, dph, dlqh, dhxh = hidden_impl.ema_hidden_bwd(dh, p, log_q, hx, V, W, L,
+        dxh, dph, dlqh, dhxh = hidden_impl.backward(dh, p, log_q, hx, V, W, L,
                                                           (need_x, need_p, need_lq, need_hx), **stage)
-        dx = _add(dx, dxh)
-        dp = _add(dp, dph)
-        dlq = _add(dlq, dlqh)
-        dhx = _add(dhx, dhxh)
+        dx, dp, dlq, dhx = (add_optional(a, b) for a, b in ((dx, dxh), (dp, dph), (dlq, dlqh), (dhx, dhxh)))
     return dx, dp, dlq, dgamma, domega, dhx

@@ -35,14 +35,11 @@ BACKENDS = OpBackends("cema_kernel", {
     "triton": "megalodon_kernels.ops.cema_kernel.triton_impl",
 })
 
-#: the Triton backend's tiling knobs (the first values are the default); cema's space extends it
-TRITON_SPACE = {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}
-
 autotune.register(
     "cema_kernel",
     key=lambda p, log_q, gamma, length, hx: {"D": p.shape[0], "N": p.shape[1], "L": autotune.pow2_bucket(length),
                                              "hx": hx is not None},
-    space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]}, "triton": TRITON_SPACE},
+    space=BACKENDS.config_spaces,
 )
 
 def _select(p, log_q, gamma, length, hx, backend):
@@ -61,7 +58,7 @@ def cema_kernel_op(p: Tensor, log_q: Tensor, gamma: Tensor, length: int, hx: Opt
                    backend: str) -> tuple[Tensor, Tensor]:
     """-> (k r(D L), b r(B D L), or an empty placeholder without hx), in p's dtype."""
     impl = _select(p, log_q, gamma, length, hx, backend)
-    k, b = impl.module.cema_kernel_fwd(p, log_q, gamma, length, hx, **impl.config)
+    k, b = impl.module.forward(p, log_q, gamma, length, hx, **impl.config)
     return k.to(p.dtype), (b.to(p.dtype) if hx is not None else absent(p))
 
 
@@ -75,8 +72,7 @@ def cema_kernel_bwd_op(dk: Tensor, db: Optional[Tensor], p: Tensor, log_q: Tenso
                        hx: Optional[Tensor], needs: list[bool], backend: str) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dp, dlog_q, dgamma, dhx or an empty placeholder) in the inputs' dtypes."""
     impl = _select(p, log_q, gamma, length, hx, backend)
-    dp, dlq, dgamma, dhx = impl.module.cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx, tuple(needs),
-                                                       **impl.config)
+    dp, dlq, dgamma, dhx = impl.module.backward(dk, db, p, log_q, gamma, length, hx, tuple(needs), **impl.config)
     return (dp.to(p.dtype), dlq.to(log_q.dtype), dgamma.to(gamma.dtype),
             dhx.to(hx.dtype) if hx is not None and needs[3] else absent(p, log_q.dtype))
 

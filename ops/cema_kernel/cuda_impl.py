@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import torch
 
-from ...cuda import launch as L
+from ...cuda import launch as cuda_launch
 from ...cuda import runtime
-from ...cuda.backend import _Backend
+from ...cuda.backend import Backend
 
 HEADER = "cema.cuh"
 MAX_N = 64
@@ -28,19 +28,19 @@ REAL = {torch.float32: ("float", 32, MAX_N * MAX_N // 2), torch.float64: ("doubl
 COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
 
 
-def _k(name: str) -> L.Kernel:
-    return L.Kernel(HEADER, f"mk::cema::{name}")
+def _k(name: str) -> cuda_launch.Kernel:
+    return cuda_launch.Kernel(HEADER, f"mk::cema::{name}")
 
 
-def synth_kernel(mode: str, real: torch.dtype) -> L.Kernel:
+def synth_kernel(mode: str, real: torch.dtype) -> cuda_launch.Kernel:
     return _k(f"cema_synth_kernel<mk::cema::{mode}, {REAL[real][0]}>")
 
 
-def analysis_kernel(mode: str, x_cpp: str, real: torch.dtype, weighted: bool) -> L.Kernel:
+def analysis_kernel(mode: str, x_cpp: str, real: torch.dtype, weighted: bool) -> cuda_launch.Kernel:
     return _k(f"cema_analysis_kernel<mk::cema::{mode}, {x_cpp}, {REAL[real][0]}, {'true' if weighted else 'false'}>")
 
 
-def finish_kernel(name: str, real: torch.dtype) -> L.Kernel:
+def finish_kernel(name: str, real: torch.dtype) -> cuda_launch.Kernel:
     return _k(f"{name}<{REAL[real][0]}>")
 
 
@@ -75,7 +75,7 @@ def blocks_along(tiles: int, D: int) -> int:
 
 
 def finish_grid(items: int) -> int:
-    return L.grid_1d(-(-items // FINISH_THREADS), 1 << 16)
+    return cuda_launch.grid_1d(-(-items // FINISH_THREADS), 1 << 16)
 
 
 def workspace(real: torch.dtype, rows: int, D: int, N: int, length: int, device) -> torch.Tensor:
@@ -125,8 +125,8 @@ def launch_fwd(launcher, p, log_q, gamma, length, hx):
     k = torch.empty(D, n, dtype=real, device=p.device)
     b = torch.empty(B, D, n, dtype=real, device=p.device) if hx is not None else None
     if D > 0:
-        P = L.ptr
-        L.launch(launcher, synth_kernel("kSynthCema", real), (D, blocks_along(synth_tiles(real, N, n), D)), THREADS, 0,
+        P = cuda_launch.ptr
+        cuda_launch.launch(launcher, synth_kernel("kSynthCema", real), (D, blocks_along(synth_tiles(real, N, n), D)), THREADS, 0,
                  [("ptr", P(pc)), ("ptr", P(lq)), ("ptr", P(g)), ("ptr", P(h)), ("ptr", P(k)), ("ptr", P(b)),
                   ("i32", D), ("i32", N), ("i64", n), ("i32", 1 + B), ("bool", True)], p.device)
     return k, b
@@ -155,14 +155,14 @@ def launch_bwd(launcher, dk, db, p, log_q, gamma, length, hx, needs=(True, True,
     dhx = torch.empty(B, D, N, dtype=cdt, device=dev) if hx is not None else None
     if D == 0 or N == 0:
         return dp, dlq, dgamma, dhx
-    P = L.ptr
+    P = cuda_launch.ptr
     Y = blocks_along(analysis_tiles(real, N, n), D)
     if rows > 0:
-        L.launch(launcher, analysis_kernel("kAnalysisCema", REAL[real][0], real, weighted), (D, Y), THREADS, 0,
+        cuda_launch.launch(launcher, analysis_kernel("kAnalysisCema", REAL[real][0], real, weighted), (D, Y), THREADS, 0,
                  [("ptr", P(dkc)), ("ptr", P(dbc)), ("ptr", P(lq)), ("ptr", P(ws)), ("i32", D), ("i32", N),
                   ("i64", n), ("i32", rows), ("bool", has_k)], dev)
     real_view = lambda t: P(torch.view_as_real(t)) if t is not None else 0  # noqa: E731
-    L.launch(launcher, finish_kernel("cema_bwd_finish_kernel", real), finish_grid(D * N), FINISH_THREADS, 0,
+    cuda_launch.launch(launcher, finish_kernel("cema_bwd_finish_kernel", real), finish_grid(D * N), FINISH_THREADS, 0,
              [("ptr", P(ws)), ("ptr", P(pc)), ("ptr", P(g)), ("ptr", P(h)), ("ptr", P(dp)), ("ptr", real_view(dlq)),
               ("ptr", real_view(dgamma)), ("ptr", real_view(dhx)), ("i32", D), ("i32", N), ("i32", B), ("i32", Y),
               ("bool", has_k), ("bool", has_b), ("bool", weighted)], dev)
@@ -171,16 +171,12 @@ def launch_bwd(launcher, dk, db, p, log_q, gamma, length, hx, needs=(True, True,
 
 # --- backends -------------------------------------------------------------------------------------------
 
-class CemaBackendBase(_Backend):
+class CemaBackendBase(Backend):
     #: float64 p with complex128 parameters runs in double (cuda/cema.cuh's R = double)
     FP64 = True
 
     def _cema_reasons(self, named: dict, p, N: int, length: int | None) -> list[str]:
-        reasons = self._available() + self._arch_reasons(named.values())
-        for name, t in named.items():
-            if t is not None and t.device.type != self.device_type:
-                reasons.append(f"needs {self.device_type} tensors, got {name} on {t.device} (use backend='torch')")
-                break
+        reasons = self._available() + self._arch_reasons(named.values()) + self._device_reasons(named)
         if p.dtype not in REAL:
             reasons.append(f"the CUDA CEMA kernels take float32 or float64 p, got p {p.dtype} (use backend='torch')")
         else:
@@ -206,15 +202,26 @@ class CemaKernelBackend(CemaBackendBase):
         named = {"p": p, "log_q": log_q, "gamma": gamma, "hx": hx}
         return self._cema_reasons(named, p, p.shape[-1], length)
 
-    def cema_kernel_fwd(self, p, log_q, gamma, length, hx):
+    def forward(self, p, log_q, gamma, length, hx):
         return launch_fwd(self.ext, p, log_q, gamma, length, hx)
 
-    def cema_kernel_bwd(self, dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
+    def backward(self, dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
         return launch_bwd(self.ext, dk, db, p, log_q, gamma, length, hx, needs)
 
 
-_backend = CemaKernelBackend(runtime.gpu_launcher)
-DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
-not_supported_reasons = _backend.not_supported_reasons
-cema_kernel_fwd = _backend.cema_kernel_fwd
-cema_kernel_bwd = _backend.cema_kernel_bwd
+# The backend module's names over the GPU launcher (tests build CemaKernelBackend over the emulator).
+_GPU = CemaKernelBackend(runtime.gpu_launcher)
+CONFIG_SPACE: dict = CemaKernelBackend.CONFIG_SPACE
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
+
+
+def not_supported_reasons(*args, **inputs) -> list[str]:
+    return _GPU.not_supported_reasons(*args, **inputs)
+
+
+def forward(p, log_q, gamma, length, hx):
+    return _GPU.forward(p, log_q, gamma, length, hx)
+
+
+def backward(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True)):
+    return _GPU.backward(dk, db, p, log_q, gamma, length, hx, needs)

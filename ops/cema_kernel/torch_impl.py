@@ -19,14 +19,15 @@ from .._vandermonde import analyze, power_table, shifted, synthesize
 
 #: power_block = T, the inner table size of q**j = Q1[j mod T] Q2[j div T]; it trades the table
 #: size D N (T + L/T) and the [D, L/T, 2N] operand against the matmul shape. Tunable per length bucket.
-DEFAULT_CONFIG: dict = {"power_block": 64}
+CONFIG_SPACE: dict = {"power_block": (64, 16, 32, 128, 256)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(**inputs) -> list[str]:
     return []  # every device and dtype torch supports
 
 
-def cema_kernel_fwd(p, log_q, gamma, length, hx, *, power_block, table=None):
+def forward(p, log_q, gamma, length, hx, *, power_block, table=None):
     """-> (k r(D L), b r(B D L) or None) in p's dtype. ``table``: a prebuilt power_table to share."""
     table = table if table is not None else power_table(log_q, length, power_block)
     k = synthesize(p * gamma, table)                                   # [D, L]
@@ -36,7 +37,7 @@ def cema_kernel_fwd(p, log_q, gamma, length, hx, *, power_block, table=None):
     return k, b
 
 
-def cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True), *, power_block,
+def backward(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True), *, power_block,
                     table=None):
     """-> (dp r(D N), dlog_q c(D N), dgamma c(D N), dhx c(B D N) or None); dk/db may be None."""
     real = p.dtype

@@ -44,14 +44,13 @@ import math
 
 import torch
 
-from ...autotune import registry as autotune
 from .._complex import interleaved
 from .._triton_common import HAVE_TRITON, device_reasons, grid_launches, tl, triton
 
-#: every config this backend may launch with, declared with the op's autotune registration in
-#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
-CONFIG_SPACE = autotune.get("cema_kernel").space["triton"]
-DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: every config this backend may launch with (the tuner chooses among them; each is AOT-compiled
+#: in tests); the first values are the default
+CONFIG_SPACE: dict = {"block_m": (32,), "block_r": (32,), "num_warps": (4,), "analysis_warps": (8,)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 #: exponents must stay exact in fp32 (e < 2**24)
 MAX_LENGTH = 1 << 24
@@ -184,11 +183,6 @@ if HAVE_TRITON:
         # [T, BN] q**r; r is the d/dlog_q weight of the inner exponent
         q1r, q1i = qpow(b_a[None, :], b_f[None, :], o_r[:, None])
         e1 = o_r.to(tl.float32)
-        dpv = tl.zeros([BLOCK_N], dtype=tl.float32)
-        dgr = tl.zeros([BLOCK_N], dtype=tl.float32)
-        dgi = tl.zeros([BLOCK_N], dtype=tl.float32)
-        dlr = tl.zeros([BLOCK_N], dtype=tl.float32)
-        dli = tl.zeros([BLOCK_N], dtype=tl.float32)
         # LK = L with dk, 0 without (then S = S1 = 0 and only the bias terms remain)
         sr = tl.zeros([BLOCK_N], dtype=tl.float32)
         si = tl.zeros([BLOCK_N], dtype=tl.float32)
@@ -255,7 +249,7 @@ def block_n(N: int) -> int:
     return max(16, triton.next_power_of_2(N))
 
 
-def cema_kernel_fwd(p, log_q, gamma, length, hx, *, block_m=32, block_r=32, num_warps=4, analysis_warps=8):
+def forward(p, log_q, gamma, length, hx, *, block_m=32, block_r=32, num_warps=4, analysis_warps=8):
     """-> (k r(D L), b r(B D L) or None) in float32; same contract as the torch backend."""
     D, N = p.shape
     L = int(length)
@@ -272,7 +266,7 @@ def cema_kernel_fwd(p, log_q, gamma, length, hx, *, block_m=32, block_r=32, num_
     return k, (b if hx is not None else None)
 
 
-def cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True), *, block_m=32,
+def backward(dk, db, p, log_q, gamma, length, hx, needs=(True, True, True, True), *, block_m=32,
                     block_r=32, num_warps=4, analysis_warps=8):
     """-> (dp r(D N), dlog_q c(D N), dgamma c(D N), dhx c(B D N) or None); dk/db may be None."""
     D, N = p.shape

@@ -41,8 +41,7 @@ autotune.register(
     "ema_hidden",
     key=lambda x, p, log_q, hx: {"D": x.shape[1], "N": p.shape[1], "L": autotune.pow2_bucket(x.shape[2]),
                                  "hx": hx is not None},
-    space={"cuda": {}, "torch": {"power_block": [64, 16, 32, 128, 256]},
-           "triton": {"block_m": [32], "block_r": [32], "num_warps": [4], "analysis_warps": [8]}},
+    space=BACKENDS.config_spaces,
 )
 
 
@@ -73,7 +72,7 @@ def packed_state(x, p, log_q, hx, cu_seqlens, weighted, backend):
     for bucket in _document_rows(cu_seqlens, x.shape[-1]):
         xr = bucket.rows(x, 2)
         impl = _select(xr, p, log_q, None, backend)
-        hr, Vr, Wr = impl.module.ema_hidden_fwd(xr, p, log_q, None, weighted, **impl.config)
+        hr, Vr, Wr = impl.module.forward(xr, p, log_q, None, weighted, **impl.config)
         h.index_copy_(0, bucket.docs, hr.to(cplx))
         V.index_copy_(0, bucket.docs, Vr.to(cplx))
         if weighted:
@@ -100,8 +99,8 @@ def packed_state_grads(dh, x, p, log_q, hx, V, W, needs, cu_seqlens, backend):
             Wr = W.index_select(0, bucket.docs) if need_lq else None
             xr = bucket.rows(x, 2)
             impl = _select(xr, p, log_q, None, backend)
-            dxr, dpr, dlqr, _ = impl.module.ema_hidden_bwd(dhr, p, log_q, None, Vr, Wr, bucket.size,
-                                                           (need_x, need_p, need_lq, False), **impl.config)
+            dxr, dpr, dlqr, _ = impl.module.backward(dhr, p, log_q, None, Vr, Wr, bucket.size,
+                                                     (need_x, need_p, need_lq, False), **impl.config)
             if need_x:
                 bucket.put(dxr, dx, 2)
             if need_p:
@@ -135,8 +134,15 @@ def ema_hidden_op(x: Tensor, p: Tensor, log_q: Tensor, hx: Optional[Tensor], wei
         h, V, W = packed_state(x, p, log_q, hx, cu_seqlens, weighted, backend)
         return h, V, (W if weighted else absent(log_q))
     impl = _select(x, p, log_q, hx, backend)
-    h, V, W = impl.module.ema_hidden_fwd(x, p, log_q, hx, weighted, **impl.config)
+    h, V, W = impl.module.forward(x, p, log_q, hx, weighted, **impl.config)
     return h, V, (W if weighted else absent(log_q))
+
+
+def kept(W: Tensor) -> Optional[Tensor]:
+    """A saved state sum c(B D N) as the forward kept it, or None for the (0,) placeholder of
+    ops/_library.absent that stands for it when the forward did not keep it (a custom op's
+    outputs are all tensors; a kept sum always has rank 3)."""
+    return W if W.dim() == 3 else None
 
 
 def _bwd_fake(dh, x, p, log_q, hx, V, W, needs, backend, cu_seqlens=None):
@@ -150,16 +156,13 @@ def ema_hidden_bwd_op(dh: Tensor, x: Tensor, p: Tensor, log_q: Tensor, hx: Optio
                       cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """-> (dx or a placeholder, dp, dlog_q, dhx or a placeholder) in the inputs' dtypes."""
     if cu_seqlens is not None:
-        dx, dp, dlq, dhx = packed_state_grads(dh, x, p, log_q, hx, V, W if W.dim() == 3 else None, tuple(needs),
-                                              cu_seqlens, backend)
+        dx, dp, dlq, dhx = packed_state_grads(dh, x, p, log_q, hx, V, kept(W), tuple(needs), cu_seqlens, backend)
     else:
         impl = _select(x, p, log_q, hx, backend)
-        if W.dim() != 3:  # the placeholder: the forward ran without log_q needing a gradient
-            W = None
-            if needs[2]:  # a caller that asked for the gradient anyway: compute the weighted sums now
-                _, V, W = impl.module.ema_hidden_fwd(x, p, log_q, hx, True, **impl.config)
-        dx, dp, dlq, dhx = impl.module.ema_hidden_bwd(dh, p, log_q, hx, V, W, x.shape[-1], tuple(needs),
-                                                      **impl.config)
+        W = kept(W)  # None: the forward ran without log_q needing a gradient
+        if W is None and needs[2]:  # a caller that asked for the gradient anyway: compute the weighted sums now
+            _, V, W = impl.module.forward(x, p, log_q, hx, True, **impl.config)
+        dx, dp, dlq, dhx = impl.module.backward(dh, p, log_q, hx, V, W, x.shape[-1], tuple(needs), **impl.config)
     return (dx.to(x.dtype) if needs[0] else absent(x), dp.to(p.dtype), dlq.to(log_q.dtype),
             dhx.to(hx.dtype) if hx is not None and needs[3] else absent(log_q))
 

@@ -17,7 +17,8 @@ import torch
 from .._vandermonde import analyze, exact_powers, power_table, reversed_table, synthesize
 
 #: power_block = T of the two-level table q**e = Q1[.] Q2[.] (see cema_kernel).
-DEFAULT_CONFIG: dict = {"power_block": 64}
+CONFIG_SPACE: dict = {"power_block": (64, 16, 32, 128, 256)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(**inputs) -> list[str]:
@@ -29,7 +30,7 @@ def power_L(log_q, length):
     return exact_powers(log_q, torch.tensor([length]))[..., 0]
 
 
-def ema_hidden_fwd(x, p, log_q, hx, weighted=False, *, power_block, table=None):
+def forward(x, p, log_q, hx, weighted=False, *, power_block, table=None):
     """-> (h c(B D N), V c(B D N), W c(B D N) or None); x is computed in p's dtype.
     ``table``: a prebuilt forward power_table to share (it is reversed here)."""
     L = x.shape[-1]
@@ -41,7 +42,7 @@ def ema_hidden_fwd(x, p, log_q, hx, weighted=False, *, power_block, table=None):
     return h, V, W
 
 
-def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True), *, power_block,
+def backward(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True), *, power_block,
                    table=None):
     """-> (dx r(B D L) in p's dtype or None, dp r(D N), dlog_q c(D N), dhx c(B D N) or None)."""
     need_x, need_p, need_lq, need_hx = needs

@@ -26,16 +26,15 @@ from __future__ import annotations
 
 import torch
 
-from ...autotune import registry as autotune
 from .._complex import interleaved
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, tl, triton
 from ..cema_kernel.triton_impl import MAX_LENGTH, MAX_N, block_n, phase_fraction
 from .torch_impl import coefficient_grads
 
-#: every config this backend may launch with, declared with the op's autotune registration in
-#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
-CONFIG_SPACE = autotune.get("ema_hidden").space["triton"]
-DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: every config this backend may launch with (the tuner chooses among them; each is AOT-compiled
+#: in tests); the first values are the default
+CONFIG_SPACE: dict = {"block_m": (32,), "block_r": (32,), "num_warps": (4,), "analysis_warps": (8,)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 X_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 
@@ -132,7 +131,7 @@ if HAVE_TRITON:
             tl.store(dx_ptr + row * L + o_j, synth_tile(ar, ai, q1r, q1i), mask=m_j)
 
 
-def ema_hidden_fwd(x, p, log_q, hx, weighted=False, *, block_m=32, block_r=32, num_warps=4, analysis_warps=8):
+def forward(x, p, log_q, hx, weighted=False, *, block_m=32, block_r=32, num_warps=4, analysis_warps=8):
     """-> (h c(B D N), V c(B D N), W c(B D N) or None); same contract as the torch backend."""
     B, D, L = x.shape
     N = p.shape[1]
@@ -153,7 +152,7 @@ def ema_hidden_fwd(x, p, log_q, hx, weighted=False, *, block_m=32, block_r=32, n
     return h, V, W
 
 
-def ema_hidden_bwd(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True), *, block_m=32, block_r=32,
+def backward(dh, p, log_q, hx, V, W, length, needs=(True, True, True, True), *, block_m=32, block_r=32,
                    num_warps=4, analysis_warps=8):
     """-> (dx r(B D L) float32 or None, dp r(D N), dlog_q c(D N), dhx c(B D N) or None)."""
     need_x, need_p, need_lq, need_hx = needs

@@ -37,20 +37,10 @@ BACKENDS = OpBackends("fftconv", {
     "triton": "megalodon_kernels.ops.fftconv.triton_impl",
 })
 
-#: the Triton backend's knobs (the first values are the default): direct path up to direct_max_len;
-#: warps of the tile, workspace and direct kernels; work_bc columns per workspace-pass program.
-#: cema's space extends it.
-TRITON_SPACE = {"direct_max_len": [64, 32, 0], "num_warps": [8], "work_warps": [8], "work_bc": [16],
-                "direct_warps": [4]}
-
 autotune.register(
     "fftconv",
     key=lambda x, k: {"D": x.shape[1], "L": autotune.pow2_bucket(x.shape[2]), "k": str(k.dtype).replace("torch.", "")},
-    # direct (Toeplitz) path for L <= direct_max_len, FFT above; 0 = always FFT.
-    space={"cpu": {},
-           "cuda": {"max_workspace_bytes": [256 << 20]},  # the multi-pass FFT's workspace cap (L > 16384)
-           "torch": {"direct_max_len": [16, 0, 64, 256, 1024]},
-           "triton": TRITON_SPACE},
+    space=BACKENDS.config_spaces,
 )
 
 
@@ -70,7 +60,7 @@ def _packed_fwd(x, k, cu_seqlens, backend):
     for bucket in plan(cu_seqlens, x.shape[-1]).buckets:
         xr, kr = bucket.rows(x, 2), _kernel_rows(k, bucket.size)
         impl = _select(xr, kr, backend)
-        bucket.put(impl.module.fftconv_fwd(xr, kr, **impl.config), y, 2)
+        bucket.put(impl.module.forward(xr, kr, **impl.config), y, 2)
     return y
 
 
@@ -83,7 +73,7 @@ def _packed_bwd(dy, x, k, cu_seqlens, need_x, need_k, backend):
     for bucket in plan(cu_seqlens, x.shape[-1]).buckets:
         dyr, xr, kr = bucket.rows(dy, 2), bucket.rows(x, 2), _kernel_rows(k, bucket.size)
         impl = _select(xr, kr, backend)
-        dxr, dkr = impl.module.fftconv_bwd(dyr, xr, kr, need_x, need_k, **impl.config)
+        dxr, dkr = impl.module.backward(dyr, xr, kr, need_x, need_k, **impl.config)
         if need_x:
             bucket.put(dxr, dx, 2)
         if need_k:
@@ -102,7 +92,7 @@ def fftconv_op(x: Tensor, k: Tensor, backend: str, cu_seqlens: Optional[Tensor] 
     if cu_seqlens is not None:
         return _packed_fwd(x, k, cu_seqlens, backend)
     impl = _select(x, k, backend)
-    return impl.module.fftconv_fwd(x, k, **impl.config)
+    return impl.module.forward(x, k, **impl.config)
 
 
 def _bwd_fake(dy, x, k, need_x, need_k, backend, cu_seqlens=None):
@@ -117,7 +107,7 @@ def fftconv_bwd_op(dy: Tensor, x: Tensor, k: Tensor, need_x: bool, need_k: bool,
         dx, dk = _packed_bwd(dy, x, k, cu_seqlens, need_x, need_k, backend)
     else:
         impl = _select(x, k, backend)
-        dx, dk = impl.module.fftconv_bwd(dy, x, k, need_x, need_k, **impl.config)
+        dx, dk = impl.module.backward(dy, x, k, need_x, need_k, **impl.config)
     return (dx.to(x.dtype) if need_x else absent(x), dk.to(k.dtype) if need_k else absent(k))
 
 

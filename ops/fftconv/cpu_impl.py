@@ -21,9 +21,11 @@ from pathlib import Path
 import torch
 
 from .. import _cpu_build
+from .._checks import device_reasons
 from .torch_impl import compute_dtype
 
-DEFAULT_CONFIG: dict = {}
+CONFIG_SPACE: dict = {}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 SOURCE = Path(__file__).with_name("cpu_kernel.cpp")
 CXX = _cpu_build.CXX
@@ -52,8 +54,7 @@ MAX_LEN = 1 << 17
 
 def kernel_reasons(x) -> list[str]:
     """What keeps the kernel from running on x's device at all, whatever the length."""
-    why = [f"x is on {x.device}: the cpu backend runs on CPU tensors"] if x.device.type != "cpu" else []
-    return why + _cpu_build.unsupported(_library(), CXX)
+    return device_reasons("cpu", "cpu", x=x) + _cpu_build.unsupported(_library(), CXX)
 
 
 def _length_reason(L: int) -> list[str]:
@@ -77,7 +78,7 @@ def _kernel(kind: str, work: torch.dtype):
 _as = _cpu_build.as_work
 
 
-def fftconv_fwd(x, k, out_dtype=None):
+def forward(x, k, out_dtype=None):
     """y r(B D L) = causal conv of x r(B D L) with k r(D L), in ``out_dtype`` (default x's dtype)."""
     work = compute_dtype(x.dtype, k.dtype)
     out_dtype = out_dtype or x.dtype
@@ -90,7 +91,7 @@ def fftconv_fwd(x, k, out_dtype=None):
     return y.to(out_dtype)
 
 
-def fftconv_bwd(dy, x, k, need_x=True, need_k=True):
+def backward(dy, x, k, need_x=True, need_k=True):
     """-> (dx r(B D L) or None, dk r(D L) or None), both in the compute dtype."""
     work = compute_dtype(x.dtype, k.dtype)
     B, D, L = x.shape

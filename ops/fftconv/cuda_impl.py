@@ -20,9 +20,9 @@ import ctypes
 import torch
 
 from ...cuda import device as _device
-from ...cuda import launch as L
+from ...cuda import launch as cuda_launch
 from ...cuda import runtime
-from ...cuda.backend import _Backend
+from ...cuda.backend import Backend
 
 MIN_LOG2 = 5  # kFftMinLog2: the warp stages need N >= 32
 MAX_THREADS = 1024
@@ -50,16 +50,16 @@ class Fft4Plan(ctypes.Structure):
     _fields_ = [("log2n", ctypes.c_int), ("log2n1", ctypes.c_int), ("log2n2", ctypes.c_int), ("log2c", ctypes.c_int)]
 
 
-def _k(header: str, name: str) -> L.Kernel:
-    return L.Kernel(header, f"mk::{name}")
+def _k(header: str, name: str) -> cuda_launch.Kernel:
+    return cuda_launch.Kernel(header, f"mk::{name}")
 
 
 _ONE, _LONG = "fftconv.cuh", "fftconv_long.cuh"
 _R = {torch.float32: "float", torch.float64: "double"}
 KERNELS = ([_k(_ONE, f"fftconv_spectrum_kernel<{r}>") for r in _R.values()]
-           + [_k(_ONE, f"fftconv_{n}_kernel<{t}>") for n in ("fwd", "bwd_dx") for t in L.CPP_TYPES.values()]
+           + [_k(_ONE, f"fftconv_{n}_kernel<{t}>") for n in ("fwd", "bwd_dx") for t in cuda_launch.CPP_TYPES.values()]
            + [_k(_ONE, f"fftconv_bwd_dk_kernel<{r}>") for r in _R.values()]
-           + [_k(_LONG, f"fft4_col_{p}_kernel<{t}, {f}>") for p in ("fwd", "inv") for t in L.CPP_TYPES.values()
+           + [_k(_LONG, f"fft4_col_{p}_kernel<{t}, {f}>") for p in ("fwd", "inv") for t in cuda_launch.CPP_TYPES.values()
               for f in ("false", "true")]
            + [_k(_LONG, f"fft4_row_{p}_kernel<{r}>") for p in ("spectrum", "conv", "dk") for r in _R.values()]
            + [_k(_LONG, f"fft4_twiddle_probe_kernel<{r}>") for r in _R.values()])
@@ -253,7 +253,7 @@ class _Passes:
         self.cbytes = CFG[real].complex_bytes
 
     def _go(self, kernel, grid, threads, smem, args):
-        L.launch(self.launcher, _k(_LONG, kernel), grid, threads, smem, [*args, L.struct_arg(self.p)], self.device)
+        cuda_launch.launch(self.launcher, _k(_LONG, kernel), grid, threads, smem, [*args, cuda_launch.struct_arg(self.p)], self.device)
 
     def col_fwd(self, cpp, flip, src, ws, rows, L_):
         self._go(f"fft4_col_fwd_kernel<{cpp}, {'true' if flip else 'false'}>", (rows, self.col_groups),
@@ -301,8 +301,8 @@ def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tens
     if D >= 2**31:
         raise ValueError("fftconv: D must be < 2^31")
     if not multi_pass(log2n, real, caps):
-        L.launch(launcher, _k(_ONE, f"fftconv_spectrum_kernel<{_R[real]}>"), D, fft_threads(log2n),
-                 fft_smem_bytes(real, log2n), [("ptr", L.ptr(kc)), ("ptr", L.ptr(kf)), ("i32", L_), ("i32", log2n)],
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_spectrum_kernel<{_R[real]}>"), D, fft_threads(log2n),
+                 fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(kc)), ("ptr", cuda_launch.ptr(kf)), ("i32", L_), ("i32", log2n)],
                  k.device)
         return kf
     ws, ws_rows = _workspace(L_, D, max_workspace_bytes, real, k.device)
@@ -310,13 +310,13 @@ def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tens
     passes = _Passes(launcher, log2n, real, k.device)
     for d0 in range(0, D, ws_rows):
         rows = min(ws_rows, D - d0)
-        passes.col_fwd(_R[real], False, L.ptr(kc) + d0 * L_ * kc.element_size(), L.ptr(ws), rows, L_)
-        passes.row_spectrum(L.ptr(ws), L.ptr(kf) + d0 * passes.bins * passes.cbytes, rows)
+        passes.col_fwd(_R[real], False, cuda_launch.ptr(kc) + d0 * L_ * kc.element_size(), cuda_launch.ptr(ws), rows, L_)
+        passes.row_spectrum(cuda_launch.ptr(ws), cuda_launch.ptr(kf) + d0 * passes.bins * passes.cbytes, rows)
     return kf
 
 
 def _x_checks(x, name="x"):
-    if x.dtype not in L.CPP_TYPES:
+    if x.dtype not in cuda_launch.CPP_TYPES:
         raise TypeError(f"the CUDA kernels take float32, bfloat16 or float64 {name}, got {x.dtype}")
     B, D, _ = x.shape
     if B * D >= 2**31:
@@ -336,10 +336,10 @@ def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20):
     xc = x.contiguous()
     kf = spectrum(launcher, k, max_workspace_bytes, like=x)
     y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
-    cpp = L.CPP_TYPES[x.dtype]
+    cpp = cuda_launch.CPP_TYPES[x.dtype]
     if not multi_pass(log2n, real, caps):
-        L.launch(launcher, _k(_ONE, f"fftconv_fwd_kernel<{cpp}>"), B * D, fft_threads(log2n),
-                 fft_smem_bytes(real, log2n), [("ptr", L.ptr(xc)), ("ptr", L.ptr(kf)), ("ptr", L.ptr(y)), ("i32", D),
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_fwd_kernel<{cpp}>"), B * D, fft_threads(log2n),
+                 fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(xc)), ("ptr", cuda_launch.ptr(kf)), ("ptr", cuda_launch.ptr(y)), ("i32", D),
                                                ("i32", L_), ("i32", log2n)], x.device)
         return y
     ws, ws_rows = _workspace(L_, B * D, max_workspace_bytes, real, x.device)
@@ -347,9 +347,9 @@ def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20):
     passes, es = _Passes(launcher, log2n, real, x.device), xc.element_size()
     for r0 in range(0, B * D, ws_rows):
         rows = min(ws_rows, B * D - r0)
-        passes.col_fwd(cpp, False, L.ptr(xc) + r0 * L_ * es, L.ptr(ws), rows, L_)
-        passes.row_conv(L.ptr(ws), L.ptr(kf), 0, D, r0, rows, True)
-        passes.col_inv(cpp, False, L.ptr(ws), L.ptr(y) + r0 * L_ * es, rows, L_)
+        passes.col_fwd(cpp, False, cuda_launch.ptr(xc) + r0 * L_ * es, cuda_launch.ptr(ws), rows, L_)
+        passes.row_conv(cuda_launch.ptr(ws), cuda_launch.ptr(kf), 0, D, r0, rows, True)
+        passes.col_inv(cpp, False, cuda_launch.ptr(ws), cuda_launch.ptr(y) + r0 * L_ * es, rows, L_)
     return y
 
 
@@ -358,11 +358,11 @@ def _bwd_dx(launcher, dyc, xc, kf, dx, prod, D, L_, log2n, real, ws, ws_rows):
     B = xc.shape[0]
     if B == 0 or D == 0 or (dx is None and prod is None):
         return
-    cpp, dev, es = L.CPP_TYPES[xc.dtype], xc.device, xc.element_size()
+    cpp, dev, es = cuda_launch.CPP_TYPES[xc.dtype], xc.device, xc.element_size()
     if not multi_pass(log2n, real, _caps(dev)):
-        L.launch(launcher, _k(_ONE, f"fftconv_bwd_dx_kernel<{cpp}>"), B * D, fft_threads(log2n),
-                 fft_smem_bytes(real, log2n), [("ptr", L.ptr(dyc)), ("ptr", L.ptr(xc)), ("ptr", L.ptr(kf)),
-                                               ("ptr", L.ptr(dx)), ("ptr", L.ptr(prod)), ("i32", D), ("i32", L_),
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dx_kernel<{cpp}>"), B * D, fft_threads(log2n),
+                 fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(dyc)), ("ptr", cuda_launch.ptr(xc)), ("ptr", cuda_launch.ptr(kf)),
+                                               ("ptr", cuda_launch.ptr(dx)), ("ptr", cuda_launch.ptr(prod)), ("i32", D), ("i32", L_),
                                                ("i32", log2n)], dev)
         return
     _check_ws(ws, ws_rows)
@@ -371,13 +371,13 @@ def _bwd_dx(launcher, dyc, xc, kf, dx, prod, D, L_, log2n, real, ws, ws_rows):
         rows = min(ws_rows, B * D - r0)
         at = r0 * passes.bins * passes.cbytes
         if prod is not None:  # prod = rfft(x), multiplied by G = rfft(flip dy) below
-            passes.col_fwd(cpp, False, L.ptr(xc) + r0 * L_ * es, L.ptr(ws), rows, L_)
-            passes.row_spectrum(L.ptr(ws), L.ptr(prod) + at, rows)
-        passes.col_fwd(cpp, True, L.ptr(dyc) + r0 * L_ * es, L.ptr(ws), rows, L_)
-        passes.row_conv(L.ptr(ws), L.ptr(kf), L.ptr(prod) + at if prod is not None else 0, D, r0, rows,
+            passes.col_fwd(cpp, False, cuda_launch.ptr(xc) + r0 * L_ * es, cuda_launch.ptr(ws), rows, L_)
+            passes.row_spectrum(cuda_launch.ptr(ws), cuda_launch.ptr(prod) + at, rows)
+        passes.col_fwd(cpp, True, cuda_launch.ptr(dyc) + r0 * L_ * es, cuda_launch.ptr(ws), rows, L_)
+        passes.row_conv(cuda_launch.ptr(ws), cuda_launch.ptr(kf), cuda_launch.ptr(prod) + at if prod is not None else 0, D, r0, rows,
                         dx is not None)
         if dx is not None:
-            passes.col_inv(cpp, True, L.ptr(ws), L.ptr(dx) + r0 * L_ * es, rows, L_)
+            passes.col_inv(cpp, True, cuda_launch.ptr(ws), cuda_launch.ptr(dx) + r0 * L_ * es, rows, L_)
 
 
 def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finalize, ws, ws_rows):
@@ -386,9 +386,9 @@ def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finaliz
         return
     dev = prod.device
     if not multi_pass(log2n, real, _caps(dev)):
-        L.launch(launcher, _k(_ONE, f"fftconv_bwd_dk_kernel<{_R[real]}>"), D, fft_threads(log2n),
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dk_kernel<{_R[real]}>"), D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n) if finalize else 0,
-                 [("ptr", L.ptr(prod)), ("ptr", L.ptr(acc)), ("ptr", L.ptr(dk)), ("i32", nb), ("i32", D),
+                 [("ptr", cuda_launch.ptr(prod)), ("ptr", cuda_launch.ptr(acc)), ("ptr", cuda_launch.ptr(dk)), ("i32", nb), ("i32", D),
                   ("i32", L_), ("i32", log2n), ("bool", accumulate), ("bool", finalize)], dev)
         return
     if finalize:
@@ -397,9 +397,9 @@ def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finaliz
     chunk = ws_rows if finalize else D
     for d0 in range(0, D, chunk):
         rows = min(chunk, D - d0)
-        passes.row_dk(L.ptr(prod), L.ptr(acc), L.ptr(ws), nb, D, d0, rows, accumulate, finalize)
+        passes.row_dk(cuda_launch.ptr(prod), cuda_launch.ptr(acc), cuda_launch.ptr(ws), nb, D, d0, rows, accumulate, finalize)
         if finalize:
-            passes.col_inv(_R[real], True, L.ptr(ws), L.ptr(dk) + d0 * L_ * dk.element_size(), rows, L_)
+            passes.col_inv(_R[real], True, cuda_launch.ptr(ws), cuda_launch.ptr(dk) + d0 * L_ * dk.element_size(), rows, L_)
 
 
 def launch_bwd(launcher, dy, x, k, need_x: bool = True, need_k: bool = True, max_workspace_bytes: int = 256 << 20):
@@ -448,15 +448,16 @@ def twiddle_probe(launcher, a: torch.Tensor, s: int, sign: float, real: torch.dt
     a32 = a.contiguous()
     out = torch.empty(n, dtype=torch.complex128 if real == torch.float64 else torch.complex64, device=a.device)
     if n:
-        L.launch(launcher, _k(_LONG, f"fft4_twiddle_probe_kernel<{_R[real]}>"), -(-n // 256), 256, 0,
-                 [("ptr", L.ptr(a32)), ("ptr", L.ptr(out)), ("i32", n), ("i32", s), (L.acc_tag(out.real), sign)],
+        cuda_launch.launch(launcher, _k(_LONG, f"fft4_twiddle_probe_kernel<{_R[real]}>"), -(-n // 256), 256, 0,
+                 [("ptr", cuda_launch.ptr(a32)), ("ptr", cuda_launch.ptr(out)), ("i32", n), ("i32", s), (cuda_launch.acc_tag(out.real), sign)],
                  a.device)
     return out
 
 
-class FftconvBackend(_Backend):
+class FftconvBackend(Backend):
     #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex product spectra of dk,
     #: and of the multi-pass FFT's row workspace above the one-block limit (at least one row either way).
+    CONFIG_SPACE: dict = {"max_workspace_bytes": (256 << 20,)}
     DEFAULT_CONFIG: dict = {"max_workspace_bytes": 256 << 20}
     #: float64 x runs the kernels in double (complex128 spectra, double twiddles)
     FP64 = True
@@ -487,15 +488,29 @@ class FftconvBackend(_Backend):
                            f"got L = {x.shape[-1]} with x {x.dtype} (use backend='torch')")
         return reasons
 
-    def fftconv_fwd(self, x, k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-        return launch_fwd(self.ext, x, k, max_workspace_bytes)
+    def forward(self, x, k, out_dtype=None, *, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
+        """y in x's dtype, or ``out_dtype`` (as the other backends)."""
+        y = launch_fwd(self.ext, x, k, max_workspace_bytes)
+        return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
-    def fftconv_bwd(self, dy, x, k, need_x, need_k, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
+    def backward(self, dy, x, k, need_x=True, need_k=True, *,
+                 max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
         return launch_bwd(self.ext, dy, x, k, need_x, need_k, max_workspace_bytes)
 
 
-_backend = FftconvBackend(runtime.gpu_launcher)
-DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
-not_supported_reasons = _backend.not_supported_reasons
-fftconv_fwd = _backend.fftconv_fwd
-fftconv_bwd = _backend.fftconv_bwd
+# The backend module's names over the GPU launcher (tests build FftconvBackend over the emulator).
+_GPU = FftconvBackend(runtime.gpu_launcher)
+CONFIG_SPACE: dict = FftconvBackend.CONFIG_SPACE
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
+
+
+def not_supported_reasons(*args, **inputs) -> list[str]:
+    return _GPU.not_supported_reasons(*args, **inputs)
+
+
+def forward(x, k, out_dtype=None, *, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
+    return _GPU.forward(x, k, out_dtype, max_workspace_bytes=max_workspace_bytes)
+
+
+def backward(dy, x, k, need_x=True, need_k=True, *, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
+    return _GPU.backward(dy, x, k, need_x, need_k, max_workspace_bytes=max_workspace_bytes)

@@ -20,9 +20,10 @@ import torch
 from .._layout import contiguous
 from .._toeplitz import diagonal_sums, toeplitz
 
-#: Lengths up to this use the O(L^2) Toeplitz matmul; above it the O(L log L) FFT path. Measured
-#: fwd+bwd crossover on a 1-thread x86 CPU (B=8, D=256): direct wins at L=16, FFT from L=32 on.
-DEFAULT_CONFIG: dict = {"direct_max_len": 16}
+#: direct_max_len: lengths up to this use the O(L^2) Toeplitz matmul, above it the O(L log L) FFT
+#: path (0: always the FFT); the default is where the two cross on a CPU, tunable per length bucket.
+CONFIG_SPACE: dict = {"direct_max_len": (16, 0, 64, 256, 1024)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(**inputs) -> list[str]:
@@ -37,7 +38,7 @@ def fft_size(length: int) -> int:
     return 2 * (1 << (length - 1).bit_length())
 
 
-def fftconv_fwd(x, k, out_dtype=None, *, direct_max_len):
+def forward(x, k, out_dtype=None, *, direct_max_len):
     """y r(B D L) = causal conv of x r(B D L) with k r(D L), in ``out_dtype`` (default x's dtype)."""
     cd = compute_dtype(x.dtype, k.dtype)
     out_dtype = out_dtype or x.dtype
@@ -52,7 +53,7 @@ def fftconv_fwd(x, k, out_dtype=None, *, direct_max_len):
     return torch.fft.irfft(spec, n=n)[..., :L].to(out_dtype)
 
 
-def fftconv_bwd(dy, x, k, need_x=True, need_k=True, *, direct_max_len):
+def backward(dy, x, k, need_x=True, need_k=True, *, direct_max_len):
     """-> (dx r(B D L) or None, dk r(D L) or None), both in the compute dtype."""
     cd = compute_dtype(x.dtype, k.dtype)
     L = x.shape[-1]

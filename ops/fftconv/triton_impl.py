@@ -16,15 +16,17 @@ import os
 
 import torch
 
-from ...autotune import registry as autotune
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, triton
 
 #: direct_max_len: the Toeplitz path for L <= it (at most DIRECT_MAX); num_warps: tile-path warps
 #: for N = 4096 (scaled down with N, see ``tile_warps``); work_warps: workspace path; direct_warps.
-#: Every config this backend may launch with, declared with the op's autotune registration in
-#: __init__.py (each AOT-compiled in tests for every tile size); the first values are the default.
-CONFIG_SPACE = autotune.get("fftconv").space["triton"]
-DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: Every config this backend may launch with (each AOT-compiled in tests for every tile size); the
+#: first values are the default.
+#: direct path up to direct_max_len (0: always the FFT); warps of the tile, workspace and direct
+#: kernels; work_bc columns per workspace-pass program
+CONFIG_SPACE: dict = {"direct_max_len": (64, 32, 0), "num_warps": (8,), "work_warps": (8,), "work_bc": (16,),
+                      "direct_warps": (4,)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 X_DTYPES = (torch.bfloat16, torch.float32)
 #: the direct path's tile widths (BLOCK_L); direct_max_len <= DIRECT_MAX
 DIRECT_TILES = (16, 32, 64)
@@ -758,12 +760,12 @@ def conv_bwd(dy, x, k, need_x=True, need_k=True, omega=None, *, direct_max_len, 
     return (dx if need_x else None, dk if need_k else None, dom if omega is not None else None)
 
 
-def fftconv_fwd(x, k, out_dtype=None, **config):
+def forward(x, k, out_dtype=None, **config):
     """y r(B D L) = causal conv of x r(B D L) with k r(D L), in ``out_dtype`` (default x's dtype)."""
     return conv_fwd(x, k, out_dtype=out_dtype, **config)
 
 
-def fftconv_bwd(dy, x, k, need_x=True, need_k=True, **config):
+def backward(dy, x, k, need_x=True, need_k=True, **config):
     """-> (dx r(B D L) or None, dk r(D L) or None), both float32 (the compute dtype)."""
     dx, dk, _ = conv_bwd(dy, x, k, need_x, need_k, **config)
     return dx, dk

@@ -24,7 +24,7 @@ TimestepNorm, Packed sequences).
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 from torch import Tensor
@@ -48,8 +48,7 @@ BACKENDS = OpBackends("timestep_norm", {
 autotune.register(
     "timestep_norm",
     key=lambda x, num_groups: {"D": x.shape[2], "G": num_groups, "L": autotune.pow2_bucket(x.shape[1])},
-    space={"cpu": {}, "cuda": {}, "torch": {"chunk": [64, 16, 32, 128, 256]},
-           "triton": {"block_elems": [4096], "num_warps": [8]}},
+    space=BACKENDS.config_spaces,
 )
 
 
@@ -57,23 +56,49 @@ def _select(x, num_groups, backend):
     return BACKENDS.select(backend, {"x": x, "num_groups": num_groups}, device=x.device, dtype=x.dtype)
 
 
+class Saved(NamedTuple):
+    """What the torch, Triton and cpu forwards hand their backward."""
+
+    x: Tensor
+    scale: Tensor
+    mu: Tensor             # r(B L G) running mean per step, relative to the shift K
+    rstd: Tensor           # r(B L G) running reciprocal std per step
+    gmu: Tensor            # r(B L G) each step's group mean, relative to K
+    padding_mask: Tensor
+    prev_count: Tensor
+    mu0: Tensor            # r(n G) the prior mean relative to K
+    K: Tensor              # r(n G) the per-group shift
+
+
+class CudaSaved(NamedTuple):
+    """What the CUDA forward hands its backward (which recomputes the shift from x)."""
+
+    x: Tensor
+    scale: Tensor
+    prev_count: Tensor
+    prev_mean: Tensor
+    padding_mask: Tensor
+    cummean: Tensor        # r(B L G) running mean per step, relative to the recomputed shift
+    cumrstd: Tensor        # r(B L G) running reciprocal std per step
+
+
 def _residuals(impl, saved, mean, acc):
     """A backend's saved tensors as the op's residuals (mu, rstd, gmu, K) in the accumulation dtype."""
-    if impl.name == "cuda":  # saved = (x, scale, count, mean, mask, cummean, cumrstd)
-        mu, rstd = saved[5], saved[6]
+    if impl.name == "cuda":
+        mu, rstd = saved.cummean, saved.cumrstd
         gmu, K = torch.zeros_like(mu), mean.new_zeros(mean.shape)
-    else:  # saved = (x, scale, mu, rstd, gmu, mask, count, mu0 - K, K)
-        mu, rstd, gmu, K = saved[2], saved[3], saved[4], saved[8]
+    else:
+        mu, rstd, gmu, K = saved.mu, saved.rstd, saved.gmu, saved.K
     return mu.to(acc), rstd.to(acc), gmu.to(acc), K.to(acc)
 
 
 def _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc):
-    """The op's residuals back as the ``saved`` tuple of the backend ``impl``'s backward."""
+    """The op's residuals back as what the backend ``impl``'s backward takes."""
     if impl.name == "cuda":
-        return (x.contiguous(), scale.to(acc).contiguous(), prev_count.to(torch.int64).contiguous(),
-                prev_mean.to(acc).contiguous(), padding_mask.contiguous(), mu, rstd)
+        return CudaSaved(x.contiguous(), scale.to(acc).contiguous(), prev_count.to(torch.int64).contiguous(),
+                         prev_mean.to(acc).contiguous(), padding_mask.contiguous(), mu, rstd)
     xs = x.contiguous() if impl.name == "triton" else x  # Triton's kernels read the contiguous copy of x
-    return (xs, scale, mu, rstd, gmu, padding_mask, prev_count, prev_mean.to(acc) - K, K)
+    return Saved(xs, scale, mu, rstd, gmu, padding_mask, prev_count, prev_mean.to(acc) - K, K)
 
 
 def _fwd_fake(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend,
@@ -100,7 +125,7 @@ def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor,
     ``cu_seqlens`` one per document."""
     check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
     impl = _select(x, num_groups, backend)
-    y, count, mean, var, saved = impl.module.timestep_norm_fwd(
+    y, count, mean, var, saved = impl.module.forward(
         x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
         **_packed(cu_seqlens, x), **impl.config)
     acc = acc_dtype(x.dtype)
@@ -127,8 +152,7 @@ def timestep_norm_bwd_op(dy: Tensor, dmean: Tensor, dvar: Tensor, x: Tensor, sca
     acc = acc_dtype(x.dtype)
     impl = _select(x, num_groups, backend)  # the forward's choice (cached)
     saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
-    grads = impl.module.timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, **_packed(cu_seqlens, x),
-                                          **impl.config)
+    grads = impl.module.backward(dy, dmean, dvar, saved, num_groups, **_packed(cu_seqlens, x), **impl.config)
     return tuple(g.to(t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))
 
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 
 import torch
 
-from ...cuda import launch as L
+from ...cuda import launch as cuda_launch
 from ...cuda import runtime
-from ...cuda.backend import _Backend
+from ...cuda.backend import Backend
+from . import CudaSaved
 
 MAX_CHUNKS = 128   # kTsnMaxChunks: threads (time chunks) of the scan kernels
 ROW_THREADS = 256  # kTsnRowThreads: 8 warps = 8 rows per block in the row kernels
@@ -28,8 +29,8 @@ SLOTS = 64         # kTsnSlots: row slices of the dscale/dbias partial sums (8 x
 HEADER = "timestep_norm.cuh"
 
 
-def _k(name: str, cpp: str) -> L.Kernel:
-    return L.Kernel(HEADER, f"mk::{name}<{cpp}>")
+def _k(name: str, cpp: str) -> cuda_launch.Kernel:
+    return cuda_launch.Kernel(HEADER, f"mk::{name}<{cpp}>")
 
 
 #: element-typed kernels take x's type T, the scans and the reduction its accumulation type A
@@ -37,12 +38,12 @@ _ELEMENT = ("tsn_shift_kernel", "tsn_moments_kernel", "tsn_normalize_kernel", "t
             "tsn_param_partial_kernel")
 _ACC = ("tsn_scan_fwd_kernel", "tsn_scan_bwd_kernel", "tsn_param_reduce_kernel")
 _ACC_CPP = {torch.float32: "float", torch.float64: "double"}
-KERNELS = ([_k(n, cpp) for n in _ELEMENT for cpp in L.CPP_TYPES.values()]
+KERNELS = ([_k(n, cpp) for n in _ELEMENT for cpp in cuda_launch.CPP_TYPES.values()]
            + [_k(n, cpp) for n in _ACC for cpp in _ACC_CPP.values()])
 
 
-def _kernel(name: str, x: torch.Tensor) -> L.Kernel:
-    cpp = L.CPP_TYPES[x.dtype] if name in _ELEMENT else _ACC_CPP[L.acc_dtype(x)]
+def _kernel(name: str, x: torch.Tensor) -> cuda_launch.Kernel:
+    cpp = cuda_launch.CPP_TYPES[x.dtype] if name in _ELEMENT else _ACC_CPP[cuda_launch.acc_dtype(x)]
     return _k(name, cpp)
 
 
@@ -50,7 +51,7 @@ def _shape(x: torch.Tensor, G: int, cu_seqlens: torch.Tensor | None):
     """(B, L, D, n, threads): n state rows (batch elements, or documents), threads of the scan
     blocks (the chunk count of the longest row there can be; each block takes its row's own,
     tsn_chunks in the header)."""
-    if x.dtype not in L.CPP_TYPES:
+    if x.dtype not in cuda_launch.CPP_TYPES:
         raise TypeError(f"the CUDA timestep_norm takes float32, bfloat16 or float64 x, got {x.dtype}")
     B, Lq, D = x.shape
     n = B if cu_seqlens is None else _documents(cu_seqlens, x)
@@ -89,23 +90,23 @@ def _shift(launcher, x, mask, cu_seqlens, n, Lq, G):
     """(kshift (n, G), kstep (B, L, G)): the shift K of every state row and group, and K at every
     step (tsn_shift_kernel), in the accumulation type."""
     B, _, D = x.shape
-    acc = L.acc_dtype(x)
+    acc = cuda_launch.acc_dtype(x)
     kshift = torch.empty(n, G, dtype=acc, device=x.device)
     kstep = torch.empty(B, Lq, G, dtype=acc, device=x.device)
     if n * G > 0:
-        p = L.ptr
-        L.launch(launcher, _kernel("tsn_shift_kernel", x), _row_grid(n * G), ROW_THREADS, 0,
+        p = cuda_launch.ptr
+        cuda_launch.launch(launcher, _kernel("tsn_shift_kernel", x), _row_grid(n * G), ROW_THREADS, 0,
                  [("ptr", p(x)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(kshift)), ("ptr", p(kstep)),
                   ("i32", n * G), ("i32", Lq), ("i32", G), ("i32", D // G)], x.device)
     return kshift, kstep
 
 
 def _row_grid(rows: int) -> int:
-    return L.grid_1d(-(-rows // 8))
+    return cuda_launch.grid_1d(-(-rows // 8))
 
 
 def _elem_grid(n: int) -> int:
-    return L.grid_1d(-(-n // 256), 1 << 16)
+    return cuda_launch.grid_1d(-(-n // 256), 1 << 16)
 
 
 def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
@@ -116,7 +117,7 @@ def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, paddin
     B, Lq, D, n, chunks = _shape(x, G, cu_seqlens)
     if not eps > 0:
         raise ValueError(f"timestep_norm: eps must be > 0, got {eps}")
-    dev, acc, A = x.device, L.acc_dtype(x), L.acc_tag(x)
+    dev, acc, A = x.device, cuda_launch.acc_dtype(x), cuda_launch.acc_tag(x)
     xc = x.contiguous()
     scale_f, bias_f = scale.to(acc).contiguous(), bias.to(acc).contiguous()
     pc = prev_count.to(torch.int64).contiguous()
@@ -129,23 +130,23 @@ def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, paddin
     cummean = torch.empty(B, Lq, G, dtype=acc, device=dev)
     cumrstd = torch.empty(B, Lq, G, dtype=acc, device=dev)
     ws = torch.empty(max(1, workspace_elems(B, Lq, D, G)), dtype=acc, device=dev)
-    saved = (xc, scale_f, pc, pm, mask, cummean, cumrstd)
+    saved = CudaSaved(xc, scale_f, pc, pm, mask, cummean, cumrstd)
     if n == 0:
         return y, count, mean, var, saved
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
-    p = L.ptr
+    p = cuda_launch.ptr
     kshift, kstep = _shift(launcher, xc, mask, cu_seqlens, n, Lq, G)
     if rows > 0:
-        L.launch(launcher, _kernel("tsn_moments_kernel", x), _row_grid(rows), ROW_THREADS, 0,
+        cuda_launch.launch(launcher, _kernel("tsn_moments_kernel", x), _row_grid(rows), ROW_THREADS, 0,
                  [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(ws)), ("i64", rows), ("i32", G),
                   ("i32", Dg)], dev)
-    L.launch(launcher, _kernel("tsn_scan_fwd_kernel", x), n * G, chunks, 0,
+    cuda_launch.launch(launcher, _kernel("tsn_scan_fwd_kernel", x), n * G, chunks, 0,
              [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(kshift)), ("ptr", p(pc)),
               ("ptr", p(pm)), ("ptr", p(pv)),
               ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(count)), ("ptr", p(mean)), ("ptr", p(var)),
               ("i32", Lq), ("i32", G), (A, float(eps))], dev)
     if total > 0:
-        L.launch(launcher, _kernel("tsn_normalize_kernel", x), _elem_grid(total), 256, 0,
+        cuda_launch.launch(launcher, _kernel("tsn_normalize_kernel", x), _elem_grid(total), 256, 0,
                  [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(cummean)), ("ptr", p(cumrstd)),
                   ("ptr", p(scale_f)), ("ptr", p(bias_f)), ("ptr", p(y)), ("i64", total), ("i32", D), ("i32", Dg)], dev)
     return y, count, mean, var, saved
@@ -169,34 +170,34 @@ def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
     ws = torch.empty(max(1, workspace_elems(B, Lq, D, G)), dtype=acc, device=dev)
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
     part = ws[3 * rows:]  # the dscale/dbias partial sums follow the per-row gradients
-    p = L.ptr
+    p = cuda_launch.ptr
     # the forward's K again (the same kernel on the same x and mask; padded-only or absent rows
     # have no step that reads it)
     kshift, kstep = _shift(launcher, xc, mask, cu_seqlens, n, Lq, G)
     if n > 0:
         if rows > 0:
-            L.launch(launcher, _kernel("tsn_row_grads_kernel", xc), _row_grid(rows), ROW_THREADS, 0,
+            cuda_launch.launch(launcher, _kernel("tsn_row_grads_kernel", xc), _row_grid(rows), ROW_THREADS, 0,
                      [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(scale_f)),
                       ("ptr", p(cummean)), ("ptr", p(ws)), ("i64", rows), ("i32", G), ("i32", Dg)], dev)
-        L.launch(launcher, _kernel("tsn_scan_bwd_kernel", xc), n * G, chunks, 0,
+        cuda_launch.launch(launcher, _kernel("tsn_scan_bwd_kernel", xc), n * G, chunks, 0,
                  [("ptr", p(ws)), ("ptr", p(mask)), ("ptr", p(cu_seqlens)), ("ptr", p(kshift)), ("ptr", p(pc)),
                   ("ptr", p(pm)),
                   ("ptr", p(cummean)), ("ptr", p(cumrstd)), ("ptr", p(dm)), ("ptr", p(dv)), ("ptr", p(dpm)),
                   ("ptr", p(dpv)), ("i32", Lq), ("i32", G)], dev)
         if total > 0:
-            L.launch(launcher, _kernel("tsn_dx_kernel", xc), _elem_grid(total), 256, 0,
+            cuda_launch.launch(launcher, _kernel("tsn_dx_kernel", xc), _elem_grid(total), 256, 0,
                      [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(cumrstd)),
                       ("ptr", p(ws)), ("ptr", p(scale_f)), ("ptr", p(dx)), ("i64", total), ("i32", D), ("i32", Dg)],
                      dev)
-    L.launch(launcher, _kernel("tsn_param_partial_kernel", xc), (-(-D // 32), SLOTS // 8), (32, 8), 0,
+    cuda_launch.launch(launcher, _kernel("tsn_param_partial_kernel", xc), (-(-D // 32), SLOTS // 8), (32, 8), 0,
              [("ptr", p(xc)), ("ptr", p(dyc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(cummean)),
               ("ptr", p(cumrstd)), ("ptr", p(part)), ("i64", B * Lq), ("i32", D), ("i32", Dg)], dev)
-    L.launch(launcher, _kernel("tsn_param_reduce_kernel", xc), _elem_grid(D), 256, 0,
+    cuda_launch.launch(launcher, _kernel("tsn_param_reduce_kernel", xc), _elem_grid(D), 256, 0,
              [("ptr", p(part)), ("ptr", p(dscale)), ("ptr", p(dbias)), ("i32", D), ("i32", SLOTS)], dev)
     return dx, dscale, dbias, dpm, dpv
 
 
-class TimestepNormBackend(_Backend):
+class TimestepNormBackend(Backend):
     FP64 = True  # double x: Welford/Kahan state, statistics and side inputs in double
 
     def not_supported_reasons(self, x, num_groups=None, **_other_inputs) -> list[str]:
@@ -205,17 +206,28 @@ class TimestepNormBackend(_Backend):
             reasons.append("L must be < 2^31")
         return reasons
 
-    def timestep_norm_fwd(self, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
-                          cu_seqlens=None):
+    def forward(self, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+                cu_seqlens=None):
         return launch_fwd(self.ext, x, scale, bias, prev_count, prev_mean, prev_var, padding_mask,
                           num_groups, eps, cu_seqlens)
 
-    def timestep_norm_bwd(self, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
+    def backward(self, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
         return launch_bwd(self.ext, dy, dmean, dvar, saved, num_groups, cu_seqlens)
 
 
-_backend = TimestepNormBackend(runtime.gpu_launcher)
-DEFAULT_CONFIG = _backend.DEFAULT_CONFIG
-not_supported_reasons = _backend.not_supported_reasons
-timestep_norm_fwd = _backend.timestep_norm_fwd
-timestep_norm_bwd = _backend.timestep_norm_bwd
+# The backend module's names over the GPU launcher (tests build TimestepNormBackend over the emulator).
+_GPU = TimestepNormBackend(runtime.gpu_launcher)
+CONFIG_SPACE: dict = TimestepNormBackend.CONFIG_SPACE
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
+
+
+def not_supported_reasons(*args, **inputs) -> list[str]:
+    return _GPU.not_supported_reasons(*args, **inputs)
+
+
+def forward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, cu_seqlens=None):
+    return _GPU.forward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, cu_seqlens)
+
+
+def backward(dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
+    return _GPU.backward(dy, dmean, dvar, saved, num_groups, cu_seqlens)

@@ -48,10 +48,12 @@ import torch.nn.functional as F
 from .._checks import acc_dtype
 from .._host_sync import any_or_device
 from .._packing import cached
+from . import Saved
 
 #: chunk: the time-chunk length T of the two-level scans (forward Welford scan and backward
 #: reverse sums). Any T >= 1 gives the same result up to rounding.
-DEFAULT_CONFIG: dict = {"chunk": 64}
+CONFIG_SPACE: dict = {"chunk": (64, 16, 32, 128, 256)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
 def not_supported_reasons(x, num_groups=None) -> list[str]:
@@ -367,7 +369,7 @@ def _rows(padding_mask, chunk, cu_seqlens):
 # Forward / backward
 # ----------------------------------------------------------------------------------------------
 
-def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+def forward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
                       cu_seqlens=None, chunk=DEFAULT_CONFIG["chunk"]):
     """Returns (y, count, mean, var, saved) with ``saved`` the tensors timestep_norm_bwd needs.
     States are per row, or with ``cu_seqlens`` (x one packed row) per document."""
@@ -419,11 +421,11 @@ def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_m
         var_out = torch.where(observed, rows.last(var), var0)
     else:
         mean_out, var_out = mu0.clone(), var0.clone()
-    saved = (x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0 - K, K)
+    saved = Saved(x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0 - K, K)
     return y, count, mean_out, var_out, saved
 
 
-def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, cu_seqlens=None, chunk=DEFAULT_CONFIG["chunk"]):
+def backward(dy, dmean, dvar, saved, num_groups, cu_seqlens=None, chunk=DEFAULT_CONFIG["chunk"]):
     """Returns (dx, dscale, dbias, dprev_mean, dprev_var), all in the accumulation dtype."""
     # mu, gmu and mu0 are relative to the shift K (see _shift); x is shifted again below.
     x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0, K = saved

@@ -41,13 +41,13 @@ from __future__ import annotations
 
 import torch
 
-from ...autotune import registry as autotune
+from . import Saved
 from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 
-#: every config this backend may launch with, declared with the op's autotune registration in
-#: __init__.py (the tuner chooses among them; each is AOT-compiled in tests); the first values are the default
-CONFIG_SPACE = autotune.get("timestep_norm").space["triton"]
-DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: every config this backend may launch with (the tuner chooses among them; each is AOT-compiled
+#: in tests); the first values are the default
+CONFIG_SPACE: dict = {"block_elems": (4096,), "num_warps": (8,)}
+DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 #: feature-tile widths: a launch takes the smallest >= Dg = D / G
 BLOCK_D_TIERS = (16, 64, 256, 1024)
 MAX_T = 64
@@ -275,7 +275,7 @@ def _steps_seen(padding_mask, cu_seqlens):
     return ends[1:] - ends[:-1]
 
 
-def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
+def forward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
                       cu_seqlens=None, block_elems=4096, num_warps=8):
     """Returns (y, count, mean, var, saved) with ``saved`` the tensors timestep_norm_bwd needs.
     With ``cu_seqlens`` (int64 (n + 1,), values already checked) x is one packed row of n
@@ -307,11 +307,11 @@ def timestep_norm_fwd(x, scale, bias, prev_count, prev_mean, prev_var, padding_m
             num_warps=num_warps,
         )
     count = pc + _steps_seen(padding_mask, cu_seqlens)
-    saved = (x, scale, mu, rstd, gmu, padding_mask, prev_count, pm - K, K)
+    saved = Saved(x, scale, mu, rstd, gmu, padding_mask, prev_count, pm - K, K)
     return y, count, mean, var, saved
 
 
-def timestep_norm_bwd(dy, dmean, dvar, saved, num_groups, cu_seqlens=None, block_elems=4096, num_warps=8):
+def backward(dy, dmean, dvar, saved, num_groups, cu_seqlens=None, block_elems=4096, num_warps=8):
     """Returns (dx, dscale, dbias, dprev_mean, dprev_var), all float32; ``cu_seqlens`` as in the
     forward (dmean, dvar and the gradients of the prior state: one row per document)."""
     x, scale, mu, rstd, gmu, padding_mask, prev_count, mu0, K = saved
