@@ -113,7 +113,7 @@ def main():
         grads = torch.autograd.grad((y, mean, var), leaves, ups)
         sec = time.perf_counter() - t0
         with torch.no_grad():  # the running per-step stats, for the per-step rows
-            *_, saved = torch_impl.timestep_norm_fwd(inputs[0], inputs[1], inputs[2], n0, inputs[3], inputs[4],
+            *_, saved = torch_impl.forward(inputs[0], inputs[1], inputs[2], n0, inputs[3], inputs[4],
                                                      torch.zeros(B, L, dtype=torch.bool), G, eps, chunk=args.chunk)
             step_mu, step_rstd = saved[2] + saved[8][:, None], saved[3]  # mu is stored relative to the shift K
         return dict(y=y, mean=mean, var=var, step_mean=step_mu, step_rstd=step_rstd, dx=grads[0], dscale=grads[1],

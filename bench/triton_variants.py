@@ -220,17 +220,17 @@ def _timestep_norm_bytes():
         shape = f"B={B} L={L} D={D} G={G} fp32" + ("" if cu is None else f" {n} documents")
 
         def fwd(x=x, scale=scale, bias=bias, pc=pc, pm=pm, pv=pv, pad=pad, cu=cu, n=n, stats=stats, bounds=bounds):
-            timestep_norm_impl.timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5, cu_seqlens=cu)
+            timestep_norm_impl.forward(x, scale, bias, pc, pm, pv, pad, G, 1e-5, cu_seqlens=cu)
             return (2 * x.numel() * f + stats + B * L + 2 * D * f + 8 * n + 2 * n * G * f + 3 * n * G * f + bounds)
 
         yield "timestep_norm fwd", shape, fwd
-        _, _, _, _, saved = timestep_norm_impl.timestep_norm_fwd(x, scale, bias, pc, pm, pv, pad, G, 1e-5,
+        _, _, _, _, saved = timestep_norm_impl.forward(x, scale, bias, pc, pm, pv, pad, G, 1e-5,
                                                                  cu_seqlens=cu)
         dy = torch.randn_like(x)
         dm, dv = torch.randn(n, G), torch.randn(n, G)
 
         def bwd(x=x, dy=dy, dm=dm, dv=dv, saved=saved, cu=cu, n=n, stats=stats, bounds=bounds):
-            timestep_norm_impl.timestep_norm_bwd(dy, dm, dv, saved, G, cu_seqlens=cu)
+            timestep_norm_impl.backward(dy, dm, dv, saved, G, cu_seqlens=cu)
             return (3 * x.numel() * f + stats + B * L + D * f + 16 * n + 4 * n * G * f + 2 * n * D * f
                     + 2 * n * G * f + bounds)
 
@@ -270,12 +270,12 @@ def _cema_kernel_bytes():
     f = cema_kernel_impl.phase_fraction(log_q)
 
     def fwd():
-        k, b = cema_kernel_impl.cema_kernel_fwd(p, log_q, gamma, L, hx)
+        k, b = cema_kernel_impl.forward(p, log_q, gamma, L, hx)
         return nbytes(p, log_q.real, gamma, hx, f, k, b)
 
     def bwd():
         dk, db = torch.randn(D, L), torch.randn(B, D, L)
-        out = cema_kernel_impl.cema_kernel_bwd(dk, db, p, log_q, gamma, L, hx)
+        out = cema_kernel_impl.backward(dk, db, p, log_q, gamma, L, hx)
         return nbytes(dk, db, p, log_q.real, gamma, hx, f, *out)
 
     yield "cema_kernel fwd", f"D={D} N={N} B={B} L={L} fp32", fwd
@@ -318,12 +318,12 @@ def _ema_hidden_bytes():
     x = torch.randn(B, D, L)
 
     def fwd():
-        h, V, W = ema_hidden_impl.ema_hidden_fwd(x, p, log_q, hx, True)
+        h, V, W = ema_hidden_impl.forward(x, p, log_q, hx, True)
         return nbytes(x, p, log_q.real, hx, f, h, V, W)
 
     def bwd():
         dh = torch.complex(torch.randn(B, D, N), torch.randn(B, D, N))
-        dx, *_ = ema_hidden_impl.ema_hidden_bwd(dh, p, log_q, None, None, None, L, (True, False, False, False))
+        dx, *_ = ema_hidden_impl.backward(dh, p, log_q, None, None, None, L, (True, False, False, False))
         return nbytes(dh, p, log_q.real, f, dx)
 
     yield "ema_hidden fwd", f"B={B} D={D} N={N} L={L} fp32", fwd
@@ -427,10 +427,10 @@ def _fftconv_bytes():
         table = fftconv_table_bytes(plan[1]) if plan[0] == "tile" else 0
 
         def fwd(x=x, k=k, table=table):
-            return nbytes(x, k, fftconv_impl.fftconv_fwd(x, k, **cfg)) + table
+            return nbytes(x, k, fftconv_impl.forward(x, k, **cfg)) + table
 
         def bwd(x=x, k=k, dy=dy, table=table):
-            return nbytes(dy, x, k, *fftconv_impl.fftconv_bwd(dy, x, k, True, True, **cfg)) + table
+            return nbytes(dy, x, k, *fftconv_impl.backward(dy, x, k, True, True, **cfg)) + table
 
         yield f"fftconv fwd ({plan[0]})", f"B={B} D={D} L={L} fp32", fwd
         yield f"fftconv bwd ({plan[0]})", f"B={B} D={D} L={L} fp32", bwd

@@ -106,10 +106,10 @@ def test_timestep_norm_gpu_launches_equal_the_emulator_launches(tee, dtype, path
     args = (x, torch.rand(D, dtype=acc) + 0.5, torch.randn(D, dtype=acc), torch.tensor([0, 3]),
             torch.zeros(B, G, dtype=acc), torch.ones(B, G, dtype=acc), mask, G, 1e-5)
     backend = tsn_cuda.TimestepNormBackend(lambda: tee, "cpu")
-    y, count, mean, var, saved = backend.timestep_norm_fwd(*args)
+    y, count, mean, var, saved = backend.forward(*args)
     if path == "bwd":
         _reset(tee)
-        dx, *_ = backend.timestep_norm_bwd(torch.randn(B, L, D).to(dtype), torch.randn(B, G, dtype=acc),
+        dx, *_ = backend.backward(torch.randn(B, L, D).to(dtype), torch.randn(B, G, dtype=acc),
                                            torch.randn(B, G, dtype=acc), saved, G)
         assert torch.isfinite(dx.float()).all()
     else:
@@ -142,11 +142,11 @@ def _coefficients(real, D=3, N=20, B=2):
 def test_cema_kernel_gpu_launches_equal_the_emulator_launches(tee, real, weighted):
     p, log_q, gamma, hx = _coefficients(real)
     backend = cema_cuda.CemaKernelBackend(lambda: tee, "cpu")
-    k, b = backend.cema_kernel_fwd(p, log_q, gamma, 70, hx)
+    k, b = backend.forward(p, log_q, gamma, 70, hx)
     assert torch.isfinite(k).all() and torch.isfinite(b).all()
     assert_same_launches(tee)
     _reset(tee)
-    grads = backend.cema_kernel_bwd(torch.randn_like(k), torch.randn_like(b), p, log_q, gamma, 70, hx,
+    grads = backend.backward(torch.randn_like(k), torch.randn_like(b), p, log_q, gamma, 70, hx,
                                     (True, weighted, True, True))
     assert all(torch.isfinite(torch.view_as_real(g) if g.is_complex() else g).all() for g in grads)
     assert_same_launches(tee)
@@ -159,11 +159,11 @@ def test_ema_hidden_gpu_launches_equal_the_emulator_launches(tee, dtype, real):
     p, log_q, _, hx = _coefficients(real)
     x = torch.randn(2, 3, 50).to(dtype)
     backend = hidden_cuda.EmaHiddenBackend(lambda: tee, "cpu")
-    h, V, W = backend.ema_hidden_fwd(x, p, log_q, hx, True)
+    h, V, W = backend.forward(x, p, log_q, hx, True)
     assert torch.isfinite(torch.view_as_real(h)).all()
     assert_same_launches(tee)
     _reset(tee)
-    dx, dp, dlq, dhx = backend.ema_hidden_bwd(torch.randn_like(h), p, log_q, hx, V, W, 50)
+    dx, dp, dlq, dhx = backend.backward(torch.randn_like(h), p, log_q, hx, V, W, 50)
     assert torch.isfinite(dx).all() and torch.isfinite(dp).all()
     assert_same_launches(tee)
 
@@ -174,12 +174,12 @@ def test_fftconv_gpu_launches_equal_the_emulator_launches(tee, dtype, L):
     # B = 2 with a product-spectrum slice of one batch element: the dk sum accumulates, then finalizes
     x, k = torch.randn(2, 1, L).to(dtype), torch.randn(1, L).to(F64 if dtype == F64 else F32)
     backend = fftconv_cuda.FftconvBackend(lambda: tee, "cpu")
-    y = backend.fftconv_fwd(x, k)
+    y = backend.forward(x, k)
     assert torch.isfinite(y.float()).all()
     assert_same_launches(tee)
     _reset(tee)
     row_bytes = (fftconv_cuda.fft_size(L) + 1) * (16 if dtype == F64 else 8)
-    dx, dk = backend.fftconv_bwd(torch.randn_like(y), x, k, True, True, max_workspace_bytes=row_bytes)
+    dx, dk = backend.backward(torch.randn_like(y), x, k, True, True, max_workspace_bytes=row_bytes)
     assert torch.isfinite(dx.float()).all() and torch.isfinite(dk).all()
     assert_same_launches(tee)
     if L > 10000:  # the multi-pass plan travels by value as a 16-byte struct

@@ -211,16 +211,16 @@ def _other_op_launches(dtype, B=2, L_=300, H=3, D=16, N=16):
     dks.backward(y, y, causal=True)
     xt, G = meta(B, L_, D, dtype=dtype), 4
     tsn = tsn_cuda.TimestepNormBackend(lambda: rec, "meta")
-    out = tsn.timestep_norm_fwd(xt, meta(D, dtype=real), meta(D, dtype=real), meta(B, dtype=torch.int64),
+    out = tsn.forward(xt, meta(D, dtype=real), meta(D, dtype=real), meta(B, dtype=torch.int64),
                                 meta(B, G, dtype=real), meta(B, G, dtype=real), meta(B, L_, dtype=torch.bool), G, 1e-5)
-    tsn.timestep_norm_bwd(xt, meta(B, G, dtype=real), meta(B, G, dtype=real), out[-1], G)
+    tsn.backward(xt, meta(B, G, dtype=real), meta(B, G, dtype=real), out[-1], G)
     p, log_q, gamma, hx = _coefficients(real, D, N, B)
     cema = cema_cuda.CemaKernelBackend(lambda: rec, "meta")
-    k, b = cema.cema_kernel_fwd(p, log_q, gamma, L_, hx)
-    cema.cema_kernel_bwd(k, b, p, log_q, gamma, L_, hx)
+    k, b = cema.forward(p, log_q, gamma, L_, hx)
+    cema.backward(k, b, p, log_q, gamma, L_, hx)
     hidden = hidden_cuda.EmaHiddenBackend(lambda: rec, "meta")
-    h, V, W = hidden.ema_hidden_fwd(meta(B, D, L_, dtype=dtype), p, log_q, hx, True)
-    hidden.ema_hidden_bwd(h, p, log_q, hx, V, W, L_)
+    h, V, W = hidden.forward(meta(B, D, L_, dtype=dtype), p, log_q, hx, True)
+    hidden.backward(h, p, log_q, hx, V, W, L_)
     return rec.records
 
 

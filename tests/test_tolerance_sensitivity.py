@@ -31,11 +31,11 @@ GAIN = 1 + 1e-5
 #: op -> (forward function of its torch backend, positions of the op's outputs in what it returns:
 #: None for a function returning the output itself)
 FORWARD = {
-    "cema_kernel": ("cema_kernel_fwd", (0, 1)),          # (k, b, ...)
-    "ema_hidden": ("ema_hidden_fwd", (0,)),              # (h, V, W)
-    "fftconv": ("fftconv_fwd", None),
-    "cema": ("cema_fwd", (0, 1)),                        # (y, h, saved)
-    "timestep_norm": ("timestep_norm_fwd", (0,)),        # (y, count, mean, var, saved)
+    "cema_kernel": ("forward", (0, 1)),          # (k, b, ...)
+    "ema_hidden": ("forward", (0,)),              # (h, V, W)
+    "fftconv": ("forward", None),
+    "cema": ("forward", (0, 1)),                        # (y, h, saved)
+    "timestep_norm": ("forward", (0,)),        # (y, count, mean, var, saved)
     "attention": ("forward", (0,)),                      # (o, lse)
     "dropkey_softmax": ("forward", None),
     "rotary": ("forward", None),

@@ -129,17 +129,17 @@ def test_groups_pairs_and_length_blocks_beyond_the_limit(record):
     tn = _impl("timestep_norm")
     x = torch.zeros(1, 1, n)
     zeros, ones = torch.zeros(1, n), torch.ones(n)
-    y, count, mean, var, saved = tn.timestep_norm_fwd(x, ones, ones * 0, torch.zeros(1, dtype=torch.int64), zeros,
+    y, count, mean, var, saved = tn.forward(x, ones, ones * 0, torch.zeros(1, dtype=torch.int64), zeros,
                                                       zeros + 1, torch.zeros(1, 1, dtype=torch.bool), n, 1e-5)
-    tn.timestep_norm_bwd(x, None, None, saved, n)
+    tn.backward(x, None, None, saved, n)
     ro = _impl("rotary")
     xr = torch.zeros(1, 1, 1, 2 * n)
     ro.forward(xr, torch.ones(1, 1, 1, n), torch.zeros(1, 1, 1, n), block_pairs=1)
     ck, eh = _impl("cema_kernel"), _impl("ema_hidden")
     p = torch.rand(2, 16)
     log_q = torch.complex(-torch.rand(2, 16), torch.rand(2, 16))
-    ck.cema_kernel_fwd(p, log_q, log_q, n, None, block_m=1, block_r=1)
-    eh.ema_hidden_bwd(torch.zeros(1, 2, 16, dtype=torch.complex64), p, log_q, None, None, None, n,
+    ck.forward(p, log_q, log_q, n, None, block_m=1, block_r=1)
+    eh.backward(torch.zeros(1, 2, 16, dtype=torch.complex64), p, log_q, None, None, None, n,
                       (True, False, False, False), block_m=1, block_r=1)
     _check_limits(launches)
     _check_cover(launches, "_timestep_norm_fwd_kernel", n)
@@ -194,7 +194,7 @@ def _cema_kernel_case():
     impl = _impl("cema_kernel")
     p = torch.rand(2, 16, generator=torch.Generator().manual_seed(0))
     log_q = torch.complex(-torch.rand(2, 16) - 0.1, torch.rand(2, 16))
-    return [], lambda: impl.cema_kernel_fwd(p, log_q, log_q, 300, None, block_m=16, block_r=16)[0]
+    return [], lambda: impl.forward(p, log_q, log_q, 300, None, block_m=16, block_r=16)[0]
 
 
 def _ema_hidden_case():
@@ -202,7 +202,7 @@ def _ema_hidden_case():
     p = torch.rand(2, 16, generator=torch.Generator().manual_seed(0))
     log_q = torch.complex(-torch.rand(2, 16) - 0.1, torch.rand(2, 16))
     dh = torch.complex(_x(1, 2, 16), _x(1, 2, 16, seed=1))
-    return [], lambda: impl.ema_hidden_bwd(dh, p, log_q, None, None, None, 300, (True, False, False, False),
+    return [], lambda: impl.backward(dh, p, log_q, None, None, None, 300, (True, False, False, False),
                                            block_m=16, block_r=16)[0]
 
 
