@@ -14,7 +14,12 @@ The ops register when ``megalodon_kernels.ops`` is imported; this file does not 
 autotune runtime and the CUDA loader import this package and must not pull the ops in, see
 tests/test_autotune.py), it puts a namespace on ``torch.ops`` that imports the ops the first time
 a name in it is looked up. Cost of ``import megalodon_kernels``: torch's import, which every user
-of the ops pays anyway; the ops' own ~70 ms come only with the first lookup or ``ops`` import.
+of the ops pays anyway, and the CUDA loader's launch descriptions module (a few ms: see below);
+the ops' own ~70 ms come only with the first lookup or ``ops`` import.
+
+It also tells the CUDA loader (``cuda/instances.py``) where the kernel list comes from: the ops
+hand over their launch descriptions, lazily, so the loader, a layer below the ops, never imports
+them by name (tests/test_layering.py).
 """
 
 import importlib
@@ -54,3 +59,11 @@ elif not getattr(type(_existing), "registers_the_ops", False):
     # Someone looked the namespace up before this import: replacing it would drop the op objects
     # it already handed out, so register the ops now instead.
     importlib.import_module(f"{_PACKAGE}.ops")
+
+
+def _cuda_launch_descriptions() -> list:
+    """The ops' CUDA launch descriptions, imported on the CUDA loader's first request."""
+    return importlib.import_module(f"{_PACKAGE}.ops").cuda_launch_descriptions()
+
+
+importlib.import_module(f"{_PACKAGE}.cuda.instances").provide(_cuda_launch_descriptions)

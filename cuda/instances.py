@@ -1,17 +1,14 @@
 """Every kernel instantiation of the package, as NVRTC name expressions: the ``KERNELS`` lists of
 the ops' launch descriptions (``ops/<op>/cuda_impl.py``), which the ops hand to this loader.
 
-``megalodon_kernels.ops`` calls :func:`provide` when it is imported, with a function returning its
-launch descriptions. (Until the package's ``__init__.py`` hands that function over too, a list
-asked for before the ops were imported imports them here: :func:`_ops_not_imported`.) The GPU runtime compiles the kernels
-with NVRTC on first use (``python -m megalodon_kernels.cuda compile`` compiles them all ahead of
+The package's ``__init__.py`` calls :func:`provide` with a function returning the ops' launch
+descriptions. The GPU runtime compiles the kernels with NVRTC on first use (``python -m megalodon_kernels.cuda compile`` compiles them all ahead of
 time); the emulator build (cuda/build.py) registers them, plus the ops' ``EMULATOR_KERNELS``
 (configurations that exist only on the CPU, such as flash attention's fp32 tiles), for launch by
 name.
 """
 from __future__ import annotations
 
-import importlib
 from typing import Callable, Iterable
 
 from .launch import Kernel
@@ -29,20 +26,12 @@ def provide(descriptions: Callable[[], Iterable]) -> None:
         _providers.append(descriptions)
 
 
-def _ops_not_imported() -> None:
-    """Import the ops, which hand their descriptions over (:func:`provide`): a caller (a tool, the
-    emulator build) asked for the list first. Transitional: to go when megalodon_kernels/__init__.py
-    registers the ops' provider itself (tests/test_layering.py lists it as pending)."""
-    importlib.import_module("megalodon_kernels.ops")
-    if not _providers:
-        raise RuntimeError("megalodon_kernels.ops handed no CUDA launch descriptions to cuda/instances.py")
-
-
 def described_kernels(emulator: bool = False) -> list[Kernel]:
     """[Kernel] of every launch description handed over, in order, without duplicates;
     ``emulator``: with the ops' emulator-only instantiations."""
     if not _providers:
-        _ops_not_imported()
+        raise RuntimeError("no CUDA launch descriptions were handed to cuda/instances.py: import "
+                           "megalodon_kernels (its __init__ provides the ops' descriptions)")
     out = []
     for descriptions in _providers:
         for module in descriptions():

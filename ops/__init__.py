@@ -7,7 +7,6 @@ Triton backends; every op but cema a CUDA one; timestep_norm, fftconv and cema a
 (``ops/<op>/<backend>_impl.py``, docs/design.md has the table). See ``_dispatch.py`` for how
 "auto" resolves and ``MEGALODON_KERNELS_BACKEND`` to force one.
 """
-from ..cuda import instances as _cuda_instances
 from . import dropkey_rule
 from ._packing import document_positions
 from .attention import attention
@@ -25,7 +24,8 @@ __all__ = ["attention", "cema", "cema_kernel", "document_positions", "dropkey_ru
 
 def cuda_launch_descriptions() -> list:
     """The ops' CUDA launch descriptions (``ops/<op>/cuda_impl.py``, each with its ``KERNELS``),
-    handed to the CUDA loader (cuda/instances.py), which never imports the ops itself."""
+    handed to the CUDA loader (cuda/instances.py) by the package's ``__init__``: the loader never
+    imports the ops itself."""
     from .attention import cuda_impl as attention_cuda
     from .cema_kernel import cuda_impl as cema_kernel_cuda
     from .dropkey_softmax import cuda_impl as dropkey_softmax_cuda
@@ -37,5 +37,3 @@ def cuda_launch_descriptions() -> list:
     return [rotary_cuda, timestep_norm_cuda, cema_kernel_cuda, ema_hidden_cuda, fftconv_cuda, dropkey_softmax_cuda,
             attention_cuda]
 
-
-_cuda_instances.provide(cuda_launch_descriptions)

@@ -260,20 +260,10 @@ def test_model_sits_on_the_ops_only():
     assert not bad, "\n".join(bad)
 
 
-#: cuda/instances.py imports the ops by name when asked for the kernel list before they were
-#: imported, until megalodon_kernels/__init__.py hands it the ops' provider (a change outside the
-#: files of the layering rules' owner): (importing module, imported module)
-PENDING_CUDA = {(f"{PKG}.cuda.instances", OPS)}
-
-
 def test_cuda_loader_imports_nothing_above_it():
-    bad = [v for v in _violations(_modules(f"{PKG}.cuda"), [OPS, f"{PKG}.model", f"{PKG}.autotune", f"{PKG}.bench",
-                                                             f"{PKG}.reference"])
-           if not any(v.startswith(f"{SOURCES[m].relative_to(ROOT)}:") and v.endswith(f" imports {t}")
-                      for m, t in PENDING_CUDA)]
+    bad = _violations(_modules(f"{PKG}.cuda"), [OPS, f"{PKG}.model", f"{PKG}.autotune", f"{PKG}.bench",
+                                                 f"{PKG}.reference"])
     assert not bad, "\n".join(bad)
-    still = {(m, t) for m, t in PENDING_CUDA if any(target == t for _, target, _ in IMPORTS[m])}
-    assert still == PENDING_CUDA, f"fixed, remove from PENDING_CUDA: {sorted(PENDING_CUDA - still)}"
 
 
 def test_autotune_never_imports_the_model():
