@@ -76,9 +76,11 @@ def test_a_failing_step_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
     assert "device lost" in (tmp_path / "gpu_run.md").read_text()
 
 
-def test_without_a_gpu_the_real_run_refuses_with_a_reason(tmp_path, capsys):
+def test_without_a_gpu_the_real_run_refuses_with_a_reason(tmp_path, capsys, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("there is a GPU here")
+    # main() sets TRITON_INTERPRET for its own process; monkeypatch puts this process's value back
+    monkeypatch.setenv("TRITON_INTERPRET", os.environ.get("TRITON_INTERPRET", "0"))
     assert gpu_run.main(["--out", str(tmp_path)]) == 2
     assert "--dry" in capsys.readouterr().err
 
