@@ -68,13 +68,14 @@ def count_bytes():
         sink.append((ptrs.data[m].astype(np.int64).ravel(), elem_bytes(ptrs)))
         return n * elem_bytes(ptrs)
 
-    def load(self, ptrs, mask, other, cache_policy, is_volatile):
+    # *policy: the cache / volatility arguments, whose number differs between Triton releases
+    def load(self, ptrs, mask, other, *policy):
         count.loaded += record(count._load_addrs, ptrs, mask)
-        return orig_load(self, ptrs, mask, other, cache_policy, is_volatile)
+        return orig_load(self, ptrs, mask, other, *policy)
 
-    def store(self, ptrs, value, mask, cache_policy):
+    def store(self, ptrs, value, mask, *policy):
         count.stored += record(count._store_addrs, ptrs, mask)
-        return orig_store(self, ptrs, value, mask, cache_policy)
+        return orig_store(self, ptrs, value, mask, *policy)
 
     def rmw(self, rmwOp, ptr, val, mask, sem, scope):
         n = record(count._load_addrs, ptr, mask)

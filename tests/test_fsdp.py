@@ -17,6 +17,8 @@ fused residual sums reshape a 2-D GEMM output back to (B, L, D) (model/layers.py
 """
 from __future__ import annotations
 
+import importlib
+import inspect
 import os
 import sys
 import time
@@ -30,6 +32,10 @@ from support import ranks_finished, start_ranks
 WORLD = 2
 B, L = 4, 32  # global batch (B sequences of L + 1 tokens); each rank takes B / WORLD
 VIEW_WARNING = "returned a view tensor"
+#: whether this torch's FSDP2 checks for a module that returns a view (torch 2.11's has no such check: the
+#: control below cannot be made there; the numbers are still compared)
+FSDP_WARNS_ON_VIEWS = VIEW_WARNING in inspect.getsource(
+    importlib.import_module("torch.distributed.fsdp._fully_shard._fsdp_state"))
 
 
 def _model(**overrides):
@@ -142,7 +148,8 @@ def test_fully_shard_two_gloo_ranks_equals_one_process(tmp_path):
     results = [torch.load(os.path.join(tmpdir, f"rank{r}.pt"), weights_only=False) for r in range(WORLD)]
     for r, res in enumerate(results):
         # the control: FSDP2 on this torch warns about a module that returns a view
-        assert any(VIEW_WARNING in w for w in res["control_warnings"]), (r, res["control_warnings"])
+        if FSDP_WARNS_ON_VIEWS:
+            assert any(VIEW_WARNING in w for w in res["control_warnings"]), (r, res["control_warnings"])
         assert not [w for w in res["warnings"] if VIEW_WARNING in w], (r, res["warnings"])
         assert res["sharded"], f"rank {r}: the parameters are not DTensors sharded over the mesh"
     assert sum(res["loss"] for res in results) / WORLD == pytest.approx(ref_loss, rel=1e-6)

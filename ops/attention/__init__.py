@@ -33,7 +33,7 @@ from torch import Tensor
 from .._checks import REAL_DTYPES, acc_dtype, check_choice, check_float, check_int, check_same_dtype, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import absent, custom_op, empty_like, plain_eager
+from .._library import absent, custom_op, empty_like, plain_eager, plain_tensor
 from .._packing import check_cu_seqlens, document_bounds, plan
 from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
@@ -321,6 +321,7 @@ def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float
     # an eager call autograd records may keep tiles for its backward (module doc); a traced one may
     # not (their size depends on the backend's tiling, which its fake implementation cannot know)
     keep_tiles = (cu_seqlens is None and torch.is_grad_enabled()
-                  and (q.requires_grad or k.requires_grad or v.requires_grad) and plain_eager(profiler_ok=True))
+                  and (q.requires_grad or k.requires_grad or v.requires_grad) and plain_eager(profiler_ok=True)
+                  and plain_tensor(q))  # meta or fake tensors run the fake, which keeps nothing
     return attention_op(q, k, v, scale, causal, chunk_size, block_causal, dropkey_p, seed, attn_fn, backend,
                         cu_seqlens, keep_tiles)[0]

@@ -16,7 +16,8 @@ import os
 
 import torch
 
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, triton
+from .._triton_common import (HAVE_TRITON, device_reasons, dtype_reasons, release_config_space, release_reasons, tl,
+                              triton)
 
 #: direct_max_len: the Toeplitz path for L <= it (at most DIRECT_MAX); num_warps: tile-path warps
 #: for N = 4096 (scaled down with N, see ``tile_warps``); work_warps: workspace path; direct_warps.
@@ -24,8 +25,11 @@ from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, tl, tri
 #: first values are the default.
 #: direct path up to direct_max_len (0: always the FFT); warps of the tile, workspace and direct
 #: kernels; work_bc columns per workspace-pass program
-CONFIG_SPACE: dict = {"direct_max_len": (64, 32, 0), "num_warps": (8,), "work_warps": (8,), "work_bc": (16,),
-                      "direct_warps": (4,)}
+CONFIG_SPACE_ALL_RELEASES: dict = {"direct_max_len": (64, 32, 0), "num_warps": (8,), "work_warps": (8,),
+                                   "work_bc": (16,), "direct_warps": (4,)}
+#: what the installed Triton may launch: CONFIG_SPACE_ALL_RELEASES less the values an older release
+#: compiles to spilling code (_triton_common.RELEASE_PRUNES; the AOT report compiles all of them)
+CONFIG_SPACE: dict = release_config_space("fftconv", CONFIG_SPACE_ALL_RELEASES)
 DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 X_DTYPES = (torch.bfloat16, torch.float32)
 #: the direct path's tile widths (BLOCK_L); direct_max_len <= DIRECT_MAX
@@ -53,6 +57,8 @@ def not_supported_reasons(x=None, k=None, **_) -> list[str]:
         why += dtype_reasons("k", k, (torch.bfloat16, torch.float16, torch.float32))
     if x.shape[-1] > MAX_LENGTH:
         why.append(f"L = {x.shape[-1]} > {MAX_LENGTH} (FFT size up to 2**18; use backend='torch')")
+    elif fft_size(x.shape[-1]) > MAX_TILE_FFT:  # the workspace path's kernels
+        why += release_reasons("fftconv", x.device, path="work")
     return why
 
 
