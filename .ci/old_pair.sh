@@ -46,10 +46,12 @@ EOF
 step "python -m megalodon_kernels (TRITON_INTERPRET=1: the Triton kernels too)"
 TRITON_INTERPRET=1 python -m megalodon_kernels
 
-step "custom ops, compile, export, dispatch, model"
+step "custom ops, compile, export, dispatch, model, FSDP2, the AOT prunes of this Triton"
 timeout "$limit" python -m pytest -p no:cacheprovider -q \
     tests/test_versions.py tests/test_compile.py tests/test_export_process.py tests/test_dispatch.py \
-    tests/test_packed_model.py tests/test_model_streaming.py tests/test_model_checkpoint.py
+    tests/test_library_adapter.py tests/test_device_guard.py \
+    tests/test_packed_model.py tests/test_model_streaming.py tests/test_model_checkpoint.py tests/test_fsdp.py
+timeout "$limit" python -m pytest -p no:cacheprovider -q -k "release or report" tests/test_triton_aot.py
 
 # The self-check above ran every op's Triton kernels (forward and backward, every dtype) against
 # the float64 references, and test_compile's opcheck ran each packed Triton backend. Here: what it
