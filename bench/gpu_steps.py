@@ -400,6 +400,20 @@ def _gemm_share(model, tokens, device) -> float | None:
     return (total - gemm) / total if total else None
 
 
+def _within(end: float, notes: list, label: str, measure):
+    """``measure()`` if the step's time (``end``, perf_counter) is not over, else None with a note;
+    an exception becomes a note too, so one failed measurement does not end the step."""
+    if time.perf_counter() > end:
+        notes.append(f"{label}: not reached in the step's time")
+        return None
+    try:
+        return measure()
+    except Exception as exc:
+        notes.append(f"{label}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        return None
+
+
+
 def step_model(run: Run, limit_s: float) -> dict:
     from megalodon_kernels.bench import vs_transformer as vt
 
@@ -412,15 +426,11 @@ def step_model(run: Run, limit_s: float) -> dict:
     train, decode, notes = [], [], []
     for tokens in points:
         for kind in ("megalodon", "transformer"):
-            if time.perf_counter() > end:
-                notes.append(f"train {kind} {tokens}: not reached in the step's time")
-                continue
-            try:
-                r = vt.measure(kind, 1, tokens, steps, dev, max_step_s=max(1.0, end - time.perf_counter()))
+            r = _within(end, notes, f"train {kind} {tokens}", lambda: vt.measure(
+                kind, 1, tokens, steps, dev, max_step_s=max(1.0, end - time.perf_counter())))
+            if r is not None:
                 r["tokens_per_s"] = tokens / r["step_s"] if r["step_s"] else None
                 train.append(r)
-            except Exception as exc:
-                notes.append(f"train {kind} {tokens}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     share = None
@@ -435,13 +445,9 @@ def step_model(run: Run, limit_s: float) -> dict:
             notes.append(f"non-GEMM share: ERROR {type(exc).__name__}: {str(exc)[:200]}")
     for context in ctx:
         for kind in ("megalodon", "transformer"):
-            if time.perf_counter() > end:
-                notes.append(f"decode {kind} at {context}: not reached in the step's time")
-                continue
-            try:
-                decode.append(vt.decode_rate(kind, context, new, dev))
-            except Exception as exc:
-                notes.append(f"decode {kind} at {context}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+            r = _within(end, notes, f"decode {kind} at {context}", lambda: vt.decode_rate(kind, context, new, dev))
+            if r is not None:
+                decode.append(r)
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
     data = dict(train=train, ratios=vt.ratios(train), non_gemm_share=share, decode=decode, notes=notes)

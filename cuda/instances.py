@@ -2,10 +2,10 @@
 the ops' launch descriptions (``ops/<op>/cuda_impl.py``), which the ops hand to this loader.
 
 The package's ``__init__.py`` calls :func:`provide` with a function returning the ops' launch
-descriptions. The GPU runtime compiles the kernels with NVRTC on first use (``python -m megalodon_kernels.cuda compile`` compiles them all ahead of
-time); the emulator build (cuda/build.py) registers them, plus the ops' ``EMULATOR_KERNELS``
-(configurations that exist only on the CPU, such as flash attention's fp32 tiles), for launch by
-name.
+descriptions. The GPU runtime compiles the kernels with NVRTC on first use (``python -m
+megalodon_kernels.cuda compile`` compiles them all ahead of time); the emulator build
+(cuda/build.py) registers them, plus the ops' ``EMULATOR_KERNELS`` (configurations that exist only
+on the CPU, such as flash attention's fp32 tiles), for launch by name.
 """
 from __future__ import annotations
 
