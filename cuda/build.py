@@ -122,7 +122,7 @@ def _headers_digest() -> str:
 _tool_versions: dict[str, str] = {}
 
 
-def _tool_version(tool: str) -> str:
+def tool_version(tool: str) -> str:
     if tool not in _tool_versions:
         try:
             out = subprocess.run([tool, "--version"], capture_output=True, text=True, check=True).stdout
@@ -132,7 +132,7 @@ def _tool_version(tool: str) -> str:
     return _tool_versions[tool]
 
 
-def _digest(*parts) -> str:
+def digest(*parts) -> str:
     h = hashlib.sha256()
     for part in parts:
         h.update(part if isinstance(part, bytes) else str(part).encode())
@@ -140,7 +140,7 @@ def _digest(*parts) -> str:
     return h.hexdigest()[:20]
 
 
-def _run(cmd: list[str], what: str) -> subprocess.CompletedProcess:
+def run_tool(cmd: list[str], what: str) -> subprocess.CompletedProcess:
     proc = subprocess.run(cmd, capture_output=True, text=True)
     if proc.returncode != 0:
         raise RuntimeError(f"{what} failed ({proc.returncode}):\n$ {' '.join(cmd)}\n{proc.stdout}{proc.stderr}")
@@ -160,7 +160,7 @@ def _write_generated(path: Path, text: str) -> None:
         _atomic_move(tmp, path)
 
 
-class _Lock:
+class FileLock:
     """An exclusive file lock: concurrent test processes build the same cache safely."""
 
     def __init__(self, path: Path):
@@ -224,7 +224,7 @@ def registry_sources(gendir: Path) -> list[Path]:
         if template:
             lines.append("#endif")
         text = "\n".join(lines) + "\n"
-        path = gendir / f"registry_{Path(header).stem}{'_' + template if template else ''}-{_digest(text)}.cpp"
+        path = gendir / f"registry_{Path(header).stem}{'_' + template if template else ''}-{digest(text)}.cpp"
         _write_generated(path, text)
         out.append(path)
     return out
@@ -232,19 +232,19 @@ def registry_sources(gendir: Path) -> list[Path]:
 
 def _compile_jobs(objdir: Path) -> list[tuple[Path, list[str], Path]]:
     headers = _headers_digest()
-    cxx = _tool_version(CXX)
+    cxx = tool_version(CXX)
     jobs = []
     for src in emulator_sources() + registry_sources(objdir.parent / "gen"):
         # Only the CuTe sources get the CuTe flags: the other objects keep their cache keys.
         cute = _emulator_cute_flags() if _uses_cute(src) else []
         flags = [*CXXFLAGS, "-x", "c++", f"-I{CUDA_DIR}", *cute]
-        key = _digest(src.read_bytes(), headers, flags, cxx)
+        key = digest(src.read_bytes(), headers, flags, cxx)
         obj = objdir / f"{src.stem}-{key}.o"
         jobs.append((src, [CXX, *flags, "-c", str(src), "-o"], obj))
     src = CUDA_DIR / "bindings.cpp"
     flags = [*BINDING_FLAGS, f"-DMK_EXT_NAME={EMULATOR_MODULE}", "-DMK_EMULATOR_BUILD", f"-I{CUDA_DIR}",
              *(f"-I{i}" for i in _binding_includes())]
-    key = _digest(src.read_bytes(), headers, flags, cxx, sys.version)
+    key = digest(src.read_bytes(), headers, flags, cxx, sys.version)
     jobs.append((src, [CXX, *flags, "-c", str(src), "-o"], objdir / f"bindings-{key}.o"))
     return jobs
 
@@ -256,11 +256,11 @@ def build_emulator(verbose: bool = False) -> Path:
     objdir.mkdir(parents=True, exist_ok=True)
     jobs = _compile_jobs(objdir)
     suffix = sysconfig.get_config_var("EXT_SUFFIX") or ".so"
-    link_key = _digest(*(obj.name for _, _, obj in jobs), _tool_version(CXX))
+    link_key = digest(*(obj.name for _, _, obj in jobs), tool_version(CXX))
     so = root / f"lib-{link_key}" / f"{EMULATOR_MODULE}{suffix}"
     if so.exists():
         return so
-    with _Lock(root / ".lock"):
+    with FileLock(root / ".lock"):
         if so.exists():
             return so
         todo = [(src, cmd, obj) for src, cmd, obj in jobs if not obj.exists()]
@@ -270,7 +270,7 @@ def build_emulator(verbose: bool = False) -> Path:
             tmp = obj.with_suffix(f".tmp{os.getpid()}.o")
             if verbose:
                 print(f"[mk-emu] compiling {src.name}", file=sys.stderr)
-            _run([*cmd, str(tmp)], f"compiling {src.name}")
+            run_tool([*cmd, str(tmp)], f"compiling {src.name}")
             _atomic_move(tmp, obj)
 
         # biggest first: bindings.cpp (pybind11) dominates
@@ -279,7 +279,7 @@ def build_emulator(verbose: bool = False) -> Path:
             list(pool.map(compile_one, todo))
         so.parent.mkdir(parents=True, exist_ok=True)
         tmp = so.with_name(f".{so.name}.tmp{os.getpid()}")
-        _run([CXX, "-shared", "-o", str(tmp), *(str(obj) for _, _, obj in jobs), "-lpthread"], "linking the emulator")
+        run_tool([CXX, "-shared", "-o", str(tmp), *(str(obj) for _, _, obj in jobs), "-lpthread"], "linking the emulator")
         _atomic_move(tmp, so)
     return so
 
@@ -372,14 +372,14 @@ def nvcc_resources(src: Path, arch: int) -> list[KernelResources]:
     src = Path(src)
     cute = [a for d in cute_include_dirs() for a in ("-isystem", d)] if _uses_cute(src) else []
     flags = [*NVCC_FLAGS, f"-arch=sm_{arch}", f"-I{CUDA_DIR}", *cute]
-    key = _digest(src.read_bytes(), _headers_digest(), flags, _tool_version(nvcc))
+    key = digest(src.read_bytes(), _headers_digest(), flags, tool_version(nvcc))
     root = cache_dir() / "nvcc"
     root.mkdir(parents=True, exist_ok=True)
     entry = root / f"{src.stem}-sm{arch}-{key}.json"
     if not entry.exists():
         with tempfile.TemporaryDirectory() as tmp:
             cubin = Path(tmp) / f"{src.stem}.cubin"
-            proc = _run([nvcc, *flags, str(src), "-o", str(cubin)], f"nvcc {src.name} sm_{arch}")
+            proc = run_tool([nvcc, *flags, str(src), "-o", str(cubin)], f"nvcc {src.name} sm_{arch}")
             rows = parse_ptxas(proc.stdout + proc.stderr)
         names = _demangle([r["mangled"] for r in rows])
         for r, n in zip(rows, names):
@@ -410,7 +410,7 @@ def nvcc_sources(kernels, gendir: Path | None = None) -> list[Path]:
         lines += [f"    reinterpret_cast<const void*>(&{name})," for name in names]
         lines.append("};")
         text = "\n".join(lines) + "\n"
-        path = gendir / f"{template}-{_digest(text)}.cu"
+        path = gendir / f"{template}-{digest(text)}.cu"
         _write_generated(path, text)
         out.append(path)
     return out

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..cuda.build import _Lock, _atomic_move, _digest, _run, _tool_version
+from ..cuda.build import FileLock, digest, run_tool, tool_version
 
 CXX = os.environ.get("CXX", "g++")
 
@@ -49,14 +49,14 @@ def load(source: Path, name: str, cxx: str, flags: list[str]) -> ctypes.CDLL | E
     """The library built from ``source`` (cached as ``<name>_<key>.so``), or the exception that
     prevented building or loading it (no compiler, a failed build, an unloadable file)."""
     try:
-        key = _digest(source.read_bytes(), _tool_version(cxx), *flags)
+        key = digest(source.read_bytes(), tool_version(cxx), *flags)
         out = cache_dir() / f"{name}_{key}.so"
         if not out.exists():
-            with _Lock(out.with_suffix(".lock")):
+            with FileLock(out.with_suffix(".lock")):
                 if not out.exists():
                     tmp = out.with_suffix(f".tmp{os.getpid()}.so")
-                    _run([cxx, *flags, "-o", str(tmp), str(source)], f"building the CPU {name} kernel")
-                    _atomic_move(tmp, out)
+                    run_tool([cxx, *flags, "-o", str(tmp), str(source)], f"building the CPU {name} kernel")
+                    os.replace(tmp, out)
         return ctypes.CDLL(str(out))
     except Exception as exc:
         return exc

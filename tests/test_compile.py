@@ -141,22 +141,22 @@ def _backward_cases():
         yield f"cema_kernel_bwd-{name}-no-hx", OPS.cema_kernel_bwd, (
             torch.randn(D, L, dtype=dt), None, p, lq, gm, L, None, [True, True, False, False], "auto")
         h, V, W = OPS.ema_hidden(x, p, lq, hx, True, "auto")
-        yield f"ema_hidden_bwd-{name}", OPS.ema_hidden_bwd, (torch.randn_like(h), x, p, lq, hx, V, W, [True] * 4,
+        yield f"ema_hidden_bwd-{name}", OPS.ema_hidden_bwd, (torch.randn_like(h), x, p, lq, hx, V, W, True, [True] * 4,
                                                              "auto")
         y, h, kk, V, W = OPS.cema(x, p, lq, gm, om, hx, True, True, "auto")
         yield f"cema_bwd-{name}", OPS.cema_bwd, (torch.randn_like(y), torch.randn_like(h), x, p, lq, gm, om, hx, kk, V,
-                                                 W, [True] * 6, "auto")
+                                                 W, True, [True] * 6, "auto")
         y, h, kk, V, W = OPS.cema(x, p, lq, gm, om, None, False, False, "auto")
         yield f"cema_bwd-{name}-no-state", OPS.cema_bwd, (torch.randn_like(y), None, x, p, lq, gm, om, None, kk, V, W,
-                                                          [True, True, True, True, True, False], "auto")
+                                                          False, [True, True, True, True, True, False], "auto")
         cu, x1, hx3 = torch.tensor([0, 4, 4, 9]), x[:1], hx[[0, 1, 1]]  # 3 documents, one empty
         yield f"fftconv_bwd-{name}-packed", OPS.fftconv_bwd, (torch.randn_like(x1), x1, k, True, True, "auto", cu)
         h, V, W = OPS.ema_hidden(x1, p, lq, hx3, True, "auto", cu)
         yield f"ema_hidden_bwd-{name}-packed", OPS.ema_hidden_bwd, (torch.randn_like(h), x1, p, lq, hx3, V, W,
-                                                                    [True] * 4, "auto", cu)
+                                                                    True, [True] * 4, "auto", cu)
         y, h, kk, V, W = OPS.cema(x1, p, lq, gm, om, hx3, True, True, "auto", cu)
         yield f"cema_bwd-{name}-packed", OPS.cema_bwd, (torch.randn_like(y), torch.randn_like(h), x1, p, lq, gm, om, hx3,
-                                                        kk, V, W, [True] * 6, "auto", cu)
+                                                        kk, V, W, True, [True] * 6, "auto", cu)
         Bt, Lt, Dt, G = 2, 7, 8, 2
         xt, sc, bi = torch.randn(Bt, Lt, Dt, dtype=dt), torch.randn(Dt, dtype=dt), torch.randn(Dt, dtype=dt)
         pc, pm, pv = torch.tensor([0, 3]), torch.randn(Bt, G, dtype=dt), torch.rand(Bt, G, dtype=dt) + 0.5
@@ -206,18 +206,18 @@ def _backend_cases(backend):
     yield "cema_kernel", OPS.cema_kernel, (p, lq, gm, L, hx, backend), OPS.cema_kernel_bwd, \
         lambda out: (out[0], out[1], p, lq, gm, L, hx, [True] * 4, backend)
     yield "ema_hidden", OPS.ema_hidden, (x, p, lq, hx, True, backend), OPS.ema_hidden_bwd, \
-        lambda out: (out[0], x, p, lq, hx, out[1], out[2], [True] * 4, backend)
+        lambda out: (out[0], x, p, lq, hx, out[1], out[2], True, [True] * 4, backend)
     if backend != "cuda":  # cema has no CUDA implementation
         yield "cema", OPS.cema, (x, p, lq, gm, om, hx, True, True, backend), OPS.cema_bwd, \
-            lambda out: (out[0], out[1], x, p, lq, gm, om, hx, *out[2:], [True] * 6, backend)
+            lambda out: (out[0], out[1], x, p, lq, gm, om, hx, *out[2:], True, [True] * 6, backend)
     cu_ema, x1, hx3 = torch.tensor([0, 4, 4, 9]), x[:1], hx[[0, 1, 1]]  # 3 documents, one empty
     yield "fftconv-packed", OPS.fftconv, (x1, k, backend, cu_ema), OPS.fftconv_bwd, \
         lambda y: (y, x1, k, True, True, backend, cu_ema)
     yield "ema_hidden-packed", OPS.ema_hidden, (x1, p, lq, hx3, True, backend, cu_ema), OPS.ema_hidden_bwd, \
-        lambda out: (out[0], x1, p, lq, hx3, out[1], out[2], [True] * 4, backend, cu_ema)
+        lambda out: (out[0], x1, p, lq, hx3, out[1], out[2], True, [True] * 4, backend, cu_ema)
     if backend != "cuda":
         yield "cema-packed", OPS.cema, (x1, p, lq, gm, om, hx3, True, True, backend, cu_ema), OPS.cema_bwd, \
-            lambda out: (out[0], out[1], x1, p, lq, gm, om, hx3, *out[2:], [True] * 6, backend, cu_ema)
+            lambda out: (out[0], out[1], x1, p, lq, gm, om, hx3, *out[2:], True, [True] * 6, backend, cu_ema)
     xt, sc, bi = torch.randn(2, 7, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
     pc, pm, pv = torch.tensor([0, 3]), torch.randn(2, 2, generator=g), torch.rand(2, 2, generator=g) + 0.5
     pad = torch.zeros(2, 7, dtype=torch.bool)

@@ -166,15 +166,6 @@ def _private(name: str) -> bool:
     return name.startswith("_") and not name.startswith("__")
 
 
-#: what the runtime layers still read of each other's private names, each waiting for a change
-#: outside the files of the layering rules' owner: (importing module, imported module, name)
-PENDING = {
-    # cuda/build.py to make its build helpers public (the compiled CPU backends share them)
-    *((f"{OPS}._cpu_build", f"{PKG}.cuda.build", n) for n in ("_Lock", "_atomic_move", "_digest", "_run",
-                                                              "_tool_version")),
-}
-
-
 def _private_reads(module: str) -> list[tuple[int, str, str, str]]:
     """(line, other layer's module, private name, how) for each private name ``module`` reads
     from another layer."""
@@ -204,15 +195,9 @@ def test_no_private_names_across_layers():
     import _x`` and ``<alias of such a module>._x`` are refused (a module named with an
     underscore, such as ops/_packing.py, is shared and may be imported; its own underscore names
     are not)."""
-    bad, pending = [], set()
-    for module in RUNTIME:
-        for line, target, name, how in _private_reads(module):
-            if (module, target, name) in PENDING:
-                pending.add((module, target, name))
-            else:
-                bad.append(f"{SOURCES[module].relative_to(ROOT)}:{line} {how} {name} from {target}")
+    bad = [f"{SOURCES[module].relative_to(ROOT)}:{line} {how} {name} from {target}"
+           for module in RUNTIME for line, target, name, how in _private_reads(module)]
     assert not bad, "another layer's private names:\n" + "\n".join(bad)
-    assert pending == PENDING, f"fixed, remove from PENDING: {sorted(PENDING - pending)}"
 
 
 def test_no_op_imports_another_ops_private_names_or_package_for_a_side_effect():

@@ -29,7 +29,7 @@ from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._library import absent, custom_op, empty_like, grad_or_none
 from .._packing import check_cu_seqlens, check_per_document, plan
-from ..ema_hidden import kept, packed_state, packed_state_grads
+from ..ema_hidden import packed_state, packed_state_grads
 from .compose import Needs, Saved, add_optional
 
 __all__ = ["cema"]
@@ -139,7 +139,7 @@ def cema_op(x: Tensor, p: Tensor, log_q: Tensor, gamma: Tensor, omega: Tensor, h
     return y, h, k.to(p.dtype), V, (W if weighted else absent(log_q))
 
 
-def _bwd_fake(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, backend, cu_seqlens=None):
+def _bwd_fake(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, weighted, needs, backend, cu_seqlens=None):
     inputs = (x, p, log_q, gamma, omega, hx)
     return tuple(empty_like(t) if t is not None and need else absent(x)
                  for t, need in zip(inputs, needs))
@@ -147,12 +147,13 @@ def _bwd_fake(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, backend, cu
 
 @custom_op("cema_bwd", _bwd_fake)
 def cema_bwd_op(dy: Tensor, dh: Optional[Tensor], x: Tensor, p: Tensor, log_q: Tensor, gamma: Tensor, omega: Tensor,
-                hx: Optional[Tensor], k: Tensor, V: Tensor, W: Tensor, needs: list[bool], backend: str,
+                hx: Optional[Tensor], k: Tensor, V: Tensor, W: Tensor, weighted: bool, needs: list[bool], backend: str,
                 cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> the gradients of (x, p, log_q, gamma, omega, hx) in their dtypes, placeholders where not
-    needed; ``dh`` is None without return_state."""
+    needed; ``dh`` is None without return_state; ``W`` is the forward's weighted sums when it ran
+    ``weighted`` (and returned its state), else its placeholder."""
     needs = Needs(*needs)
-    W = kept(W)  # None: the forward ran without a log_q gradient in sight
+    W = W if weighted else None  # None: the forward ran without a log_q gradient in sight
     if cu_seqlens is not None:
         grads = _packed_bwd(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, needs, cu_seqlens, backend)
     else:
@@ -171,14 +172,14 @@ def _setup(ctx, inputs, output):
     x, p, log_q, gamma, omega, hx, return_state, weighted, backend, cu_seqlens = inputs
     _, _, k, V, W = output
     ctx.save_for_backward(x, p, log_q, gamma, omega, hx, k, V, W, cu_seqlens)
-    ctx.return_state, ctx.backend = return_state, backend
+    ctx.return_state, ctx.weighted, ctx.backend = return_state, return_state and weighted, backend
 
 
 def _backward(ctx, dy, dh, _dk, _dV, _dW):
     x, p, log_q, gamma, omega, hx, k, V, W, cu_seqlens = ctx.saved_tensors
     needs = [bool(n) and t is not None for n, t in zip(ctx.needs_input_grad[:6], (x, p, log_q, gamma, omega, hx))]
-    grads = cema_bwd_op(dy, dh if ctx.return_state else None, x, p, log_q, gamma, omega, hx, k, V, W, needs,
-                        ctx.backend, cu_seqlens)
+    grads = cema_bwd_op(dy, dh if ctx.return_state else None, x, p, log_q, gamma, omega, hx, k, V, W, ctx.weighted,
+                        needs, ctx.backend, cu_seqlens)
     return (*(grad_or_none(g, need) for g, need in zip(grads, needs)), None, None, None, None)
 
 

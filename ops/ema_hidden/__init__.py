@@ -138,28 +138,22 @@ def ema_hidden_op(x: Tensor, p: Tensor, log_q: Tensor, hx: Optional[Tensor], wei
     return h, V, (W if weighted else absent(log_q))
 
 
-def kept(W: Tensor) -> Optional[Tensor]:
-    """A saved state sum c(B D N) as the forward kept it, or None for the (0,) placeholder of
-    ops/_library.absent that stands for it when the forward did not keep it (a custom op's
-    outputs are all tensors; a kept sum always has rank 3)."""
-    return W if W.dim() == 3 else None
-
-
-def _bwd_fake(dh, x, p, log_q, hx, V, W, needs, backend, cu_seqlens=None):
+def _bwd_fake(dh, x, p, log_q, hx, V, W, weighted, needs, backend, cu_seqlens=None):
     return (empty_like(x) if needs[0] else absent(x), empty_like(p), empty_like(log_q),
             empty_like(hx) if hx is not None and needs[3] else absent(log_q))
 
 
 @custom_op("ema_hidden_bwd", _bwd_fake)
 def ema_hidden_bwd_op(dh: Tensor, x: Tensor, p: Tensor, log_q: Tensor, hx: Optional[Tensor], V: Tensor,
-                      W: Tensor, needs: list[bool], backend: str,
+                      W: Tensor, weighted: bool, needs: list[bool], backend: str,
                       cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """-> (dx or a placeholder, dp, dlog_q, dhx or a placeholder) in the inputs' dtypes."""
+    """-> (dx or a placeholder, dp, dlog_q, dhx or a placeholder) in the inputs' dtypes. ``W`` is
+    the forward's weighted sums when it ran ``weighted``, else its placeholder."""
+    W = W if weighted else None  # None: the forward ran without log_q needing a gradient
     if cu_seqlens is not None:
-        dx, dp, dlq, dhx = packed_state_grads(dh, x, p, log_q, hx, V, kept(W), tuple(needs), cu_seqlens, backend)
+        dx, dp, dlq, dhx = packed_state_grads(dh, x, p, log_q, hx, V, W, tuple(needs), cu_seqlens, backend)
     else:
         impl = _select(x, p, log_q, hx, backend)
-        W = kept(W)  # None: the forward ran without log_q needing a gradient
         if W is None and needs[2]:  # a caller that asked for the gradient anyway: compute the weighted sums now
             _, V, W = impl.module.forward(x, p, log_q, hx, True, **impl.config)
         dx, dp, dlq, dhx = impl.module.backward(dh, p, log_q, hx, V, W, x.shape[-1], tuple(needs), **impl.config)
@@ -171,13 +165,13 @@ def _setup(ctx, inputs, output):
     x, p, log_q, hx, weighted, backend, cu_seqlens = inputs
     h, V, W = output
     ctx.save_for_backward(x, p, log_q, hx, V, W, cu_seqlens)
-    ctx.backend = backend
+    ctx.weighted, ctx.backend = weighted, backend
 
 
 def _backward(ctx, dh, _dV, _dW):
     x, p, log_q, hx, V, W, cu_seqlens = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
-    dx, dp, dlq, dhx = ema_hidden_bwd_op(dh, x, p, log_q, hx, V, W, needs, ctx.backend, cu_seqlens)
+    dx, dp, dlq, dhx = ema_hidden_bwd_op(dh, x, p, log_q, hx, V, W, ctx.weighted, needs, ctx.backend, cu_seqlens)
     return (grad_or_none(dx, needs[0]), grad_or_none(dp, needs[1]), grad_or_none(dlq, needs[2]),
             grad_or_none(dhx, needs[3] and hx is not None), None, None, None)
 
