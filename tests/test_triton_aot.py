@@ -297,3 +297,62 @@ def test_a_device_with_less_shared_memory_refuses_with_both_figures():
             cuda_device.faked(cuda_device.with_smem(cuda_device.PROFILES["A100"], 80), index=0):
         assert _triton_common.arch_reasons("dropkey_softmax", torch.device("cuda", 0))  # 128 B > 80 B
         assert not _triton_common.arch_reasons("dropkey_softmax", torch.device("cuda", 1))
+
+
+# ------------------------------------- the launch prunes reach each backend's not_supported_reasons
+
+def _fake_cuda(*shape, dtype):
+    """A tensor on a CUDA device that this CPU-only machine does not have (metadata only)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    with FakeTensorMode():
+        return torch.empty(*shape, device="cuda", dtype=dtype)
+
+
+BF16, F16, F32 = torch.bfloat16, torch.float16, torch.float32
+#: (op, backend inputs, whether a RELEASE_PRUNES launch prune covers them): each pruned launch and
+#: its neighbours (another tile, dtype, length or unpacked), which must still run
+LAUNCH_CASES = [
+    ("fftconv", dict(x=(1, 2, 2049, F32), k=(2, 2049, F32)), True),  # the first length of the workspace path
+    ("fftconv", dict(x=(1, 2, 2048, F32), k=(2, 2048, F32)), False),
+    ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=1, packed=True), True),
+    ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=1, packed=False), False),
+    ("timestep_norm", dict(x=(1, 40, 256, F16), num_groups=1, packed=True), False),
+    ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=4, packed=True), False),  # D/G = 64: another tile
+    ("timestep_norm", dict(x=(1, 40, 1024, F32), num_groups=1, packed=True), True),
+    ("timestep_norm", dict(x=(1, 40, 1024, F32), num_groups=4, packed=True), False),  # D/G = 256
+]
+
+
+@pytest.mark.parametrize("op,inputs,pruned", LAUNCH_CASES,
+                         ids=[f"{c[0]}-{i}-{'pruned' if c[2] else 'runs'}" for i, c in enumerate(LAUNCH_CASES)])
+def test_a_launch_prune_refuses_exactly_its_launches_in_the_backend(monkeypatch, op, inputs, pruned):
+    """Through the op's Triton backend (what dispatch asks): on the oldest tested release, a launch
+    RELEASE_PRUNES prunes is refused on the GPU family that spills it, with the fix in the reason;
+    its neighbours, other families and the newest release run."""
+    oldest, newest = TRITON_TESTED
+    module = importlib.import_module(f"megalodon_kernels.ops.{op}.triton_impl")
+    args = {name: _fake_cuda(*v[:-1], dtype=v[-1]) if isinstance(v, tuple) else v for name, v in inputs.items()}
+    for release in (oldest, newest):
+        monkeypatch.setattr(_triton_common, "triton_release", lambda release=release: release)
+        for profile in ("H100", "A100"):
+            with cuda_device.faked(profile):
+                why = module.not_supported_reasons(**args)
+            if pruned and release == oldest and profile == "H100":
+                assert len(why) == 1 and "triton>=3.7" in why[0] and "spills registers" in why[0], why
+            else:
+                assert why == [], (release, profile, why)
+
+
+def test_timestep_norm_dispatch_says_whether_a_call_is_packed(monkeypatch):
+    """The packed launch prunes need to know a packed call from an unpacked one: timestep_norm
+    hands ``packed`` to every backend's not_supported_reasons."""
+    from megalodon_kernels.ops.timestep_norm import timestep_norm, torch_impl
+
+    seen = []
+    real = torch_impl.not_supported_reasons
+    monkeypatch.setattr(torch_impl, "not_supported_reasons", lambda **kw: seen.append(kw["packed"]) or real(**kw))
+    x, scale, bias = torch.randn(1, 13, 6), torch.ones(6), torch.zeros(6)  # a shape no other test dispatches
+    timestep_norm(x, scale, bias, 3, backend="torch")
+    timestep_norm(x, scale, bias, 3, backend="torch", cu_seqlens=torch.tensor([0, 5, 13]))
+    assert seen == [False, True]

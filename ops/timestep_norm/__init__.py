@@ -47,13 +47,16 @@ BACKENDS = OpBackends("timestep_norm", {
 
 autotune.register(
     "timestep_norm",
-    key=lambda x, num_groups: {"D": x.shape[2], "G": num_groups, "L": autotune.pow2_bucket(x.shape[1])},
+    key=lambda x, num_groups, packed=False: {"D": x.shape[2], "G": num_groups, "L": autotune.pow2_bucket(x.shape[1])},
     space=BACKENDS.config_spaces,
 )
 
 
-def _select(x, num_groups, backend):
-    return BACKENDS.select(backend, {"x": x, "num_groups": num_groups}, device=x.device, dtype=x.dtype)
+def _select(x, num_groups, backend, cu_seqlens):
+    """The backend for this call; ``packed`` is an input of the choice because a backend's packed
+    kernels may differ in what a device runs (Triton 3.6's packed tiles on sm_90)."""
+    return BACKENDS.select(backend, {"x": x, "num_groups": num_groups, "packed": cu_seqlens is not None},
+                           device=x.device, dtype=x.dtype)
 
 
 class Saved(NamedTuple):
@@ -124,7 +127,7 @@ def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor,
     recomputes from x in its backward: its gmu and K residuals are zeros). count, mean, var and K have one row per batch element, or with
     ``cu_seqlens`` one per document."""
     check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
-    impl = _select(x, num_groups, backend)
+    impl = _select(x, num_groups, backend, cu_seqlens)
     y, count, mean, var, saved = impl.module.forward(
         x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
         **_packed(cu_seqlens, x), **impl.config)
@@ -150,7 +153,7 @@ def timestep_norm_bwd_op(dy: Tensor, dmean: Tensor, dvar: Tensor, x: Tensor, sca
                          cu_seqlens: Optional[Tensor] = None) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> the gradients of (x, scale, bias, prev_mean, prev_var), each in its input's dtype."""
     acc = acc_dtype(x.dtype)
-    impl = _select(x, num_groups, backend)  # the forward's choice (cached)
+    impl = _select(x, num_groups, backend, cu_seqlens)  # the forward's choice (cached)
     saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
     grads = impl.module.backward(dy, dmean, dvar, saved, num_groups, **_packed(cu_seqlens, x), **impl.config)
     return tuple(g.to(t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))

@@ -52,7 +52,7 @@ def _library():
     return lib
 
 
-def not_supported_reasons(x, num_groups=None) -> list[str]:
+def not_supported_reasons(x, num_groups=None, packed=False) -> list[str]:
     return device_reasons("cpu", "cpu", x=x) + _cpu_build.unsupported(_library(), CXX)
 
 

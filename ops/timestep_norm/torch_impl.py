@@ -56,7 +56,7 @@ CONFIG_SPACE: dict = {"chunk": (64, 16, 32, 128, 256)}
 DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 
-def not_supported_reasons(x, num_groups=None) -> list[str]:
+def not_supported_reasons(x, num_groups=None, packed=False) -> list[str]:
     return []  # every device and dtype torch supports
 
 

@@ -42,7 +42,8 @@ from __future__ import annotations
 import torch
 
 from . import Saved
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
+from .._triton_common import (HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, release_reasons, store_rounded,
+                              tl, triton)
 
 #: every config this backend may launch with (the tuner chooses among them; each is AOT-compiled
 #: in tests); the first values are the default
@@ -54,13 +55,21 @@ MAX_T = 64
 MIN_T = 4
 
 
-def not_supported_reasons(x, num_groups=None) -> list[str]:
+#: the dtype names of the launches in _triton_common.RELEASE_PRUNES
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def not_supported_reasons(x, num_groups=None, packed=False) -> list[str]:
     why = device_reasons(x, op="timestep_norm") + dtype_reasons("x", x)
     if num_groups and x.dim() == 3 and x.shape[2] // num_groups > BLOCK_D_TIERS[-1]:
         why.append(f"group size D / G = {x.shape[2] // num_groups} > {BLOCK_D_TIERS[-1]}; use backend='torch' "
                    "or more groups")
     if not why and x.numel() >= 2**31:
         why.append("x has >= 2**31 elements; use backend='torch'")
+    if not why and num_groups and x.dim() == 3:  # the tile this launch takes (the forward's _tiling)
+        block_d = next(bd for bd in BLOCK_D_TIERS if x.shape[2] // num_groups <= bd)
+        why += release_reasons("timestep_norm", x.device, dtype=_DTYPE_NAMES[x.dtype], BLOCK_D=block_d,
+                               packed=bool(packed))
     return why
 
 
