@@ -99,13 +99,16 @@ class ReleasePrune(NamedTuple):
 
 
 _SPILL_36 = "spills registers to local memory on sm_90 (H100/H200) with Triton 3.6"
+_SPILL_36_80 = ("spills registers to local memory on the sm_80 family (A100, A10, L4, RTX 30/40/50) with "
+                "Triton 3.6")
 
 
 #: From the committed AOT reports of each tested Triton release (bench/results/aot_sm80*.json,
 #: aot_sm90*.json; tests/test_triton_aot.py checks this table against them): every variant that
 #: spills or overflows with a tested release is pruned here for that release, and nothing else.
-#: Triton 3.6 on sm_90 (sm_80 compiles all of these clean, and config prunes cannot see the device,
-#: so direct_max_len=64 is left out everywhere on 3.6; the launch prunes apply to sm_90 only).
+#: Triton 3.6 spills on sm_90 in the first five and on the sm_80 family in the last three (config
+#: prunes cannot see the device, so direct_max_len=64 is left out everywhere on 3.6; each launch
+#: prune applies to the families it spills on).
 RELEASE_PRUNES: tuple = (
     ReleasePrune("fftconv", (3, 7), config={"direct_max_len": 64},
                  variants=(("_direct_bwd_kernel", "direct bwd x=fp32 L<=64"),
@@ -124,6 +127,21 @@ RELEASE_PRUNES: tuple = (
     ReleasePrune("timestep_norm", (3, 7), launch={"dtype": "fp32", "BLOCK_D": 1024, "packed": True}, families=(90,),
                  variants=(("_timestep_norm_fwd_kernel", "fwd fp32 T=4 D=1024 warps=8 packed"),),
                  why=f"the packed (cu_seqlens) fp32 forward for group sizes 257-1024 {_SPILL_36} (8 B per thread)"),
+    ReleasePrune("fftconv", (3, 7), launch={"path": "tile", "N": 4096}, families=(80,),
+                 variants=(("_tile_bwd_kernel", "tile bwd x=fp32 N=4096 warps=8"),
+                           ("_tile_bwd_kernel", "tile bwd x=bf16 N=4096 warps=8")),
+                 why=f"the backward of the 4096-point FFT tile (1024 < L <= 2048) {_SPILL_36_80} "
+                     "(112-144 B per thread)"),
+    ReleasePrune("cema", (3, 7), launch={"path": "tile", "N": 4096}, families=(80,),
+                 variants=(("_tile_bwd_kernel", "fused tile bwd x=bf16 N=4096 warps=8"),),
+                 why=f"the fused convolution backward of the 4096-point FFT tile (1024 < L <= 2048) "
+                     f"{_SPILL_36_80} (144 B per thread)"),
+    ReleasePrune("attention", (3, 7), families=(80,),
+                 launch={"dtype": "fp32", "BLOCK_DH": 64, "attn_fn": "laplace", "dropkey": False, "packed": True},
+                 variants=(("_attn_fwd_kernel", "_attn_fwd_kernel fp32 (dh=64 dv=64) DROP=0 LAPLACE=1 PREC=tf32x3 "
+                                                "BLOCK_M=32 BLOCK_N=32 BLOCK_DH=64 BLOCK_DV=64 warps=8 stages=2 packed"),),
+                 why=f"the packed (cu_seqlens) float32 Laplace forward without DropKey for head dims 33-64 "
+                     f"{_SPILL_36_80} (8 B per thread)"),
 )
 
 

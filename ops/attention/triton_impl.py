@@ -42,7 +42,8 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
+from .._triton_common import (HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, release_reasons, store_rounded,
+                              tl, triton)
 from ..dropkey_rule import seed_key, threshold
 from . import laplace
 
@@ -68,13 +69,20 @@ MAX_BLOCK_DV = 128
 MAX_TILE_ELEMS = 64 * 128
 
 
-def not_supported_reasons(q, k, v, **_) -> list[str]:
+#: the dtype names of the launches in _triton_common.RELEASE_PRUNES
+_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
+
+
+def not_supported_reasons(q, k, v, *, attn_fn="softmax", dropkey=False, packed=False, **_) -> list[str]:
     why = device_reasons(q, op="attention") + dtype_reasons("q", q)
     if q.dim() == 4 and q.shape[-1] > MAX_HEAD_DIM:
         why.append(f"head dim dh = {q.shape[-1]} > {MAX_HEAD_DIM} (one register tile); use backend='torch'")
     elif q.dim() == 4 and q.is_cuda and _exact(q.dtype) and q.shape[-1] > MAX_EXACT_HEAD_DIM:
         why.append(f"float32 q with head dim dh = {q.shape[-1]} > {MAX_EXACT_HEAD_DIM}: the fp32-accurate "
                    f"(tf32x3) backward tiles spill registers there; use bfloat16/float16 or backend='cuda'/'torch'")
+    if not why and q.dim() == 4:
+        why += release_reasons("attention", q.device, dtype=_DTYPE_NAMES[q.dtype], BLOCK_DH=_pow2(q.shape[-1]),
+                               attn_fn=attn_fn, dropkey=bool(dropkey), packed=bool(packed))
     return why
 
 

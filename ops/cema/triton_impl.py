@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_common import HAVE_TRITON, arch_reasons, dtype_reasons
+from .._triton_common import HAVE_TRITON, arch_reasons, dtype_reasons, release_reasons
 from ..cema_kernel import triton_impl as kernel_impl
 from ..ema_hidden import triton_impl as hidden_impl
 from ..fftconv import triton_impl as conv_impl
@@ -46,6 +46,8 @@ def _split(config):
 
 def not_supported_reasons(x=None, p=None, log_q=None, gamma=None, omega=None, hx=None, **_) -> list[str]:
     why = conv_impl.not_supported_reasons(x=x)
+    if x.shape[-1] <= conv_impl.MAX_LENGTH:  # its fused convolution kernels (fftconv's tiles with the skip term)
+        why += release_reasons("cema", x.device, **conv_impl.launch_path(x.shape[-1]))
     if x.is_cuda and HAVE_TRITON:  # its own FFT tile kernels (TF32 dots), beside fftconv's and the CEMA kernels'
         why += arch_reasons("cema", x.device)
     why += [r for r in kernel_impl.not_supported_reasons(p=p, log_q=log_q, gamma=gamma, length=x.shape[-1], hx=hx)

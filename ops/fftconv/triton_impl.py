@@ -57,9 +57,17 @@ def not_supported_reasons(x=None, k=None, **_) -> list[str]:
         why += dtype_reasons("k", k, (torch.bfloat16, torch.float16, torch.float32))
     if x.shape[-1] > MAX_LENGTH:
         why.append(f"L = {x.shape[-1]} > {MAX_LENGTH} (FFT size up to 2**18; use backend='torch')")
-    elif fft_size(x.shape[-1]) > MAX_TILE_FFT:  # the workspace path's kernels
-        why += release_reasons("fftconv", x.device, path="work")
+    else:
+        why += release_reasons("fftconv", x.device, **launch_path(x.shape[-1]))
     return why
+
+
+def launch_path(L: int) -> dict:
+    """What RELEASE_PRUNES reads of a launch at length L: the FFT path (tile: one program holds
+    the transform; work: the workspace passes beyond MAX_TILE_FFT) and its FFT size N (the
+    direct path's short lengths have a small N)."""
+    N = fft_size(L)
+    return {"path": "work" if N > MAX_TILE_FFT else "tile", "N": N}
 
 
 def fft_size(L: int) -> int:
