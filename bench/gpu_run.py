@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import sys
+import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -44,14 +45,23 @@ STEP_NAMES = tuple(s[0] for s in STEPS)
 REPORT_RESERVE_S = 5.0
 
 
-def _checkout_root_problem() -> str | None:
-    """The checkout root is the package; run from there, its ``cuda/`` folder shadows the ``cuda``
-    package CuPy imports, so the CUDA backend cannot load."""
+def _leave_checkout_root() -> str | None:
+    """The checkout root is the package; a process started there has it on sys.path, where its
+    ``cuda/`` folder shadows the ``cuda`` package CuPy imports (in this process and in the steps'
+    subprocesses, which inherit the folder). Started there, move to a fresh folder and drop the
+    root from sys.path (the package itself is imported through its parent or an install, never
+    through the root). Returns a note to print, or None when started elsewhere."""
     here = Path.cwd().resolve()
-    if (here / "cuda" / "nvrtc.py").exists() and (here / "ops").is_dir():
-        return (f"the current folder {here} is the megalodon_kernels checkout: its cuda/ folder shadows the cuda "
-                "package CuPy needs. Run the command from another folder (e.g. cd /tmp)")
-    return None
+    if not ((here / "cuda" / "nvrtc.py").exists() and (here / "ops").is_dir()):
+        return None
+    sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
+    shadow = sys.modules.get("cuda")
+    if shadow is not None and Path(getattr(shadow, "__file__", None) or "/").resolve().parent == here / "cuda":
+        del sys.modules["cuda"]
+    work = tempfile.mkdtemp(prefix="megalodon-gpu-run-")
+    os.chdir(work)
+    return (f"started in the checkout root {here}, whose cuda/ folder shadows the cuda package CuPy needs: "
+            f"running from {work} instead")
 
 
 def run_steps(out: Path, budget_s: float, dry: bool, only=None) -> dict:
@@ -130,10 +140,10 @@ def main(argv=None) -> int:
                   + str(torch.version.cuda) + "): run it on a GPU machine, or --dry for the CPU rehearsal",
                   file=sys.stderr)
             return 2
-        problem = _checkout_root_problem()
-        if problem:
-            print(problem, file=sys.stderr)
-            return 2
+    a.out = a.out.resolve()  # before leaving the checkout root: --out is relative to where it was started
+    note = _leave_checkout_root()
+    if note:
+        print(note, file=sys.stderr)
     report = run_steps(a.out, budget, a.dry, a.steps)
     return 0 if all(s["status"] == "ok" or (a.steps and s["name"] not in a.steps) for s in report["steps"]) else 1
 

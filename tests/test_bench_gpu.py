@@ -63,6 +63,21 @@ def test_a_short_budget_skips_steps_with_a_note(tmp_path):
     assert (tmp_path / "gpu_run.md").exists() and (tmp_path / "gpu_run.json").exists()
 
 
+def test_started_in_the_checkout_root_it_moves_away_and_cupy_loads(tmp_path):
+    """The GPU sessions' script runs the command in the checkout root, whose cuda/ folder shadows
+    the cuda package CuPy imports: the command leaves that folder (and sys.path) and its NVRTC step,
+    which imports CuPy in a subprocess, runs."""
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-m", "megalodon_kernels.bench", "gpu", "--dry", "--steps", "nvrtc",
+                        "--out", str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=600)
+    assert f"started in the checkout root {ROOT}" in r.stderr, r.stderr[-2000:]
+    report = json.loads((tmp_path / "run" / "gpu_run.json").read_text())
+    nvrtc = next(s for s in report["steps"] if s["name"] == "nvrtc")
+    assert nvrtc["status"] == "ok" and " 0 failed" in nvrtc["summary"][0], nvrtc
+    assert r.returncode == 0, r.stderr[-2000:]
+
+
 def test_a_failing_step_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
     def broken(run, limit_s):
         raise RuntimeError("device lost")
