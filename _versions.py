@@ -82,13 +82,20 @@ def problems(torch_version: str, triton_version: Optional[str], numpy_version: s
         p = _range_problem("triton", triton_version, TRITON_TESTED, _TRITON_WHY)
         if p:
             out.append(p)
-        tv, nv = parse(triton_version), parse(numpy_version)
-        if interpret and tv is not None and nv is not None and tv[:2] < INTERPRETER_NUMPY_FIX and nv[:2] >= (2, 4):
-            out.append(
-                f"triton {triton_version} with numpy {numpy_version} and TRITON_INTERPRET=1: Triton's "
-                f"interpreter before {_fmt(INTERPRETER_NUMPY_FIX)} fails in every kernel that loops "
-                f"over a runtime bound (TypeError: only 0-dimensional arrays can be converted to Python "
-                f"scalars), because it converts a one-element array with int(), which NumPy 2.4 made an "
-                f"error. Fix: pip install 'numpy<2.4', or 'triton>={_fmt(INTERPRETER_NUMPY_FIX)}'. "
-                f"Compiled Triton on a GPU is not affected.")
+        p = interpreter_problem(triton_version, numpy_version) if interpret else None
+        if p:
+            out.append(p + " Compiled Triton on a GPU is not affected.")
     return out
+
+
+def interpreter_problem(triton_version: str, numpy_version: str) -> Optional[str]:
+    """Why Triton's interpreter (``TRITON_INTERPRET=1``) cannot run the kernels with these
+    versions, or None. The Triton backends refuse CPU tensors with this sentence."""
+    tv, nv = parse(triton_version), parse(numpy_version)
+    if tv is None or nv is None or tv[:2] >= INTERPRETER_NUMPY_FIX or nv[:2] < (2, 4):
+        return None
+    return (f"triton {triton_version} with numpy {numpy_version} and TRITON_INTERPRET=1: Triton's "
+            f"interpreter before {_fmt(INTERPRETER_NUMPY_FIX)} fails in every kernel that loops "
+            f"over a runtime bound (TypeError: only 0-dimensional arrays can be converted to Python "
+            f"scalars), because it converts a one-element array with int(), which NumPy 2.4 made an "
+            f"error. Fix: pip install 'numpy<2.4', or 'triton>={_fmt(INTERPRETER_NUMPY_FIX)}'.")

@@ -197,6 +197,19 @@ def release_reasons(op: str, device: torch.device, release=None, **launch) -> li
     return why
 
 
+def _interpreter_problem() -> str | None:
+    """Why the installed Triton's interpreter cannot run the kernels with the installed NumPy."""
+    import numpy
+
+    from .._versions import interpreter_problem
+
+    return interpreter_problem(triton.__version__, numpy.__version__)
+
+
+#: the interpreter's verdict for the installed versions (fixed for the process)
+INTERPRETER_PROBLEM = _interpreter_problem() if HAVE_TRITON else None
+
+
 def device_reasons(*tensors: torch.Tensor, op: str | None = None) -> list[str]:
     """Why Triton cannot run on these tensors' device (empty list: it can); with ``op``, also
     whether that op's kernels fit the CUDA device (:func:`arch_reasons`)."""
@@ -206,7 +219,7 @@ def device_reasons(*tensors: torch.Tensor, op: str | None = None) -> list[str]:
     if dev.type == "cuda":
         return arch_reasons(op, dev) if op is not None else []
     if dev.type == "cpu" and interpreting():
-        return []
+        return [INTERPRETER_PROBLEM] if INTERPRETER_PROBLEM else []
     return [f"tensors are on {dev.type}: Triton needs CUDA tensors, or CPU tensors with TRITON_INTERPRET=1 "
             "(the interpreter; slow, for testing)"]
 

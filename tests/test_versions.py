@@ -55,6 +55,23 @@ def test_interpreter_numpy_rule():
     assert "numpy<2.4" in p and "TRITON_INTERPRET=1" in p
 
 
+def test_triton_backends_refuse_cpu_tensors_where_the_interpreter_is_broken(monkeypatch):
+    """With a Triton whose interpreter fails on the installed NumPy, a Triton backend asked for CPU
+    tensors refuses with the rule's sentence instead of failing inside a kernel."""
+    pytest.importorskip("triton")
+    from megalodon_kernels.ops import _triton_common
+    from megalodon_kernels.ops.fftconv import fftconv
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    x, k = torch.randn(1, 5, 13), torch.randn(5, 13)  # a shape no other test dispatches (choices are cached)
+    sentence = v.interpreter_problem("3.6.0", "2.4.6")
+    monkeypatch.setattr(_triton_common, "INTERPRETER_PROBLEM", sentence)
+    with pytest.raises(ValueError, match="numpy<2.4"):
+        fftconv(x, k, backend="triton")
+    monkeypatch.setattr(_triton_common, "INTERPRETER_PROBLEM", None)
+    assert torch.allclose(fftconv(x, k, backend="triton"), fftconv(x, k, backend="torch"), atol=1e-5)
+
+
 _RUNTIME_LOOP = textwrap.dedent("""
     import torch, triton, triton.language as tl
 
