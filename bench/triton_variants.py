@@ -544,7 +544,7 @@ def _attention_variants(space):
                     consts = (("OUT_BF16", dt == "bf16"), ("DROP", drop), ("LAPLACE", lap), ("PREC", prec)) + extra \
                         + tiles
                     fwd = name == "_attn_fwd_kernel"
-                    ns, cap = (ns_f, None) if fwd else (ns_b, mr)
+                    ns, cap = ((impl.EXACT_FWD_STAGES if impl._exact(dt) else ns_f), None) if fwd else (ns_b, mr)
                     key = (name, dt, consts, nw, ns, cap, packed)
                     if key in seen:
                         continue

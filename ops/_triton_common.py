@@ -106,7 +106,7 @@ _SPILL_36_80 = ("spills registers to local memory on the sm_80 family (A100, A10
 #: From the committed AOT reports of each tested Triton release (bench/results/aot_sm80*.json,
 #: aot_sm90*.json; tests/test_triton_aot.py checks this table against them): every variant that
 #: spills or overflows with a tested release is pruned here for that release, and nothing else.
-#: Triton 3.6 spills on sm_90 in the first five and on the sm_80 family in the last three (config
+#: Triton 3.6 spills on sm_90 in the first five and on the sm_80 family in the last two (config
 #: prunes cannot see the device, so direct_max_len=64 is left out everywhere on 3.6; each launch
 #: prune applies to the families it spills on).
 RELEASE_PRUNES: tuple = (
@@ -136,12 +136,6 @@ RELEASE_PRUNES: tuple = (
                  variants=(("_tile_bwd_kernel", "fused tile bwd x=bf16 N=4096 warps=8"),),
                  why=f"the fused convolution backward of the 4096-point FFT tile (1024 < L <= 2048) "
                      f"{_SPILL_36_80} (144 B per thread)"),
-    ReleasePrune("attention", (3, 7), families=(80,),
-                 launch={"dtype": "fp32", "BLOCK_DH": 64, "attn_fn": "laplace", "dropkey": False, "packed": True},
-                 variants=(("_attn_fwd_kernel", "_attn_fwd_kernel fp32 (dh=64 dv=64) DROP=0 LAPLACE=1 PREC=tf32x3 "
-                                                "BLOCK_M=32 BLOCK_N=32 BLOCK_DH=64 BLOCK_DV=64 warps=8 stages=2 packed"),),
-                 why=f"the packed (cu_seqlens) float32 Laplace forward without DropKey for head dims 33-64 "
-                     f"{_SPILL_36_80} (8 B per thread)"),
 )
 
 

@@ -311,9 +311,8 @@ def _fake_cuda(*shape, dtype):
 
 BF16, F16, F32, C64 = torch.bfloat16, torch.float16, torch.float32, torch.complex64
 _CEMA = dict(p=(2, 4, F32), log_q=(2, 4, C64), gamma=(2, 4, C64), omega=(2, F32))
-_ATTN = dict(attn_fn="laplace", dropkey=False, packed=True)
 #: (op, backend inputs, the GPU families where a RELEASE_PRUNES launch prune of Triton 3.6 refuses
-#: them): each pruned launch and its neighbours (another tile, dtype, length, attn_fn or unpacked)
+#: them): each pruned launch and its neighbours (another tile, dtype, length or unpacked)
 LAUNCH_CASES = [
     ("fftconv", dict(x=(1, 2, 2049, F32), k=(2, 2049, F32)), (90,)),  # the workspace path's first length
     ("fftconv", dict(x=(1, 2, 2048, BF16), k=(2, 2048, F32)), (80,)),  # the 4096-point tile: 1024 < L <= 2048
@@ -327,16 +326,6 @@ LAUNCH_CASES = [
     ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=4, packed=True), ()),  # D/G = 64: another tile
     ("timestep_norm", dict(x=(1, 40, 1024, F32), num_groups=1, packed=True), (90,)),
     ("timestep_norm", dict(x=(1, 40, 1024, F32), num_groups=4, packed=True), ()),  # D/G = 256
-    ("attention", dict(q=(1, 40, 2, 64, F32), k=(1, 40, 2, 64, F32), v=(1, 40, 2, 64, F32), **_ATTN), (80,)),
-    ("attention", dict(q=(1, 40, 2, 40, F32), k=(1, 40, 2, 40, F32), v=(1, 40, 2, 40, F32), **_ATTN), (80,)),
-    ("attention", dict(q=(1, 40, 2, 64, F32), k=(1, 40, 2, 64, F32), v=(1, 40, 2, 64, F32),
-                       **{**_ATTN, "packed": False}), ()),
-    ("attention", dict(q=(1, 40, 2, 64, F32), k=(1, 40, 2, 64, F32), v=(1, 40, 2, 64, F32),
-                       **{**_ATTN, "attn_fn": "softmax"}), ()),
-    ("attention", dict(q=(1, 40, 2, 64, F32), k=(1, 40, 2, 64, F32), v=(1, 40, 2, 64, F32),
-                       **{**_ATTN, "dropkey": True}), ()),
-    ("attention", dict(q=(1, 40, 2, 64, BF16), k=(1, 40, 2, 64, BF16), v=(1, 40, 2, 64, BF16), **_ATTN), ()),
-    ("attention", dict(q=(1, 40, 2, 32, F32), k=(1, 40, 2, 32, F32), v=(1, 40, 2, 32, F32), **_ATTN), ()),
 ]
 
 

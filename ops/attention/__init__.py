@@ -47,10 +47,9 @@ BACKENDS = OpBackends("attention", {
 
 autotune.register(
     "attention",
-    # attn_fn and packed are not part of the key: the shipped tables were tuned for softmax on
-    # unpacked rows and the other calls run the same tiles (a backend that cannot run one says so
-    # in not_supported_reasons)
-    key=lambda q, k, v, chunk_size, causal, block_causal, dropkey, attn_fn="softmax", packed=False: {
+    # attn_fn is not part of the key: the shipped tables were tuned for softmax and Laplace runs the
+    # same tiles (a backend that cannot run Laplace says so in not_supported_reasons)
+    key=lambda q, k, v, chunk_size, causal, block_causal, dropkey, attn_fn="softmax": {
         "H": q.shape[2], "dh": q.shape[3], "dv": v.shape[3], "L": autotune.pow2_bucket(q.shape[1]),
         "S": autotune.pow2_bucket(k.shape[1]), "C": chunk_size or 0, "causal": causal,
         "block_causal": block_causal, "dropkey": dropkey},
@@ -59,13 +58,11 @@ autotune.register(
 ATTN_FNS = ("softmax", "laplace")
 
 
-def _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend, packed=False):
-    # attn_fn is an input of the choice (the CUDA backend has Laplace attention on its flash path
-    # only), and packed: a packed row (cu_seqlens read by the kernels) may differ in what a device
-    # runs (Triton 3.6's packed tiles on the sm_80 family)
+def _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend):
+    # attn_fn is an input of the choice: the CUDA backend has Laplace attention on its flash path only
     return BACKENDS.select(backend, {"q": q, "k": k, "v": v, "chunk_size": chunk_size, "causal": causal,
                                      "block_causal": block_causal, "dropkey": dropkey_p > 0.0,
-                                     "attn_fn": attn_fn, "packed": packed},
+                                     "attn_fn": attn_fn},
                            device=q.device, dtype=q.dtype)
 
 
@@ -87,7 +84,7 @@ def _packed_fwd(q, k, v, cu_seqlens, *, scale, causal, chunk_size, block_causal,
     """(o r(1 L H dv), lse r(1 H L) or None for laplace) of a packed call: one backend call per
     bucket of document rows (the backend chosen for the rows' shapes), valid rows scattered back."""
     L, H = q.shape[1], q.shape[2]
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend, packed=True)
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
     if getattr(impl.module, "PACKED_NATIVE", False):
         return impl.module.forward(q, k, v, scale=scale, causal=causal, chunk_size=chunk_size,
                                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
@@ -112,8 +109,7 @@ def _packed_bwd(do, q, k, v, o, lse, cu_seqlens, *, scale, causal, chunk_size, b
     (and lse = 0), so their dS is 0 and they add nothing to dk / dv; the causal mask keeps the
     padded keys out of every valid row."""
     L = q.shape[1]
-    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend,
-                   packed=True)  # the forward's choice
+    impl = _select(q, k, v, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)  # the forward's choice
     if getattr(impl.module, "PACKED_NATIVE", False):
         return impl.module.backward(do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size,
                                          block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,

@@ -42,8 +42,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_common import (HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, release_reasons, store_rounded,
-                              tl, triton)
+from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
 from ..dropkey_rule import seed_key, threshold
 from . import laplace
 
@@ -58,6 +57,11 @@ from . import laplace
 CONFIG_SPACE: dict = {"BLOCK_M": [64], "BLOCK_N": [64], "num_warps": [8], "num_stages": [2], "num_stages_bwd": [1],
                       "maxnreg_bwd": [255]}
 DEFAULT_CONFIG = {name: values[0] for name, values in CONFIG_SPACE.items()}
+#: pipeline stages of the forward for fp32 inputs (tf32x3 dots), whatever num_stages says: with a
+#: second stage's buffers ptxas keeps these 256-thread kernels at 128 registers on sm_80 and the
+#: packed Laplace forward at dh = 64 spills; three dots per product make it compute-bound, so the
+#: prefetch that a second stage buys matters least here
+EXACT_FWD_STAGES = 1
 
 #: fp32 inputs (tf32x3 dots) on the GPU: head dims up to this (AOT-verified without spills)
 MAX_EXACT_HEAD_DIM = 128
@@ -69,20 +73,13 @@ MAX_BLOCK_DV = 128
 MAX_TILE_ELEMS = 64 * 128
 
 
-#: the dtype names of the launches in _triton_common.RELEASE_PRUNES
-_DTYPE_NAMES = {torch.float16: "fp16", torch.bfloat16: "bf16", torch.float32: "fp32"}
-
-
-def not_supported_reasons(q, k, v, *, attn_fn="softmax", dropkey=False, packed=False, **_) -> list[str]:
+def not_supported_reasons(q, k, v, **_) -> list[str]:
     why = device_reasons(q, op="attention") + dtype_reasons("q", q)
     if q.dim() == 4 and q.shape[-1] > MAX_HEAD_DIM:
         why.append(f"head dim dh = {q.shape[-1]} > {MAX_HEAD_DIM} (one register tile); use backend='torch'")
     elif q.dim() == 4 and q.is_cuda and _exact(q.dtype) and q.shape[-1] > MAX_EXACT_HEAD_DIM:
         why.append(f"float32 q with head dim dh = {q.shape[-1]} > {MAX_EXACT_HEAD_DIM}: the fp32-accurate "
                    f"(tf32x3) backward tiles spill registers there; use bfloat16/float16 or backend='cuda'/'torch'")
-    if not why and q.dim() == 4:
-        why += release_reasons("attention", q.device, dtype=_DTYPE_NAMES[q.dtype], BLOCK_DH=_pow2(q.shape[-1]),
-                               attn_fn=attn_fn, dropkey=bool(dropkey), packed=bool(packed))
     return why
 
 
@@ -554,7 +551,8 @@ def forward(q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed
             q, k, v, o, lse if lse is not None else o, bidx, cu_seqlens, L, S, H, dh, dv, *args, y0, z0,
             OUT_BF16=q.dtype == torch.bfloat16, DROP=drop, LAPLACE=attn_fn == "laplace", PREC=_prec(q.dtype),
             PACKED=cu_seqlens is not None,
-            BLOCK_M=bm, BLOCK_N=bn, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps, num_stages=num_stages,
+            BLOCK_M=bm, BLOCK_N=bn, BLOCK_DH=bdh, BLOCK_DV=bdv, num_warps=num_warps,
+            num_stages=EXACT_FWD_STAGES if _exact(q.dtype) else num_stages,
         )
     return o, lse
 
