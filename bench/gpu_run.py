@@ -55,9 +55,6 @@ def _leave_checkout_root() -> str | None:
     if not ((here / "cuda" / "nvrtc.py").exists() and (here / "ops").is_dir()):
         return None
     sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != here]
-    shadow = sys.modules.get("cuda")
-    if shadow is not None and Path(getattr(shadow, "__file__", None) or "/").resolve().parent == here / "cuda":
-        del sys.modules["cuda"]
     work = tempfile.mkdtemp(prefix="megalodon-gpu-run-")
     os.chdir(work)
     return (f"started in the checkout root {here}, whose cuda/ folder shadows the cuda package CuPy needs: "

@@ -89,7 +89,3 @@ class Backend:
         reasons = self._available() + self._arch_reasons(named.values()) + self._device_reasons(named)
         reasons += self._dtype_reason(dtype_of, named[dtype_of])
         return reasons
-
-
-#: the former name, still imported by the attention family's cuda_impl modules
-_Backend = Backend

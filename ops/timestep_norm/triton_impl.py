@@ -66,8 +66,8 @@ def not_supported_reasons(x, num_groups=None, packed=False) -> list[str]:
                    "or more groups")
     if not why and x.numel() >= 2**31:
         why.append("x has >= 2**31 elements; use backend='torch'")
-    if not why and num_groups and x.dim() == 3:  # the tile this launch takes (the forward's _tiling)
-        block_d = next(bd for bd in BLOCK_D_TIERS if x.shape[2] // num_groups <= bd)
+    if not why and num_groups and x.dim() == 3:  # the tile width this launch takes
+        _, block_d = _tiling(x.shape[2] // num_groups, DEFAULT_CONFIG["block_elems"])
         why += release_reasons("timestep_norm", x.device, dtype=_DTYPE_NAMES[x.dtype], BLOCK_D=block_d,
                                packed=bool(packed))
     return why
