@@ -13,6 +13,8 @@ dgamma = sum dy_t conj(h_t), domega = sum dy_t x_t, dhx = conj(q) a_0 (PyTorch's
 """
 import numpy as np
 
+from .terms import modulus, modulus_log
+
 
 def _states(x, p, q, hx):
     B, D, L = x.shape
@@ -71,3 +73,15 @@ def cema_bwd(dy, dh, x, p, log_q, gamma, omega, hx=None, return_state=False):
         domega += np.sum(dy[:, :, t] * x[:, :, t], axis=0)
         a = a * np.conj(q)
     return dx, dp, dlog_q, dgamma, domega, (None if hx is None else a)
+
+
+def cema_terms(x, p, log_q, gamma, omega, hx=None, return_state=False):
+    """The magnitude of the terms of (y, h) (reference.terms): the recurrence on absolute values."""
+    return cema(modulus(x), modulus(p), modulus_log(log_q), modulus(gamma), modulus(omega), modulus(hx),
+                return_state)
+
+
+def cema_bwd_terms(dy, dh, x, p, log_q, gamma, omega, hx=None, return_state=False):
+    """The magnitude of the terms of every gradient of :func:`cema_bwd`."""
+    return cema_bwd(modulus(dy), modulus(dh), modulus(x), modulus(p), modulus_log(log_q), modulus(gamma),
+                    modulus(omega), modulus(hx), return_state)

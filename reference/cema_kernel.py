@@ -12,6 +12,8 @@ follow PyTorch's convention: if dL = Re(c dz) then grad_z = conj(c).
 """
 import numpy as np
 
+from .terms import modulus, modulus_log
+
 
 def _c128(a):
     return np.asarray(a, dtype=np.complex128)
@@ -72,3 +74,14 @@ def cema_kernel_bwd(dk, db, p, log_q, gamma, length, hx=None):
                     dlog_q[d, n] += np.conj(T1 * gamma[d, n] * h)
                     dhx[bb, d, n] = np.conj(T * gamma[d, n])
     return dp, dlog_q, dgamma, dhx
+
+
+def cema_kernel_terms(p, log_q, gamma, length, hx=None):
+    """The magnitude of the terms of (k, b) (reference.terms): sum_n |p gamma| |q|**j and the like."""
+    return cema_kernel(modulus(p), modulus_log(log_q), modulus(gamma), length, modulus(hx))
+
+
+def cema_kernel_bwd_terms(dk, db, p, log_q, gamma, length, hx=None):
+    """The magnitude of the terms of (dp, dlog_q, dgamma, dhx)."""
+    return cema_kernel_bwd(modulus(dk), modulus(db), modulus(p), modulus_log(log_q), modulus(gamma), length,
+                           modulus(hx))

@@ -9,6 +9,8 @@ the finite-difference test. Gradients are w.r.t. log_q, PyTorch's complex conven
 """
 import numpy as np
 
+from .terms import modulus, modulus_log
+
 
 def ema_hidden(x, p, log_q, hx=None):
     """x r(B D L), p r(D N), log_q c(D N), hx c(B D N) or None -> h c(B D N)."""
@@ -55,3 +57,13 @@ def ema_hidden_bwd(dh, x, p, log_q, hx=None):
                     dhx[b, d, n] = np.conj(gc * qL)
                 dlog_q[d, n] += np.conj(gc * dq)
     return dx, dp, dlog_q, dhx
+
+
+def ema_hidden_terms(x, p, log_q, hx=None):
+    """The magnitude of the terms of h (reference.terms): the recurrence on |x|, |p|, |q|, |hx|."""
+    return ema_hidden(modulus(x), modulus(p), modulus_log(log_q), modulus(hx))
+
+
+def ema_hidden_bwd_terms(dh, x, p, log_q, hx=None):
+    """The magnitude of the terms of (dx, dp, dlog_q, dhx)."""
+    return ema_hidden_bwd(modulus(dh), modulus(x), modulus(p), modulus_log(log_q), modulus(hx))

@@ -7,6 +7,8 @@ dx[s] = sum_{t >= s} dy[t] k[t-s] and dk[j] = sum_b sum_{t >= j} dy[b, t] x[b, t
 """
 import numpy as np
 
+from .terms import modulus
+
 
 def fftconv(x, k):
     """x r(B D L), k r(D L) -> y r(B D L)."""
@@ -33,3 +35,13 @@ def fftconv_bwd(dy, x, k):
     for j in range(L):
         dk[:, j] = np.sum(dy[:, :, j:] * x[:, :, : L - j], axis=(0, 2))
     return dx, dk
+
+
+def fftconv_terms(x, k):
+    """The magnitude of the terms of y (reference.terms): the convolution of |x| and |k|."""
+    return fftconv(modulus(x), modulus(k))
+
+
+def fftconv_bwd_terms(dy, x, k):
+    """The magnitude of the terms of (dx, dk): the correlations of |dy| with |k| and |x|."""
+    return fftconv_bwd(modulus(dy), modulus(x), modulus(k))

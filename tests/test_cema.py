@@ -135,10 +135,11 @@ def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=T
         assert y.shape == (B, D, L) and y.dtype == xdtype
         npin = {n: to_np(t) for n, t in ins.items()}
         y_ref, h_ref = ref.cema(*(npin.get(n) for n in NAMES), return_state=return_state)
-        assert_close("y", y, y_ref, tol(backend, xdtype, "fwd"))
+        y_terms, h_terms = ref.cema_terms(*(npin.get(n) for n in NAMES), return_state=return_state)
+        assert_close("y", y, y_ref, tol(backend, xdtype, "fwd"), y_terms)
         if return_state:
             assert h.shape == (B, D, N) and h.dtype == ins["log_q"].dtype
-            assert_close("h", h, h_ref, tol(backend, cdtype, "fwd"))
+            assert_close("h", h, h_ref, tol(backend, cdtype, "fwd"), h_terms)
         else:
             assert h is None
         dy = torch.randn(y.shape, generator=gen, dtype=F64).to(xdtype)
@@ -153,13 +154,15 @@ def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=T
     want = ref.cema_bwd(to_np(dy) * ("y" in use), to_np(dh), *(npin.get(n) for n in NAMES),
                         return_state=return_state and "h" in use)
     want = dict(zip(NAMES, want))
+    terms = dict(zip(NAMES, ref.cema_bwd_terms(to_np(dy) * ("y" in use), to_np(dh), *(npin.get(n) for n in NAMES),
+                                              return_state=return_state and "h" in use)))
     for name, got in zip(ins, grads):
         dt = xdtype if name == "x" else cdtype
         if float(abs(want[name]).max()) == 0:   # e.g. omega and gamma get nothing through h alone
             assert got is None or torch.all(got == 0), name
             continue
         assert got.dtype == ins[name].dtype and got.shape == ins[name].shape
-        assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"))
+        assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"), terms[name])
 
 
 @pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton")))

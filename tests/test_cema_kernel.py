@@ -119,10 +119,11 @@ def check_cema_kernel(backend, D, N, B, L, dtype, contiguous=True, seed=0, use=(
         assert (b is None) == (B is None)
         npin = {n: to_np(t) for n, t in ins.items()}
         k_ref, b_ref = ref.cema_kernel(npin["p"], npin["log_q"], npin["gamma"], L, npin.get("hx"))
-        assert_close("k", k, k_ref, tol(backend, dtype, "fwd"))
+        k_terms, b_terms = ref.cema_kernel_terms(npin["p"], npin["log_q"], npin["gamma"], L, npin.get("hx"))
+        assert_close("k", k, k_ref, tol(backend, dtype, "fwd"), k_terms)
         if B is not None:
             assert b.shape == (B, D, L) and b.dtype == dtype
-            assert_close("b", b, b_ref, tol(backend, dtype, "fwd"))
+            assert_close("b", b, b_ref, tol(backend, dtype, "fwd"), b_terms)
         dk = torch.randn(k.shape, generator=gen, dtype=torch.float64).to(dtype)
         outs, cots = [], []
         if "k" in use:
@@ -134,12 +135,14 @@ def check_cema_kernel(backend, D, N, B, L, dtype, contiguous=True, seed=0, use=(
         grads = torch.autograd.grad(outs, list(ins.values()), cots, allow_unused=True)
     want = ref.cema_kernel_bwd(to_np(dk) if "k" in use else None, None if db is None else to_np(db),
                                npin["p"], npin["log_q"], npin["gamma"], L, npin.get("hx"))
-    for name, got, exp in zip(names, grads, want):
+    terms = ref.cema_kernel_bwd_terms(to_np(dk) if "k" in use else None, None if db is None else to_np(db),
+                                      npin["p"], npin["log_q"], npin["gamma"], L, npin.get("hx"))
+    for name, got, exp, m in zip(names, grads, want, terms):
         assert got.dtype == ins[name].dtype and got.shape == ins[name].shape
         if np.max(np.abs(exp)) == 0:  # dp without dk, dhx without db
             assert torch.all(got == 0), name
             continue
-        assert_close("d" + name, got, exp, tol(backend, dtype, "bwd"))
+        assert_close("d" + name, got, exp, tol(backend, dtype, "bwd"), m)
 
 
 @pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on))

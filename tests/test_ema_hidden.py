@@ -132,18 +132,20 @@ def check_ema_hidden(backend, B, D, N, L, xdtype, cdtype, with_hx=True, contiguo
         npin = {n: to_np(t) for n, t in ins.items()}
         # h is computed from the rounded x in the coefficient dtype
         assert_close("h", h, ref.ema_hidden(npin["x"], npin["p"], npin["log_q"], npin.get("hx")),
-                     tol(backend, cdtype, "fwd"))
+                     tol(backend, cdtype, "fwd"), ref.ema_hidden_terms(npin["x"], npin["p"], npin["log_q"], npin.get("hx")))
         dh = torch.complex(torch.randn(h.shape, generator=gen, dtype=torch.float64),
                            torch.randn(h.shape, generator=gen, dtype=torch.float64)).to(h.dtype)
         leaves = {n: t for n, t in ins.items() if t.requires_grad}
         grads = torch.autograd.grad(h, list(leaves.values()), dh)
     want = dict(zip(("x", "p", "log_q", "hx"),
                     ref.ema_hidden_bwd(to_np(dh), npin["x"], npin["p"], npin["log_q"], npin.get("hx"))))
+    terms = dict(zip(("x", "p", "log_q", "hx"),
+                     ref.ema_hidden_bwd_terms(to_np(dh), npin["x"], npin["p"], npin["log_q"], npin.get("hx"))))
     for name, got in zip(leaves, grads):
         assert got.dtype == ins[name].dtype and got.shape == ins[name].shape
         # dx: computed in the coefficient dtype and rounded to x's, so the coarser budget of the two
         dt = _coarser(xdtype, cdtype) if name == "x" else cdtype
-        assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"))
+        assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"), terms[name])
 
 
 @pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on))

@@ -133,18 +133,20 @@ def check_fftconv(backend, B, D, L, xdtype, kdtype, contiguous=True, seed=0, gra
     with knobs(backend_module("fftconv", backend), **config):
         y = fftconv(x, k, backend=backend)
         assert y.shape == (B, D, L) and y.dtype == xdtype
-        assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol(backend, xdtype, "fwd"))
+        assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol(backend, xdtype, "fwd"),
+                     ref.fftconv_terms(to_np(x), to_np(k)))
         if not grads:
             return
         dy = torch.randn(y.shape, generator=gen, dtype=F64).to(xdtype)
         dx, dk = torch.autograd.grad(y, (x, k), dy)
     assert dx.dtype == xdtype and dk.dtype == kdtype and dx.shape == x.shape and dk.shape == k.shape
     dx_ref, dk_ref = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
-    assert_close("dx", dx, dx_ref, tol(backend, xdtype, "bwd"))
+    dx_terms, dk_terms = ref.fftconv_bwd_terms(to_np(dy), to_np(x), to_np(k))
+    assert_close("dx", dx, dx_ref, tol(backend, xdtype, "bwd"), dx_terms)
     # dk is a sum of products of the (rounded) inputs in the arithmetic dtype, rounded to k's dtype:
     # k's budget, or one float32 rounding when the arithmetic is float64 (4.1e-8 measured: 1.5e-7)
     dk_tol = 1.5e-7 if xdtype == F64 and kdtype != F64 else tol(backend, kdtype, "bwd")
-    assert_close("dk", dk, dk_ref, dk_tol)
+    assert_close("dk", dk, dk_ref, dk_tol, dk_terms)
 
 
 @pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton", "cuda")))
@@ -312,12 +314,13 @@ def test_triton_largest_tile_one_gradient(need):
     cfg = dict(conv_triton.DEFAULT_CONFIG, **PATHS["fft"]["triton"])
     dx, dk = conv_triton.backward(dy, x, k, need == "x", need == "k", **cfg)
     dx_ref, dk_ref = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
+    _, dx_terms, dk_terms = _fft_terms(x, k, dy)
     if need == "x":
         assert dk is None
-        assert_close("dx", dx, dx_ref, tol("triton", F32, "bwd"))
+        assert_close("dx", dx, dx_ref, tol("triton", F32, "bwd"), dx_terms)
     else:
         assert dx is None
-        assert_close("dk", dk, dk_ref, tol("triton", F32, "bwd"))
+        assert_close("dk", dk, dk_ref, tol("triton", F32, "bwd"), dk_terms)
 
 
 def test_triton_long_length():
@@ -332,10 +335,11 @@ def test_triton_long_length():
     y = conv_triton.forward(x.float(), k.float(), **cfg)
     dx, dk = conv_triton.backward(dy.float(), x.float(), k.float(), True, True, **cfg)
     xs, ks, dys = x.float().double(), k.float().double(), dy.float().double()   # the inputs as the kernel saw them
-    assert_close("y", y, to_np(conv_torch.forward(xs, ks, direct_max_len=0)), tol("triton", F32, "fwd"))
+    ym, dxm, dkm = _fft_terms(xs, ks, dys)
+    assert_close("y", y, to_np(conv_torch.forward(xs, ks, direct_max_len=0)), tol("triton", F32, "fwd"), ym)
     dx_ref, dk_ref = conv_torch.backward(dys, xs, ks, direct_max_len=0)
-    assert_close("dx", dx, to_np(dx_ref), tol("triton", F32, "bwd"))
-    assert_close("dk", dk, to_np(dk_ref), tol("triton", F32, "bwd"))
+    assert_close("dx", dx, to_np(dx_ref), tol("triton", F32, "bwd"), dxm)
+    assert_close("dk", dk, to_np(dk_ref), tol("triton", F32, "bwd"), dkm)
     # the first samples of y (no error hiding in the max over a long row). Their error is the whole
     # row's FFT rounding (absolute, ~3e-7 max|y|) relative to their own smaller max: 3.3e-6 measured,
     # hence 1e-5 here rather than the fp32 forward budget
@@ -355,13 +359,14 @@ def _cpu_vs_float64(B, D, L, dtype, seed, need_x=True, need_k=True):
     x, k, dy = _inputs64(seed, B, D, L)
     y = conv_cpu.forward(x.to(dtype), k.to(dtype))
     dx, dk = conv_cpu.backward(dy.to(dtype), x.to(dtype), k.to(dtype), need_x, need_k)
-    yr, dxr, dkr = _fft_ref(*(t.to(dtype).double() for t in (x, k, dy)))  # the inputs as the kernel saw them
-    assert_close("y", y, yr, tol("cpu", dtype, "fwd"))
+    seen = [t.to(dtype).double() for t in (x, k, dy)]   # the inputs as the kernel saw them
+    (yr, dxr, dkr), (ym, dxm, dkm) = _fft_ref(*seen), _fft_terms(*seen)
+    assert_close("y", y, yr, tol("cpu", dtype, "fwd"), ym)
     assert (dx is None) != need_x and (dk is None) != need_k
     if need_x:
-        assert_close("dx", dx, dxr, tol("cpu", dtype, "bwd"))
+        assert_close("dx", dx, dxr, tol("cpu", dtype, "bwd"), dxm)
     if need_k:
-        assert_close("dk", dk, dkr, tol("cpu", dtype, "bwd"))
+        assert_close("dk", dk, dkr, tol("cpu", dtype, "bwd"), dkm)
 
 
 # Lanes are channels: 16 float / 8 double lanes with AVX-512 (8 / 4 with AVX2, 4 / 2 with SSE2). D = 1
@@ -473,14 +478,20 @@ def _fft_ref(x, k, dy):
     return y, dx, dk
 
 
+def _fft_terms(x, k, dy):
+    """The magnitude of the terms of y, dx, dk (reference.terms), by the same float64 FFTs on
+    |x|, |k|, |dy|: sums of non-negative terms, accurate to ~1e-16 of their own size."""
+    return _fft_ref(*(np.abs(to_np(t)) for t in (x, k, dy)))
+
+
 def _check_kernels(ext, x, k, dy, dtype, **kw):
     y = C.launch_fwd(emu(ext), x, k, **kw)
     dx, dk = C.launch_bwd(emu(ext), dy, x, k, **kw)
     assert y.dtype == dtype and dx.dtype == dtype and dk.dtype == F32
-    yr, dxr, dkr = _fft_ref(x, k, dy)
-    assert_close("y", y, yr, tol("cuda", dtype, "fwd"))
-    assert_close("dx", dx, dxr, tol("cuda", dtype, "bwd"))
-    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))  # dk is fp32 whatever x's dtype (k is fp32)
+    (yr, dxr, dkr), (ym, dxm, dkm) = _fft_ref(x, k, dy), _fft_terms(x, k, dy)
+    assert_close("y", y, yr, tol("cuda", dtype, "fwd"), ym)
+    assert_close("dx", dx, dxr, tol("cuda", dtype, "bwd"), dxm)
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"), dkm)  # dk is fp32 whatever x's dtype (k is fp32)
     return y, dx, dk
 
 
@@ -493,8 +504,9 @@ def _check_kernels64(ext, x, k, dy, refs=None, **kw):
     dx, dk = C.launch_bwd(emu(ext), dy, x, k, **kw)
     assert y.dtype == dx.dtype == dk.dtype == F64
     yr, dxr, dkr = _fft_ref(x, k, dy) if refs is None else refs
-    for name, a, r, t in (("y", y, yr, "fwd"), ("dx", dx, dxr, "bwd"), ("dk", dk, dkr, "bwd")):
-        assert_close(name, a, r, tol("cuda", F64, t))
+    terms = _fft_terms(x, k, dy)
+    for name, a, r, t, m in zip(("y", "dx", "dk"), (y, dx, dk), (yr, dxr, dkr), ("fwd", "bwd", "bwd"), terms):
+        assert_close(name, a, r, tol("cuda", F64, t), m)
     return y, dx, dk
 
 
@@ -549,11 +561,12 @@ def test_cuda_kernels_one_block_vs_direct_reference(ext, order, dtype, B, D, L):
     y = C.launch_fwd(emu(ext), x, k)
     dy = torch.randn(B, D, L, generator=g).to(dtype)
     dx, dk = C.launch_bwd(emu(ext), dy, x, k)
-    assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", dtype, "fwd"))
+    ym, dxm, dkm = _fft_terms(x, k, dy)
+    assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", dtype, "fwd"), ym)
     dxr, dkr = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
     assert dx.dtype == dtype and dk.dtype == F32
-    assert_close("dx", dx, dxr, tol("cuda", dtype, "bwd"))
-    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))  # dk is fp32 whatever x's dtype (k is fp32)
+    assert_close("dx", dx, dxr, tol("cuda", dtype, "bwd"), dxm)
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"), dkm)  # dk is fp32 whatever x's dtype (k is fp32)
 
 
 def test_cuda_kernels_16k_one_block_per_row(ext, order):
@@ -565,10 +578,10 @@ def test_cuda_kernels_16k_one_block_per_row(ext, order):
     dy = torch.randn(B, D, L, generator=g)
     y = C.launch_fwd(emu(ext), x, k)
     dx, dk = C.launch_bwd(emu(ext), dy, x, k)
-    yr, dxr, dkr = _fft_ref(x, k, dy)
-    assert_close("y", y, yr, tol("cuda", F32, "fwd"))
-    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"))
-    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))
+    (yr, dxr, dkr), (ym, dxm, dkm) = _fft_ref(x, k, dy), _fft_terms(x, k, dy)
+    assert_close("y", y, yr, tol("cuda", F32, "fwd"), ym)
+    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"), dxm)
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"), dkm)
 
 
 def test_cuda_kernels_one_block_dk_over_batch_slices(ext):
@@ -579,12 +592,12 @@ def test_cuda_kernels_one_block_dk_over_batch_slices(ext):
     k = torch.randn(D, L, generator=g)
     N = C.fft_size(L)
     dx, dk = C.launch_bwd(emu(ext), dy, x, k, max_workspace_bytes=2 * D * (N + 1) * 8)
-    _, dxr, dkr = _fft_ref(x, k, dy)
-    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"))
-    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))
+    (_, dxr, dkr), (_, dxm, dkm) = _fft_ref(x, k, dy), _fft_terms(x, k, dy)
+    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"), dxm)
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"), dkm)
     dx_only, none = C.launch_bwd(emu(ext), dy, x, k, need_k=False)
     assert none is None
-    assert_close("dx only", dx_only, dxr, tol("cuda", F32, "bwd"))
+    assert_close("dx only", dx_only, dxr, tol("cuda", F32, "bwd"), dxm)
 
 
 def test_cuda_kernels_just_above_one_block_vs_direct_reference(ext):
@@ -593,10 +606,11 @@ def test_cuda_kernels_just_above_one_block_vs_direct_reference(ext):
     x, k, dy = _inputs(1, 1, 1, L, F32)
     y = C.launch_fwd(emu(ext), x, k)
     dx, dk = C.launch_bwd(emu(ext), dy, x, k)
-    assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", F32, "fwd"))
+    ym, dxm, dkm = _fft_terms(x, k, dy)
+    assert_close("y", y, ref.fftconv(to_np(x), to_np(k)), tol("cuda", F32, "fwd"), ym)
     dxr, dkr = ref.fftconv_bwd(to_np(dy), to_np(x), to_np(k))
-    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"))
-    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"))
+    assert_close("dx", dx, dxr, tol("cuda", F32, "bwd"), dxm)
+    assert_close("dk", dk, dkr, tol("cuda", F32, "bwd"), dkm)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)

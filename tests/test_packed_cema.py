@@ -7,6 +7,7 @@ state leaking across a boundary would show; the saved kernel k; one backend call
 row lengths; bad input."""
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -16,6 +17,7 @@ from megalodon_kernels.ops.cema import torch_impl, triton_impl
 from megalodon_kernels.ops.cema_kernel import cema_kernel
 from megalodon_kernels.ops.ema_hidden import torch_impl as hidden_torch
 from megalodon_kernels.ops.ema_hidden import triton_impl as hidden_triton
+from megalodon_kernels.reference import cema as cema_ref
 from support import assert_close, cema_coefficients, to_np, tol
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
@@ -89,31 +91,59 @@ def separate(args, dy, dh, cu, return_state, use=("y", "h"), **kw):
     return torch.cat(ys, 2), (h if return_state else None), grads
 
 
-def compare(packed, expected, backend, xdtype, cdtype):
-    """The backend's tolerance: y and dx in x's dtype, h and the coefficient gradients in the
-    coefficient dtype."""
+def terms(args, dy, dh, cu, return_state, use=("y", "h")):
+    """The magnitude of the terms (reference.terms) of y, h and every gradient, document by
+    document (an empty document's h is its hx, and dhx its dh)."""
+    a = {k: None if v is None else to_np(v) for k, v in args.items()}
+    dy, dh = to_np(dy) * ("y" in use), to_np(dh) * (return_state and "h" in use)
+    coef = ("p", "log_q", "gamma", "omega")
+    ym = np.zeros(a["x"].shape)
+    hm = np.zeros(dh.shape) if a["hx"] is None else np.abs(a["hx"])
+    grads = {"x": np.zeros(a["x"].shape), **{k: np.zeros(a[k].shape) for k in coef},
+             "hx": None if a["hx"] is None else np.abs(dh).astype(np.float64)}
+    for d, (s0, s1) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if s0 == s1:
+            continue
+        hx = None if a["hx"] is None else a["hx"][d:d + 1]
+        doc = [a["x"][:, :, s0:s1], *(a[k] for k in coef), hx]
+        ym[:, :, s0:s1], h_doc = cema_ref.cema_terms(*doc, return_state=True)
+        hm[d] = np.abs(h_doc[0])
+        g = cema_ref.cema_bwd_terms(dy[:, :, s0:s1], dh[d:d + 1], *doc, return_state=True)
+        grads["x"][:, :, s0:s1] = g[0]
+        for k, gk in zip(coef, g[1:5]):
+            grads[k] += np.abs(gk)
+        if hx is not None:
+            grads["hx"][d] = np.abs(g[5][0])
+    return ym, (hm if return_state else None), grads
+
+
+def compare(packed, expected, backend, xdtype, cdtype, magnitudes):
+    """The backend's tolerance against the magnitude of the terms: y and dx in x's dtype, h and
+    the coefficient gradients in the coefficient dtype."""
     (y, h, grads), (y_sep, h_sep, grads_sep) = packed, expected
+    y_terms, h_terms, grad_terms = magnitudes
 
     def bound(dtype, kind):
         return tol(backend, dtype, kind)
 
     assert y.dtype == xdtype and torch.isfinite(y.float()).all()
-    assert_close("y", y, to_np(y_sep), bound(xdtype, "fwd"))
+    assert_close("y", y, to_np(y_sep), bound(xdtype, "fwd"), y_terms)
     assert (h is None) == (h_sep is None)
     if h is not None:
         assert h.shape == h_sep.shape and h.dtype == h_sep.dtype
-        assert_close("h", h, to_np(h_sep), bound(cdtype, "fwd"))
+        assert_close("h", h, to_np(h_sep), bound(cdtype, "fwd"), h_terms)
     assert grads.keys() == grads_sep.keys()
     for k, g in grads.items():
         assert g.dtype == grads_sep[k].dtype and g.shape == grads_sep[k].shape, k
-        assert_close(f"d{k}", g, to_np(grads_sep[k]), bound(xdtype if k == "x" else cdtype, "bwd"))
+        assert_close(f"d{k}", g, to_np(grads_sep[k]), bound(xdtype if k == "x" else cdtype, "bwd"), grad_terms[k])
 
 
 def check(backend, args, dy, dh, cu, return_state, needs=NAMES, use=("y", "h")):
     args = leaves(args, needs)
     xdtype, cdtype = args["x"].dtype, args["p"].dtype
     compare(run(args, dy, dh, return_state, use, cu_seqlens=cu, backend=backend),
-            separate(args, dy, dh, cu, return_state, use, backend=backend), backend, xdtype, cdtype)
+            separate(args, dy, dh, cu, return_state, use, backend=backend), backend, xdtype, cdtype,
+            terms(args, dy, dh, cu, return_state, use))
 
 
 #: (backend, x dtype, coefficient dtype, with hx, return_state)

@@ -6,12 +6,14 @@ gradient or not, for documents of length 1, shorter / longer than a kernel tile,
 leaking across a boundary would show; one backend call per bucket of row lengths; bad input."""
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from megalodon_kernels.ops.ema_hidden import ema_hidden
 from megalodon_kernels.ops.ema_hidden import torch_impl, triton_impl
+from megalodon_kernels.reference import ema_hidden as hidden_ref
 from support import assert_close, cema_coefficients, to_np, tol
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
@@ -72,19 +74,39 @@ def separate(x, p, log_q, hx, dh, cu, **kw):
     return h, dx.to(x.dtype), dp, (dlq if log_q.requires_grad else None), dhx
 
 
-def compare(packed, expected, backend, xdtype, cdtype):
-    """The backend's tolerance: h and the coefficient gradients in the coefficient dtype, dx in x's
-    dtype."""
+def terms(x, p, log_q, hx, dh, cu):
+    """The magnitude of the terms (reference.terms) of h, dx, dp, dlog_q and dhx, document by
+    document (an empty document's h is its hx, and dhx its dh)."""
+    x, p, lq, dh = to_np(x), to_np(p), to_np(log_q), to_np(dh)
+    hx = None if hx is None else to_np(hx)
+    hm = np.zeros(dh.shape) if hx is None else np.abs(hx)
+    dxm, dpm, dlqm = np.zeros(x.shape), np.zeros(p.shape), np.zeros(p.shape)
+    dhxm = None if hx is None else np.abs(dh)
+    for d, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if a == b:
+            continue
+        hxd = None if hx is None else hx[d:d + 1]
+        hm[d] = np.abs(hidden_ref.ema_hidden_terms(x[:, :, a:b], p, lq, hxd)[0])
+        gx, gp, glq, ghx = hidden_ref.ema_hidden_bwd_terms(dh[d:d + 1], x[:, :, a:b], p, lq, hxd)
+        dxm[:, :, a:b], dpm, dlqm = gx, dpm + gp, dlqm + np.abs(glq)
+        if ghx is not None:
+            dhxm[d] = np.abs(ghx[0])
+    return hm, dxm, dpm, dlqm, dhxm
+
+
+def compare(packed, expected, backend, xdtype, cdtype, magnitudes):
+    """The backend's tolerance against the magnitude of the terms: h and the coefficient
+    gradients in the coefficient dtype, dx in x's dtype."""
     names = ("h", "dx", "dp", "dlog_q", "dhx")
     kinds = (("fwd", cdtype), ("bwd", xdtype), ("bwd", cdtype), ("bwd", cdtype), ("bwd", cdtype))
-    for name, a, e, (kind, dtype) in zip(names, packed, expected, kinds):
+    for name, a, e, (kind, dtype), m in zip(names, packed, expected, kinds, magnitudes):
         assert (a is None) == (e is None), name
         if a is None:
             continue
         assert a.shape == e.shape and a.dtype == e.dtype and torch.isfinite(torch.view_as_real(a) if a.is_complex()
                                                                             else a.float()).all(), name
         bound = tol(backend, xdtype if name == "dx" else cdtype, kind)
-        assert_close(name, a, to_np(e), bound)
+        assert_close(name, a, to_np(e), bound, m)
 
 
 @pytest.mark.parametrize("backend, xdtype, cdtype", BACKEND_DTYPES)
@@ -92,7 +114,8 @@ def compare(packed, expected, backend, xdtype, cdtype):
 def test_packed_equals_separate_documents(backend, xdtype, cdtype, with_hx):
     x, p, log_q, hx, dh, cu = packed_inputs(LENGTHS, xdtype, cdtype, with_hx)
     compare(run(x, p, log_q, hx, dh, cu_seqlens=cu, backend=backend),
-            separate(x, p, log_q, hx, dh, cu, backend=backend), backend, xdtype, cdtype)
+            separate(x, p, log_q, hx, dh, cu, backend=backend), backend, xdtype, cdtype,
+            terms(x, p, log_q, hx, dh, cu))
 
 
 @pytest.mark.parametrize("backend, xdtype, cdtype", [("torch", F64, F64), ("triton", F32, F32), ("cuda", F32, F32),
@@ -103,7 +126,8 @@ def test_long_memory_and_no_log_q_gradient(backend, xdtype, cdtype):
     x, p, log_q, hx, dh, cu = packed_inputs(LENGTHS, xdtype, cdtype, seed=3, memory=LONG_MEMORY)
     log_q = log_q.detach()
     compare(run(x, p, log_q, hx, dh, cu_seqlens=cu, backend=backend),
-            separate(x, p, log_q, hx, dh, cu, backend=backend), backend, xdtype, cdtype)
+            separate(x, p, log_q, hx, dh, cu, backend=backend), backend, xdtype, cdtype,
+            terms(x, p, log_q, hx, dh, cu))
 
 
 @given(lengths=st.lists(st.sampled_from([0, 1, 2, 3, 7, 16, 31, 33, 64, 100, 257]), min_size=1, max_size=7),
@@ -113,7 +137,8 @@ def test_random_documents_torch_float64(lengths, with_hx, long_memory, seed):
         lengths = lengths + [1]
     x, p, log_q, hx, dh, cu = packed_inputs(lengths, F64, F64, with_hx, seed, LONG_MEMORY if long_memory else None)
     compare(run(x, p, log_q, hx, dh, cu_seqlens=cu, backend="torch"),
-            separate(x, p, log_q, hx, dh, cu, backend="torch"), "torch", F64, F64)
+            separate(x, p, log_q, hx, dh, cu, backend="torch"), "torch", F64, F64,
+            terms(x, p, log_q, hx, dh, cu))
 
 
 @settings(max_examples=4, deadline=None)
@@ -125,7 +150,8 @@ def test_random_documents_kernels(backend, lengths, with_hx, seed):
         lengths = lengths + [2]
     x, p, log_q, hx, dh, cu = packed_inputs(lengths, F32, F32, with_hx, seed, LONG_MEMORY)
     compare(run(x, p, log_q, hx, dh, cu_seqlens=cu, backend=backend),
-            separate(x, p, log_q, hx, dh, cu, backend=backend), backend, F32, F32)
+            separate(x, p, log_q, hx, dh, cu, backend=backend), backend, F32, F32,
+            terms(x, p, log_q, hx, dh, cu))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])

@@ -6,12 +6,14 @@ empty documents, one document; nothing crosses a document boundary; one backend 
 of row lengths; bad input."""
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
 
 from megalodon_kernels.ops.fftconv import fftconv
 from megalodon_kernels.ops.fftconv import torch_impl, triton_impl
+from megalodon_kernels.reference import fftconv as conv_ref
 from support import assert_close, backend_module, knobs, to_np, tol
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
@@ -63,17 +65,29 @@ def separate(x, k, dy, cu, **kw):
     return torch.cat(ys, 2).detach(), torch.cat(dxs, 2), dk
 
 
-def compare(packed, expected, backend, xdtype, kdtype):
+def terms(x, k, dy, cu):
+    """The magnitude of the terms of y, dx and dk (reference.terms), document by document."""
+    x, k, dy = to_np(x), to_np(k), to_np(dy)
+    ym, dxm, dkm = np.zeros(x.shape), np.zeros(x.shape), np.zeros(k.shape)
+    for a, b in spans(cu):
+        ym[..., a:b] = conv_ref.fftconv_terms(x[..., a:b], k[:, : b - a])
+        dxm[..., a:b], dk_doc = conv_ref.fftconv_bwd_terms(dy[..., a:b], x[..., a:b], k[:, : b - a])
+        dkm[:, : b - a] += dk_doc
+    return ym, dxm, dkm
+
+
+def compare(packed, expected, backend, xdtype, kdtype, magnitudes):
     """The backend's tolerance (rows of another length may pick another path or tile, so the
-    rounding may differ); in fp64 with a float32 k, dk is rounded once to fp32 (4.5e-8 measured)."""
-    for name, a, e, dtype, kind in zip(("y", "dx", "dk"), packed, expected, (xdtype, xdtype, kdtype),
-                                       ("fwd", "bwd", "bwd")):
+    rounding may differ) against the magnitude of the terms; in fp64 with a float32 k, dk is
+    rounded once to fp32 (4.5e-8 measured)."""
+    for name, a, e, dtype, kind, m in zip(("y", "dx", "dk"), packed, expected, (xdtype, xdtype, kdtype),
+                                          ("fwd", "bwd", "bwd"), magnitudes):
         assert a.shape == e.shape and a.dtype == dtype and torch.isfinite(a.float()).all(), name
         if xdtype == F64 and dtype != F64:
             bound = 1.5e-7  # fp64 arithmetic, dk rounded once to fp32 k
         else:
             bound = tol(backend, dtype, kind)
-        assert_close(name, a, to_np(e), bound)
+        assert_close(name, a, to_np(e), bound, m)
 
 
 @pytest.mark.parametrize("backend, xdtype, kdtype, path", CASES)
@@ -81,7 +95,7 @@ def test_packed_equals_separate_documents(backend, xdtype, kdtype, path):
     x, k, dy, cu = packed_inputs(LENGTHS, xdtype, kdtype)
     with knobs(backend_module("fftconv", backend), **PATHS[path].get(backend, {})):
         compare(run(x, k, dy, cu_seqlens=cu, backend=backend), separate(x, k, dy, cu, backend=backend),
-                backend, xdtype, kdtype)
+                backend, xdtype, kdtype, terms(x, k, dy, cu))
 
 
 @given(lengths=st.lists(st.sampled_from([0, 1, 2, 3, 7, 8, 9, 15, 16, 17, 31, 33, 64, 100]), min_size=1, max_size=7),
@@ -92,7 +106,7 @@ def test_random_documents_torch_float64(lengths, path, kdtype, seed):
     x, k, dy, cu = packed_inputs(lengths, F64, kdtype, seed)
     with knobs(torch_impl, **PATHS[path]["torch"]):
         compare(run(x, k, dy, cu_seqlens=cu, backend="torch"), separate(x, k, dy, cu, backend="torch"),
-                "torch", F64, kdtype)
+                "torch", F64, kdtype, terms(x, k, dy, cu))
 
 
 @settings(max_examples=4, deadline=None)
@@ -104,7 +118,7 @@ def test_random_documents_kernels(backend, lengths, xdtype, seed):
         lengths = lengths + [2]
     x, k, dy, cu = packed_inputs(lengths, xdtype, F32, seed)
     compare(run(x, k, dy, cu_seqlens=cu, backend=backend), separate(x, k, dy, cu, backend=backend),
-            backend, xdtype, F32)
+            backend, xdtype, F32, terms(x, k, dy, cu))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda", "cpu"])
@@ -159,8 +173,9 @@ def test_only_the_gradient_asked_for():
     y = fftconv(x.detach(), k, cu_seqlens=cu, backend="torch")
     (dk,) = torch.autograd.grad(y, (k,), dy)
     _, dx_sep, dk_sep = separate(x, k, dy, cu, backend="torch")
-    assert_close("dx", dx, dx_sep, tol("torch", F64, "bwd"))
-    assert_close("dk", dk, dk_sep, tol("torch", F64, "bwd"))
+    _, dx_terms, dk_terms = terms(x, k, dy, cu)
+    assert_close("dx", dx, dx_sep, tol("torch", F64, "bwd"), dx_terms)
+    assert_close("dk", dk, dk_sep, tol("torch", F64, "bwd"), dk_terms)
 
 
 def test_bad_input():
