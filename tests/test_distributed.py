@@ -16,7 +16,9 @@ tests/test_distributed.py --worker RANK DIR``) runs every multi-rank case on a 2
   gradients within the bf16 budget (BF16_TOL) of the fp32 reference.
 * checkpoints: 4 AdamW steps on 2 x 2 saving after step 2; a fresh model loading it on 2 x 2
   repeats steps 3-4 bit for bit (and gets its RNG state back); one on 4 x 1 within fp32 tolerance;
-  the parent (1 x 1) too. Loading into a model of another config raises and changes nothing.
+  the parent (1 x 1) too. On every mesh the loaded parameters equal the saved ones bit for bit and
+  each rank gets its data position (JSON and a tensor) back. (Refusing planted payloads:
+  tests/test_checkpoint_safety.py.) Loading into a model of another config raises and changes nothing.
 * bad input: a mesh without the dims asked for, a cp size that does not cut rows into whole chunks.
 
 With ``--stress`` the same launch also runs unpacked rows on a 1 x 4 mesh (the state passed through
@@ -118,6 +120,21 @@ CASES = ("packed", "segments_ckpt", "unpacked_ckpt", "bf16")
 STRESS_CASES = ("unpacked_1x4", "unpacked_1x4_ckpt")
 
 
+def _data_state(rank):
+    """A data position per rank, JSON and a tensor (saved without pickle)."""
+    return {"next_step": CKPT_AT + 1, "rank": rank, "order": torch.arange(4) + 10 * rank}
+
+
+def _same_data(got, want):
+    return got.keys() == want.keys() and all(torch.equal(v, want[k]) if isinstance(v, torch.Tensor) else v == want[k]
+                                            for k, v in got.items())
+
+
+def _full_state(dm):
+    return {k: (v.full_tensor() if hasattr(v, "full_tensor") else v).detach().clone()
+            for k, v in dm.module.state_dict().items()}
+
+
 def _train_losses(dm, opt, steps, first=1):
     losses = []
     for step in range(first, steps + 1):
@@ -211,6 +228,8 @@ def test_resume_same_mesh_bit_for_bit(runs):
         assert ck["resumed_22"] == ck["full"][CKPT_AT:], (r, ck)
         assert ck["rng_restored"], r
         assert ck["step_loaded"] == CKPT_AT
+        assert ck["params_equal_22"] and ck["params_equal_41"], r
+        assert _same_data(ck["data_22"], _data_state(r)) and _same_data(ck["data_41"], _data_state(r)), (r, ck)
 
 
 def test_resume_other_meshes(runs):
@@ -231,7 +250,8 @@ def test_resume_other_meshes(runs):
         dm = parallelize(_model(), mesh)
         opt = torch.optim.AdamW(dm.parameters(), lr=1e-2)
         loaded = load_checkpoint(os.path.join(tmpdir, "ckpt"), dm, opt)
-        assert loaded == {"step": CKPT_AT, "data": {"next_step": CKPT_AT + 1}}
+        assert loaded["step"] == CKPT_AT and _same_data(loaded["data"], _data_state(0))  # rank 0's
+        assert all(torch.equal(v, res[0]["ckpt"]["params"][k]) for k, v in _full_state(dm).items())
         losses = _train_losses(dm, opt, CKPT_STEPS, first=CKPT_AT + 1)
         assert losses == pytest.approx(full[CKPT_AT:], rel=FP32_TOL)
 
@@ -366,15 +386,18 @@ def _worker(rank, tmpdir, stress=False):
     dm = dm22 = parallelize(_model(), mesh22)
     opt = torch.optim.AdamW(dm.parameters(), lr=1e-2)
     full = _train_losses(dm, opt, CKPT_AT)
-    save_checkpoint(ckdir, dm, opt, step=CKPT_AT, data_state={"next_step": CKPT_AT + 1})
+    save_checkpoint(ckdir, dm, opt, step=CKPT_AT, data_state=_data_state(rank))
     rng_at_save = torch.get_rng_state()
+    ck = {"full": full, "params": _full_state(dm)}
     torch.manual_seed(999 + rank)  # the resumed runs must get the saved state back
     full += _train_losses(dm, opt, CKPT_STEPS, first=CKPT_AT + 1)
-    ck = {"full": full}
     for name, mesh in (("22", mesh22), ("41", mesh41)):
         dm = parallelize(_model(), mesh)
         opt = torch.optim.AdamW(dm.parameters(), lr=1e-2)
         loaded = load_checkpoint(ckdir, dm, opt)
+        # the loaded parameters equal the saved ones bit for bit on any mesh (DCP reshards, nothing rounds)
+        ck[f"params_equal_{name}"] = all(torch.equal(v, ck["params"][k]) for k, v in _full_state(dm).items())
+        ck[f"data_{name}"] = loaded["data"]
         if name == "22":
             ck["rng_restored"] = torch.equal(torch.get_rng_state(), rng_at_save)
             ck["step_loaded"] = loaded["step"]
