@@ -21,7 +21,8 @@ import math
 
 import torch
 
-from .._triton_common import HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, store_rounded, tl, triton
+from .._triton_common import (HAVE_TRITON, device_reasons, dtype_reasons, grid_launches, quiet_masked_lanes, store_rounded,
+                              tl, triton)
 from ..dropkey_rule import seed_key, threshold
 
 #: every config this backend may launch with (the tuner chooses among them; each is AOT-compiled
@@ -186,12 +187,13 @@ def forward(scores, *, causal, dropkey_p, seed, block_elems=4096, num_warps=8):
         return y
     bm, bs, one = _tiling(S, block_elems)
     thr = threshold(dropkey_p)
-    for grid, y0, _ in grid_launches(triton.cdiv(L, bm), BH):
-        _dropkey_softmax_fwd_kernel[grid[:2]](
-            x, y, L, S, Hf, S - L, _i32(seed_key(seed)), _i32(thr), y0,
-            OUT_BF16=x.dtype == torch.bfloat16, CAUSAL=bool(causal), DROP=thr > 0, ONE_PASS=one,
-            BLOCK_M=bm, BLOCK_S=bs, num_warps=num_warps,
-        )
+    with quiet_masked_lanes():  # rows with no visible key: -inf - -inf and 1 / 0, discarded
+        for grid, y0, _ in grid_launches(triton.cdiv(L, bm), BH):
+            _dropkey_softmax_fwd_kernel[grid[:2]](
+                x, y, L, S, Hf, S - L, _i32(seed_key(seed)), _i32(thr), y0,
+                OUT_BF16=x.dtype == torch.bfloat16, CAUSAL=bool(causal), DROP=thr > 0, ONE_PASS=one,
+                BLOCK_M=bm, BLOCK_S=bs, num_warps=num_warps,
+            )
     return y
 
 
