@@ -133,13 +133,15 @@ _launcher: GpuLauncher | None = None
 
 
 def _check() -> str | None:
+    # No GPU first: on such a machine that is the one reason, and advice to install the CUDA extra
+    # (CuPy, NVRTC) would only mislead.
+    if not torch.cuda.is_available():
+        return "no CUDA device is visible to torch (a CUDA build of torch and an NVIDIA driver are needed)"
     try:
         nvrtc.nvrtc_binding()
         nvrtc.include_dirs()
     except nvrtc.NvrtcUnavailable as exc:
         return str(exc)
-    if not torch.cuda.is_available():
-        return "no CUDA device is visible to torch (a CUDA build of torch and an NVIDIA driver are needed)"
     try:
         driver = CupyDriver()
         version = driver.driver_version()

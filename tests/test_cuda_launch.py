@@ -310,7 +310,9 @@ def test_availability_without_cupy_names_the_extra(fresh_runtime, monkeypatch):
     import sys
 
     monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # an import that fails
-    reason = fresh_runtime.unavailable_reason()
+    with monkeypatch.context() as gpu:  # a GPU is visible: then the missing extra is the reason
+        gpu.setattr(torch.cuda, "is_available", lambda: True)
+        reason = fresh_runtime.unavailable_reason()
     assert "NVRTC through CuPy is not available" in reason and "megalodon-kernels[cuda]" in reason
     why = rotary_cuda.not_supported_reasons(x=torch.zeros(1, 2, 1, 4))
     assert any("CUDA backend is unavailable" in r and "pip install" in r for r in why)
@@ -318,6 +320,15 @@ def test_availability_without_cupy_names_the_extra(fresh_runtime, monkeypatch):
 
     y = ops.rotary(torch.randn(1, 2, 1, 4), torch.arange(2))  # auto falls back
     assert torch.isfinite(y).all()
+
+
+def test_availability_without_a_gpu_gives_no_install_advice(fresh_runtime, monkeypatch):
+    import sys
+
+    monkeypatch.setitem(sys.modules, "cupy_backends.cuda.libs.nvrtc", None)  # no CuPy either
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    reason = fresh_runtime.unavailable_reason()
+    assert reason.startswith("no CUDA device is visible to torch") and "pip install" not in reason
 
 
 class _FakeVersionDriver:
