@@ -155,15 +155,19 @@ def save_checkpoint(path: str, model: DistributedMegalodon, optimizer: torch.opt
         split = (_split_data(data_state, "data_state", tensors, []), tensors)
     except TypeError as e:
         error = str(e)
-    # every rank learns of any rank's refusal, so none is left waiting in a collective
+    # every rank learns of any rank's refusal, so none is left waiting in a collective (this gather
+    # pickles between our own processes only; nothing pickled reaches the files)
     per_rank = [None] * dist.get_world_size()
-    dist.all_gather_object(per_rank, (error, _rng_state(), split))
+    dist.all_gather_object(per_rank, (error, step, _rng_state(), split))
     if error is not None:
         raise TypeError(error)
-    for r, (e, _, _) in enumerate(per_rank):
+    for r, (e, _, _, _) in enumerate(per_rank):
         if e is not None:
             raise TypeError(f"rank {r}'s {e}")
-    _write(path, model, optimizer, step, [d for _, _, d in per_rank], [s for _, s, _ in per_rank])
+    steps = sorted({s for _, s, _, _ in per_rank})
+    if len(steps) > 1:  # the train state is one item, the same on every rank
+        raise ValueError(f"step differs between ranks ({steps}): every rank saves the same step")
+    _write(path, model, optimizer, step, [d for _, _, _, d in per_rank], [g for _, _, g, _ in per_rank])
 
 
 def read_checkpoint_info(path: str) -> dict:

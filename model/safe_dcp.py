@@ -122,7 +122,7 @@ class SafeReader(FileSystemReader):
             raise UnsafeCheckpointError(f"{self._dir}: per-rank metadata is not read (no global {METADATA_FILE})")
         if self._metadata is None:
             self._metadata = read_metadata(self._dir)
-            self._metadata.storage_meta.load_id = self.load_id
+            self._metadata.storage_meta.load_id = getattr(self, "load_id", None)  # as FileSystemReader does
         return self._metadata
 
 
