@@ -165,6 +165,24 @@ def test_payload_in_non_tensor_item_runs_nothing(world, tmp_path):
              r"item 'optim\.param_groups\.0\.lr' is not plain data .*refused.*GLOBAL (builtins\.)?exec\)")
 
 
+def test_malformed_train_state_refused(world, tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    from megalodon_kernels.model.dist_checkpoint import _state_dicts, _train_state, load_checkpoint
+
+    dm, opt = _fresh(world)
+    model_sd, optim_sd = _state_dicts(dm, opt)
+    train = _train_state(1, [({}, [])], [{"torch": torch.get_rng_state()}])
+    train["json"] = torch.frombuffer(bytearray(b'{"format": 1, "step": 1}'), dtype=torch.uint8)
+    path = str(tmp_path / "bad_json")
+    dcp.save({"model": model_sd, "optim": optim_sd, "train": train}, storage_writer=dcp.FileSystemWriter(path))
+    shutil.copy(os.path.join(world["genuine"], "megalodon.json"), path)
+    dm, opt = _fresh(world)
+    with pytest.raises(ValueError, match=r"bad_json' has a malformed train state \(ValueError: format 1, expected 2"):
+        load_checkpoint(path, dm, opt)
+    assert not opt.state
+
+
 def _legacy(world, path, train):
     """A checkpoint as the earlier save_checkpoint wrote it: the train state one pickled item."""
     import torch.distributed.checkpoint as dcp
