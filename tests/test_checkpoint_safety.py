@@ -239,3 +239,16 @@ def test_data_state_must_be_json_or_tensors(world, tmp_path, bad, where):
     with pytest.raises(TypeError, match=where):
         save_checkpoint(str(tmp_path / "c"), dm, opt, step=1, data_state=bad)
     assert not os.path.exists(tmp_path / "c")  # refused before anything is written
+
+
+@pytest.mark.parametrize("module, name", [("torch", "load"), ("torch", "_dynamo"), ("os", "system"),
+                                          ("builtins", "getattr"), ("torch.serialization", "load"),
+                                          ("torch.distributed.checkpoint.filesystem", "FileSystemReader"),
+                                          ("torch.distributed.checkpoint.metadata", "field")])
+def test_metadata_unpickler_admits_only_metadata_types(module, name):
+    """Names next to the admitted ones (torch itself, DCP's other classes) are refused too, and looked
+    up nowhere: a name in torch is checked against torch's attributes without importing anything."""
+    from megalodon_kernels.model.safe_dcp import UnsafeCheckpointError, _MetadataUnpickler
+
+    with pytest.raises(UnsafeCheckpointError, match=rf"x/\.metadata names {module}\.{name}, which is not one of"):
+        _MetadataUnpickler(io.BytesIO(b""), "x/.metadata").find_class(module, name)
