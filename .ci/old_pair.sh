@@ -50,7 +50,8 @@ step "custom ops, compile, export, dispatch, model, FSDP2, the AOT prunes of thi
 timeout "$limit" python -m pytest -p no:cacheprovider -q \
     tests/test_versions.py tests/test_compile.py tests/test_export_process.py tests/test_dispatch.py \
     tests/test_library_adapter.py tests/test_device_guard.py \
-    tests/test_packed_model.py tests/test_model_streaming.py tests/test_model_checkpoint.py tests/test_fsdp.py
+    tests/test_packed_model.py tests/test_model_streaming.py tests/test_model_checkpoint.py tests/test_fsdp.py \
+    tests/test_checkpoint_safety.py
 timeout "$limit" python -m pytest -p no:cacheprovider -q -k "release or report or launch_prune or packed" tests/test_triton_aot.py
 
 # The self-check above ran every op's Triton kernels (forward and backward, every dtype) against
