@@ -11,6 +11,11 @@ USAGE = ("usage: python -m megalodon_kernels.bench report <pytest-benchmark json
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] in (["-h"], ["--help"]):
+        print(USAGE)
+        print("\n  report  markdown tables and plots of a pytest-benchmark run of bench/ (its --help: the options)"
+              "\n  gpu     the GPU acceptance run, or its CPU rehearsal with --dry (its --help: the options)")
+        return 0
     if argv and argv[0] == "report":
         from .report import main as report_main
 

@@ -11,6 +11,7 @@ that would shadow the ``cuda`` package CuPy imports), and kill the whole session
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import importlib
 import json
@@ -380,6 +381,33 @@ def step_ops(run: Run, limit_s: float) -> dict:
 
 
 # ------------------------------------------------------------------------------------ 6. model
+#: what torch's profiler library (Kineto) writes to stderr from C++ at every start and stop, at any
+#: KINETO_LOG_LEVEL: progress markers, not messages
+_KINETO_MARKERS = ("USDT:", "STAGE:")
+
+
+@contextlib.contextmanager
+def _without_kineto_markers():
+    """Runs the block with file descriptor 2 sent to a temporary file, then writes back to stderr
+    every line but Kineto's markers: warnings and errors printed meanwhile still show."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    with tempfile.TemporaryFile() as caught:
+        os.dup2(caught.fileno(), 2)
+        try:
+            yield
+        finally:
+            sys.stderr.flush()
+            os.dup2(saved, 2)
+            os.close(saved)
+            caught.seek(0)
+            kept = [line for line in caught.read().decode(errors="replace").splitlines(keepends=True)
+                    if not line.startswith(_KINETO_MARKERS)]
+            if kept:
+                sys.stderr.write("".join(kept))
+                sys.stderr.flush()
+
+
 def _gemm_share(model, tokens, device) -> float | None:
     """1 - GEMM time / all op time of one training step, from the torch profiler (device time on a GPU)."""
     from torch.profiler import ProfilerActivity, profile
@@ -390,7 +418,7 @@ def _gemm_share(model, tokens, device) -> float | None:
     from megalodon_kernels.bench.vs_transformer import step
 
     acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=acts) as prof:
+    with _without_kineto_markers(), profile(activities=acts) as prof:
         step(model, tokens)
         sync(device)
     key = "self_device_time_total" if device.type == "cuda" else "self_cpu_time_total"

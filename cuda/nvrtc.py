@@ -115,8 +115,8 @@ def nvrtc_binding():
         nvrtc.getVersion()
     except Exception as exc:  # ImportError, or libnvrtc missing (RuntimeError / OSError from CuPy)
         raise NvrtcUnavailable(
-            f"NVRTC through CuPy is not available ({type(exc).__name__}: {exc}); install the CUDA extra: "
-            f"pip install 'megalodon-kernels[cuda]' (CuPy and NVRTC for CUDA 13; see README)") from exc
+            f"NVRTC through CuPy is not available ({type(exc).__name__}: {exc}); install the cuda extra, "
+            f"from a checkout: pip install -e '.[cuda]' (CuPy and NVRTC for CUDA 13; for CUDA 12 see README)") from exc
     return nvrtc
 
 
@@ -152,12 +152,12 @@ def include_dirs() -> tuple[str, ...]:
     runtime = next((d for d in includes if (d / "cuda_bf16.h").exists()), None)
     if runtime is None:
         raise NvrtcUnavailable("the CUDA headers are missing: pip install nvidia-cuda-runtime "
-                               "(part of the megalodon-kernels[cuda] extra)")
+                               "(part of the cuda extra)")
     cccl = next((c for d in includes for c in (d / "cccl", d.parent.parent / "cuda_cccl" / "include")
                  if (c / "cuda" / "std" / "cstdint").exists()), None)
     if cccl is None:
         raise NvrtcUnavailable("the CCCL headers (libcu++) are missing: pip install 'nvidia-cuda-cccl==13.0.*' "
-                               "(part of the megalodon-kernels[cuda] extra)")
+                               "(part of the cuda extra)")
     dirs = [str(runtime), str(cccl)]
     if cccl.name == "cccl" and cccl.parent != runtime:
         # CuTe includes libcu++ as <cccl/cuda/std/...> when CCCL sits in a folder of its own

@@ -17,10 +17,7 @@ import time
 
 import torch
 
-import megalodon_kernels.model.hf  # noqa: F401  (registers model_type "megalodon")
-from megalodon_kernels.model import get_config
-from megalodon_kernels.model.hf import MegalodonForCausalLM, MegalodonHFConfig
-from megalodon_kernels.model.hf_convert import upstream_to_hf
+# transformers loads in the functions below, after the arguments are parsed: --help answers at once
 
 TEXT = "the quick brown fox jumps over the lazy dog. "
 
@@ -42,6 +39,9 @@ def byte_tokenizer():
 def train_tiny(out_dir: str, steps: int, tok) -> None:
     from transformers import Trainer, TrainingArguments
 
+    from megalodon_kernels.model import get_config
+    from megalodon_kernels.model.hf import MegalodonForCausalLM, MegalodonHFConfig
+
     torch.manual_seed(0)
     cfg = get_config("tiny", vocab_size=len(tok))
     model = MegalodonForCausalLM(MegalodonHFConfig.from_model_config(cfg, pad_token_id=tok.pad_token_id))
@@ -59,13 +59,16 @@ def train_tiny(out_dir: str, steps: int, tok) -> None:
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--upstream", help="an upstream checkpoint directory to convert instead of training a tiny model")
     ap.add_argument("--out", help="where to write the transformers directory (default: a temporary one)")
     ap.add_argument("--steps", type=int, default=40, help="Trainer steps for the tiny model")
     ap.add_argument("--new-tokens", type=int, default=24)
     args = ap.parse_args(argv)
     from transformers import AutoModelForCausalLM, TextStreamer
+
+    import megalodon_kernels.model.hf  # noqa: F401  (registers model_type "megalodon")
+    from megalodon_kernels.model.hf_convert import upstream_to_hf
 
     out = args.out or tempfile.mkdtemp(prefix="megalodon-hf-")
     if args.upstream:

@@ -105,7 +105,7 @@ def peak_memory_mib() -> float:
 
 
 def parse_args(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
     ap.add_argument("--cp", type=int, default=2, help="chunk-parallel ranks per row (dp = world / cp)")
     ap.add_argument("--steps", type=int, default=60, help="train until this step (counted from 0, resume included)")
     ap.add_argument("--row-tokens", type=int, default=512, help="bytes per data rank's packed row")

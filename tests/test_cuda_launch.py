@@ -313,7 +313,7 @@ def test_availability_without_cupy_names_the_extra(fresh_runtime, monkeypatch):
     with monkeypatch.context() as gpu:  # a GPU is visible: then the missing extra is the reason
         gpu.setattr(torch.cuda, "is_available", lambda: True)
         reason = fresh_runtime.unavailable_reason()
-    assert "NVRTC through CuPy is not available" in reason and "megalodon-kernels[cuda]" in reason
+    assert "NVRTC through CuPy is not available" in reason and "pip install -e '.[cuda]'" in reason
     why = rotary_cuda.not_supported_reasons(x=torch.zeros(1, 2, 1, 4))
     assert any("CUDA backend is unavailable" in r and "pip install" in r for r in why)
     from megalodon_kernels import ops
