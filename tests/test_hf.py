@@ -187,8 +187,12 @@ def test_labels_with_left_padding(model):
 
 
 def test_bad_inputs(model, prompt):
-    with pytest.raises(ValueError, match="inputs_embeds"):
-        model(inputs_embeds=torch.zeros(1, 3, 64))
+    with pytest.raises(ValueError, match="exactly one of input_ids and inputs_embeds"):
+        model(prompt, inputs_embeds=torch.zeros(2, 20, 64))
+    with pytest.raises(ValueError, match="inputs_embeds must be"):
+        model(inputs_embeds=torch.zeros(1, 3, 63))
+    with pytest.raises(ValueError, match="output_attentions"):
+        model(prompt, output_attentions=True)
     with pytest.raises(TypeError, match="input_ids"):
         model(prompt.float())
     with pytest.raises(TypeError, match="cache"):
@@ -416,12 +420,14 @@ def test_gradient_checkpointing(prompt):
                                 ("gradient_checkpointing_enable", "gradient_checkpointing_disable",
                                  "is_gradient_checkpointing"))
     getattr(m, enable)()
-    assert m.megalodon.config.layerwise_ckpt and getattr(m, enabled)
+    # transformers' mechanism: every block carries the flag; the core's own loop never checkpoints
+    assert m.config.layerwise_ckpt and getattr(m, enabled) and not m.megalodon.config.layerwise_ckpt
+    assert all(block.gradient_checkpointing for block in m.layers)
     m(prompt, labels=prompt).loss.backward()
     for g, p in zip(want, m.parameters()):
         torch.testing.assert_close(p.grad, g, rtol=1e-5, atol=1e-7)
     getattr(m, disable)()
-    assert not m.megalodon.config.layerwise_ckpt and not getattr(m, enabled)
+    assert not m.config.layerwise_ckpt and not getattr(m, enabled)
 
 
 def test_example_runs(tmp_path, capsys):
