@@ -53,7 +53,7 @@ from .cache import MegalodonCache
 from .config import MegalodonConfig
 from .layers import ComplexEMA, LayerNorm, MegalodonAttention, MegalodonBlock, NormalizedFFN, RMSNorm, TimestepNorm, \
     init_linear
-from .megalodon import Megalodon, OutputLayer, RotaryEmbedding
+from .megalodon import Megalodon, RotaryEmbedding
 
 __all__ = ["MegalodonHFConfig", "MegalodonForCausalLM", "MegalodonHFCache", "CACHE_ARG"]
 
@@ -475,8 +475,9 @@ class MegalodonForCausalLM(PreTrainedModel, GenerationMixin):
         past = attention_mask.shape[1] - L
         if past:
             if cache is None:
-                raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {L} positions of input_ids: "
-                                 f"its first {past} describe tokens a cache has consumed, but no cache was given")
+                raise ValueError(f"attention_mask has {attention_mask.shape[1]} columns for {L} positions of "
+                                 f"input_ids: its first {past} describe tokens a cache has consumed, but no cache "
+                                 "was given")
             held = attention_mask[:, :past].sum(1).to(cache.state.lengths)
             if not torch.equal(held, cache.state.lengths):
                 raise ValueError(f"attention_mask's first {past} columns (before the {L} of input_ids) hold "

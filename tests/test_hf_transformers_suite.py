@@ -19,7 +19,6 @@ import os
 
 os.environ["HF_HUB_OFFLINE"] = "1"  # the mixin's hub helpers must not reach the network
 
-import copy  # noqa: E402
 import importlib  # noqa: E402
 import re  # noqa: E402
 import subprocess  # noqa: E402
@@ -35,7 +34,8 @@ import torch  # noqa: E402
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
-from megalodon_kernels.model.hf import CACHE_ARG, MegalodonForCausalLM, MegalodonHFCache, MegalodonHFConfig  # noqa: E402
+from megalodon_kernels.model.hf import (  # noqa: E402
+    CACHE_ARG, MegalodonForCausalLM, MegalodonHFCache, MegalodonHFConfig)
 
 #: The package name the sdist's tests/ folder is imported under.
 _PKG = "_megalodon_hf_suite"
@@ -62,11 +62,13 @@ def _sdist_tests_dir() -> Path:
         if run.returncode != 0 or not tarball.is_file():
             tail = (run.stderr or run.stdout).strip().splitlines()[-1:] or ["no output"]
             raise RuntimeError(f"`pip download` of the transformers {version} sdist failed: {tail[0]}")
+    out.mkdir(parents=True, exist_ok=True)
     with tarfile.open(tarball) as tar:
         for f in _FILES:
-            member = tar.getmember(f"transformers-{version}/tests/{f}")
-            member.name = f  # flat, into out
-            tar.extract(member, out, filter="data")
+            text = tar.extractfile(f"transformers-{version}/tests/{f}").read()
+            part = out / f"{f}.{os.getpid()}.part"  # then renamed: a concurrent run never reads half a file
+            part.write_bytes(text)
+            part.replace(out / f)
     return out
 
 
@@ -81,8 +83,9 @@ class GenerationChecks:
 
     def test_generate_greedy_matches_native(self):
         model, ids = self._generate_model()
-        got = model.generate(ids, max_new_tokens=5, do_sample=False, min_new_tokens=5)
-        self.assertTrue(torch.equal(got, model.megalodon.generate(ids, 5, greedy=True)))
+        eos = model.config.eos_token_id  # also the pad id: finished rows repeat it in both
+        got = model.generate(ids, max_new_tokens=5, do_sample=False)
+        self.assertTrue(torch.equal(got, model.megalodon.generate(ids, 5, greedy=True, eos_token_id=eos)))
 
     def test_generate_without_cache_matches(self):
         model, ids = self._generate_model()
@@ -108,9 +111,9 @@ class GenerationChecks:
     def test_generate_from_inputs_embeds(self):
         model, ids = self._generate_model()
         embeds = model.get_input_embeddings()(ids)
-        got = model.generate(inputs_embeds=embeds, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+        got = model.generate(inputs_embeds=embeds, max_new_tokens=4, do_sample=False)
         # transformers returns only the new tokens when the prompt came as embeddings
-        want = model.megalodon.generate(ids, 4, greedy=True)[:, ids.shape[1]:]
+        want = model.megalodon.generate(ids, 4, greedy=True, eos_token_id=model.config.eos_token_id)[:, ids.shape[1]:]
         self.assertTrue(torch.equal(got, want))
 
     def test_generate_beam_search_runs(self):
@@ -178,8 +181,7 @@ def _register_marks(source: str) -> None:
         config.addinivalue_line("markers", f"{name}: a mark of transformers' test suite (tests/{Path(__file__).name})")
 
 
-def _load_mixin():
-    tests_dir = _sdist_tests_dir()
+def _load_mixin(tests_dir: Path):
     import transformers.testing_utils as testing_utils  # its decorators apply marks too
 
     _register_marks("".join((tests_dir / f).read_text() for f in _FILES) + Path(testing_utils.__file__).read_text())
@@ -203,9 +205,10 @@ def _load_mixin():
 
 
 try:
-    _common = _load_mixin()
-except Exception as e:  # noqa: BLE001 - any reason is reported as the skip's
+    _tests_dir = _sdist_tests_dir()
+except (RuntimeError, OSError, tarfile.TarError, KeyError) as e:  # no network, no pip, a broken download
     pytest.skip(f"transformers' test mixin could not be obtained: {e}", allow_module_level=True)
+_common = _load_mixin(_tests_dir)  # an import error here is a failure: the sdist is there
 
 # An in-tree model is listed in transformers' causal-LM names; the mixin picks its checks by that list.
 from transformers.models.auto import modeling_auto  # noqa: E402
