@@ -36,11 +36,17 @@ def run(files: list[str], log: str) -> None:
         print(f"# {f}: exit {rc}, {time.time() - start:.0f} s", file=sys.stderr)
 
 
+#: with --terms: only comparisons measured against the magnitude of the terms (support.MEASURED_TERMS)
+ONLY_TERMS = False
+
+
 def records(logs: list[str]):
     """(budget key or None, record) for every comparison logged in ``logs``."""
     for path in logs:
         for line in Path(path).read_text().splitlines():
             rec = json.loads(line)
+            if ONLY_TERMS and rec.get("scale") != "max(terms)":
+                continue
             if not rec["rel"] <= rec["tol"]:
                 # a comparison that failed: one a test expects to fail (pytest.raises, e.g. a
                 # deliberately wrong kernel) or a real failure, which the run itself reports
@@ -125,7 +131,11 @@ def main() -> None:
     ap.add_argument("--run", nargs="+", metavar="TEST_FILE", help="run these test files first, logging")
     ap.add_argument("--python", action="store_true", help="print the worst errors as support.MEASURED entries")
     ap.add_argument("--doc", action="store_true", help="print the table of docs/verification.md (with budgets)")
+    ap.add_argument("--terms", action="store_true",
+                    help="only the comparisons against the magnitude of the terms (support.MEASURED_TERMS)")
     args = ap.parse_args()
+    global ONLY_TERMS
+    ONLY_TERMS = args.terms
     logs = list(args.logs)
     if args.run:
         fd, log = tempfile.mkstemp(suffix=".jsonl")

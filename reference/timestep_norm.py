@@ -20,6 +20,8 @@ formula is the same for every element. This is the oracle, not a fast path.
 """
 import numpy as np
 
+from .terms import Magnitude
+
 
 def _as_f64(a):
     return np.asarray(a, dtype=np.float64)
@@ -133,3 +135,97 @@ def timestep_norm_bwd(dy, dmean, dvar, x, scale, bias, num_groups, prev_count, p
             v = np.where(live[:, None], c1 * dv, v)
             n = np.where(live, n - 1.0, n)
     return dx.reshape(B, L, D), dscale.reshape(D), dbias.reshape(D), u, v
+
+
+# --- the magnitude of the terms (reference.terms.Magnitude) ---------------------------------------
+
+def _scan_terms(x, scale, bias, G, n0, mu0, var0, pad, eps):
+    """The forward of :func:`timestep_norm` on Magnitude values: y and the per-step statistics,
+    each with the magnitude of its terms."""
+    B, L, D = x.shape
+    where = Magnitude.where
+    X = Magnitude(x.reshape(B, L, G, D // G))
+    scale_g, bias_g = Magnitude(_as_f64(scale).reshape(G, D // G)), Magnitude(_as_f64(bias).reshape(G, D // G))
+    n = n0.astype(np.float64).copy()
+    mu, var = Magnitude(mu0), Magnitude(var0)
+    steps = {"X": X, "scale_g": scale_g, "gmu": [], "mu_before": [], "mu": [], "var": [], "y": []}
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for t in range(L):
+            live = ~pad[:, t]
+            xt = X[:, t]
+            gmu = xt.mean(axis=-1)
+            dev = xt - gmu[..., None]
+            gvar = (dev * dev).mean(axis=-1)
+            n_new = n + 1.0
+            # the weights are exact here: their rounding, like every step's own, accumulates over
+            # the scan (a random walk the measured budgets absorb); a worst-case sum growing with
+            # the length would hide a drift of one unit per step
+            c1, c2 = (n / n_new)[:, None], (1.0 / n_new)[:, None]
+            mu_new = c1 * mu + c2 * gmu
+            var_new = c1 * var + c2 * gvar + c1 * c2 * (gmu - mu) ** 2
+            steps["gmu"].append(gmu)
+            steps["mu_before"].append(mu)
+            mu = where(live[:, None], mu_new, mu)
+            var = where(live[:, None], var_new, var)
+            n = np.where(live, n_new, n)
+            steps["mu"].append(mu)
+            steps["var"].append(var)
+            rstd = 1.0 / (var + eps).sqrt()
+            y = (xt - mu[..., None]) * rstd[..., None] * scale_g + bias_g
+            steps["y"].append(where(pad[:, t, None, None], 0.0, y))
+    steps["count"], steps["mean"], steps["final_var"] = n, mu, var
+    return steps
+
+
+def timestep_norm_terms(x, scale, bias, num_groups, prev_count=None, prev_mean=None, prev_var=None,
+                        padding_mask=None, eps=1e-5):
+    """The magnitude of the terms of (y, mean, var) of :func:`timestep_norm` (reference.terms):
+    the normalisation propagated to first order (Magnitude), so that y of inputs far from zero is
+    held to the size of x and its running mean, which x - mean cancels."""
+    x, G, n0, mu0, var0, pad = _defaults(x, num_groups, prev_count, prev_mean, prev_var, padding_mask)
+    B, L, D = x.shape
+    s = _scan_terms(x, scale, bias, G, n0, mu0, var0, pad, eps)
+    y = np.stack([step.mag for step in s["y"]], axis=1).reshape(B, L, D) if L else np.zeros((B, 0, D))
+    return y, s["mean"].mag, s["final_var"].mag
+
+
+def timestep_norm_bwd_terms(dy, dmean, dvar, x, scale, bias, num_groups, prev_count, prev_mean, prev_var,
+                            padding_mask, eps=1e-5):
+    """The magnitude of the terms of (dx, dscale, dbias, dprev_mean, dprev_var) of
+    :func:`timestep_norm_bwd`: its reverse scan on Magnitude values, over the forward's."""
+    x, G, n0, mu0, var0, pad = _defaults(x, num_groups, prev_count, prev_mean, prev_var, padding_mask)
+    B, L, D = x.shape
+    Dg = D // G
+    where = Magnitude.where
+    s = _scan_terms(x, scale, bias, G, n0, mu0, var0, pad, eps)
+    X, scale_g = s["X"], s["scale_g"]
+    DY = Magnitude(_as_f64(dy).reshape(B, L, G, Dg))
+    u = Magnitude(np.zeros((B, G)) if dmean is None else _as_f64(dmean))
+    v = Magnitude(np.zeros((B, G)) if dvar is None else _as_f64(dvar))
+    n = s["count"].copy()
+    dx = [None] * L
+    dscale, dbias = Magnitude(np.zeros((G, Dg))), Magnitude(np.zeros((G, Dg)))
+    with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
+        for t in range(L - 1, -1, -1):
+            live = ~pad[:, t]
+            c1, c2 = ((n - 1.0) / n)[:, None], (1.0 / n)[:, None]
+            mu_prev, mu, gmu = s["mu_before"][t], s["mu"][t], s["gmu"][t]
+            r = 1.0 / (s["var"][t] + eps).sqrt()
+            xc = X[:, t] - mu[..., None]
+            dys = DY[:, t] * scale_g
+            ds = (dys * xc).sum(axis=-1)
+            db = dys.sum(axis=-1)
+            du = u - r * db
+            dv = v - 0.5 * r ** 3 * ds
+            dgmu = c2 * du + 2.0 * c1 * c2 * dv * (gmu - mu_prev)
+            dgvar = c2 * dv
+            dxt = dys * r[..., None] + dgmu[..., None] / Dg + 2.0 * dgvar[..., None] * (X[:, t] - gmu[..., None]) / Dg
+            keep = live[:, None, None]
+            dx[t] = where(keep, dxt, 0.0)
+            dscale = dscale + where(keep, DY[:, t] * xc * r[..., None], 0.0).sum(axis=0)
+            dbias = dbias + where(keep, DY[:, t], 0.0).sum(axis=0)
+            u = where(live[:, None], c1 * du - 2.0 * c1 * c2 * dv * (gmu - mu_prev), u)
+            v = where(live[:, None], c1 * dv, v)
+            n = np.where(live, n - 1.0, n)
+    dxm = np.stack([d.mag for d in dx], axis=1).reshape(B, L, D) if L else np.zeros((B, 0, D))
+    return dxm, dscale.mag.reshape(D), dbias.mag.reshape(D), u.mag, v.mag

@@ -24,6 +24,9 @@ pytest_plugins = ["device_model"]
 settings.register_profile("ci", max_examples=8, deadline=None, derandomize=True, print_blob=True)
 settings.register_profile("dev", max_examples=25, deadline=None, print_blob=True)
 settings.register_profile("stress", max_examples=300, deadline=None, print_blob=True)
+# fresh random examples, nothing replayed from an example database: .ci/random_properties.sh runs
+# every property test (marker "property") under this profile with a few printed seeds
+settings.register_profile("random", max_examples=3, deadline=None, print_blob=True, database=None)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "ci" if os.environ.get("CI") else "dev"))
 
 
@@ -88,6 +91,9 @@ RUN_LAST = ("test_every_kernel_ran_in_the_emulator",)
 
 
 def pytest_collection_modifyitems(session, config, items):
+    for item in items:   # every hypothesis test is a property test: -m property selects them all
+        if getattr(getattr(item, "obj", None), "is_hypothesis_test", False):
+            item.add_marker(pytest.mark.property)
     items.sort(key=lambda item: item.originalname in RUN_LAST)  # stable: everything else keeps its order
 
 

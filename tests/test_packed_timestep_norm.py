@@ -7,11 +7,13 @@ their own level and spread, so a statistic leaking across a boundary fails the c
 below). Also: one backend call per packed call, not per document; bad input."""
 import contextlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings, strategies as st
 
 from megalodon_kernels.ops.timestep_norm import BACKENDS, timestep_norm
+from megalodon_kernels.reference import timestep_norm as ref
 from support import assert_close, backend_module, err_ratio, knobs, to_np, tol
 
 pytestmark = pytest.mark.filterwarnings("ignore::RuntimeWarning")  # NaN lanes the Triton kernels mask away
@@ -98,6 +100,36 @@ def run_separate(p, leaves, backend):
     return tuple(torch.cat(t, dim=1 if i == 0 else 0) for i, t in enumerate(zip(*outs)))
 
 
+def terms(p, leaves, up):
+    """The magnitude of the terms (reference.terms) of y, mean and var and of every leaf's gradient
+    for the upstream gradients ``up`` (dy, dmean, dvar), document by document."""
+    a = {k: to_np(v.detach()) for k, v in leaves.items()}
+    for k in ("prev_count", "padding_mask"):
+        if p.get(k) is not None:
+            a[k] = to_np(p[k])
+    G, (dy, dm, dv) = p["num_groups"], (to_np(u) for u in up)
+    cu = p["cu_seqlens"].tolist()
+    fwd = [np.zeros(a["x"].shape), np.zeros(dm.shape), np.zeros(dm.shape)]
+    grads = {k: np.zeros(v.shape) for k, v in a.items() if k in leaves}
+
+    def state(k, d):
+        return None if a.get(k) is None else a[k][d:d + 1]
+
+    for d, (s0, s1) in enumerate(zip(cu[:-1], cu[1:])):
+        doc = (a["x"][:, s0:s1], a["scale"], a["bias"], G, state("prev_count", d), state("prev_mean", d),
+               state("prev_var", d), None if a.get("padding_mask") is None else a["padding_mask"][:, s0:s1])
+        fwd[0][:, s0:s1], fwd[1][d], fwd[2][d] = (np.squeeze(t, 0) if i else t
+                                                  for i, t in enumerate(ref.timestep_norm_terms(*doc)))
+        dx, dscale, dbias, dpm, dpv = ref.timestep_norm_bwd_terms(dy[:, s0:s1], dm[d:d + 1], dv[d:d + 1], *doc)
+        grads["x"][:, s0:s1] = dx
+        grads["scale"] += dscale
+        grads["bias"] += dbias
+        for k, g in (("prev_mean", dpm), ("prev_var", dpv)):
+            if k in grads:
+                grads[k][d] = g[0]
+    return fwd, grads
+
+
 def compare(p, dtype, backend, seed=0):
     """Packed == separate: outputs, states, and the gradients of every leaf from y alone and from
     (mean, var) alone."""
@@ -110,19 +142,21 @@ def compare(p, dtype, backend, seed=0):
     assert got[1].dtype == torch.int64 and got[1].shape == (n,)
     assert got[2].dtype == acc and got[2].shape == got[3].shape == (n, p["num_groups"])
     assert torch.equal(got[1], want[1])
-    for name, a, b, dt in (("y", got[0], want[0], dtype), ("mean", got[2], want[2], acc),
-                           ("var", got[3], want[3], acc)):
-        assert_close(name, a, to_np(b), budget(backend, dt, "fwd"))
     gen = torch.Generator().manual_seed(seed)
     ups = [torch.randn(t.shape, generator=gen, dtype=F64).to(t.dtype) for t in (got[0], got[2], got[3])]
     zero = [torch.zeros_like(u) for u in ups]
+    fwd_terms, _ = terms(p, leaves, ups)
+    for name, a, b, dt, m in (("y", got[0], want[0], dtype, fwd_terms[0]), ("mean", got[2], want[2], acc, fwd_terms[1]),
+                              ("var", got[3], want[3], acc, fwd_terms[2])):
+        assert_close(name, a, to_np(b), budget(backend, dt, "fwd"), m)
     for source, up in (("y", [ups[0], *zero[1:]]), ("state", [zero[0], *ups[1:]])):
+        _, grad_terms = terms(p, leaves, up)
         g_got = torch.autograd.grad((got[0], got[2], got[3]), list(leaves.values()), up, retain_graph=True)
         g_want = torch.autograd.grad((want[0], want[2], want[3]), list(leaves.values()), up, retain_graph=True)
         for k, a, b in zip(leaves, g_got, g_want):
             assert a.dtype == leaves[k].dtype and a.shape == leaves[k].shape
             t = max(budget(backend, dtype, "bwd"), budget(backend, a.dtype, "bwd"))
-            assert_close(f"d{k} from {source}", a, to_np(b), t)
+            assert_close(f"d{k} from {source}", a, to_np(b), t, grad_terms[k])
 
 
 @contextlib.contextmanager

@@ -91,24 +91,28 @@ def run(p, dtype, *, gen, contiguous=True, param_dtype=None, grads=True, name=""
     ry, rc, rm, rv = ref.timestep_norm(np_in["x"], np_in["scale"], np_in["bias"], p["num_groups"],
                                        np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"),
                                        np_in.get("padding_mask"))
+    ym, mm, vm = ref.timestep_norm_terms(np_in["x"], np_in["scale"], np_in["bias"], p["num_groups"],
+                                         np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"),
+                                         np_in.get("padding_mask"))
     np.testing.assert_array_equal(count.numpy(), rc)
-    assert_close(f"{name}y", y, ry, tol(backend, dtype, "fwd"))
-    assert_close(f"{name}mean", mean, rm, tol(backend, acc, "fwd"))
-    assert_close(f"{name}var", var, rv, tol(backend, acc, "fwd"))
+    assert_close(f"{name}y", y, ry, tol(backend, dtype, "fwd"), ym)
+    assert_close(f"{name}mean", mean, rm, tol(backend, acc, "fwd"), mm)
+    assert_close(f"{name}var", var, rv, tol(backend, acc, "fwd"), vm)
     if not grads:
         return y, count, mean, var
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
     dm = torch.randn(mean.shape, generator=gen, dtype=torch.float64).to(acc)
     dv = torch.randn(var.shape, generator=gen, dtype=torch.float64).to(acc)
     got = dict(zip(leaves, torch.autograd.grad((y, mean, var), list(leaves.values()), (dy, dm, dv))))
-    want = dict(zip(LEAF_NAMES, ref.timestep_norm_bwd(
-        to_np(dy), to_np(dm), to_np(dv), np_in["x"], np_in["scale"], np_in["bias"], p["num_groups"],
-        np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"), np_in.get("padding_mask"))))
+    bwd_args = (to_np(dy), to_np(dm), to_np(dv), np_in["x"], np_in["scale"], np_in["bias"], p["num_groups"],
+                np_in.get("prev_count"), np_in.get("prev_mean"), np_in.get("prev_var"), np_in.get("padding_mask"))
+    want = dict(zip(LEAF_NAMES, ref.timestep_norm_bwd(*bwd_args)))
+    terms = dict(zip(LEAF_NAMES, ref.timestep_norm_bwd_terms(*bwd_args)))
     for k, g in got.items():
         assert g.dtype == leaves[k].dtype and g.shape == leaves[k].shape
         # A gradient is rounded to its leaf's dtype: allow the coarser of the two precisions.
         t = max(tol(backend, dtype, "bwd"), tol(backend, g.dtype, "bwd"))
-        assert_close(f"{name}d{k}", g, want[k], t)
+        assert_close(f"{name}d{k}", g, want[k], t, terms[k])
     return y, count, mean, var
 
 
