@@ -5,7 +5,8 @@ imports), in a temporary working directory, in file order. ``bash`` blocks, and 
 unlabelled blocks that start with ``python`` or ``torchrun``, are checked without being run: the
 module or script each command names exists, each ``pip install`` of this project names extras
 pyproject.toml defines. The README's set-up block, main job and test command are what CI itself
-runs (.ci/run). Unlabelled blocks are otherwise text: diagrams, formulas, folder trees.
+runs (.ci/run). Unlabelled blocks are otherwise text: diagrams, formulas, folder trees; so are
+indented blocks, which are not read at all (commands go in fenced blocks).
 
 A block that cannot run here says why, in an HTML comment on the line right above its fence
 (invisible on the rendered page); several may be stacked:
@@ -187,11 +188,12 @@ def check_command(line: str, where: str) -> None:
     elif cmd == "bash":
         assert (ROOT / args[0]).is_file(), f"{where}: no script {args[0]}"
     elif cmd == "pip":
-        assert args[:1] == ["install"], f"{where}: pip {args[:1]}"
+        assert args[:1] in (["install"], ["download"]), f"{where}: pip {args[:1]}"
         for a in args[1:]:
-            if a.startswith(".") or "megalodon" in a:
-                # the package is not on a registry: a checkout, -e ".[extra,...]" or ".[extra]"
-                m = re.match(r"^\.(?:\[([\w,\s-]+)\])?$", a)
+            if args[0] == "install" and (a.startswith(".") or "megalodon" in a):
+                # the package is not on a registry: a checkout, "." or /path/to/megalodon-kernels,
+                # with or without extras
+                m = re.match(r"^(?:\.|/[\w./-]*megalodon-kernels)(?:\[([\w,\s-]+)\])?$", a)
                 assert m, f"{where}: pip install {a!r} does not install from the checkout"
                 unknown = {e.strip() for e in (m.group(1) or "").split(",") if e.strip()} - _extras()
                 assert not unknown, f"{where}: no extra {unknown} in pyproject.toml"
