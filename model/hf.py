@@ -219,21 +219,27 @@ class CheckpointedMegalodonBlock(MegalodonBlock, GradientCheckpointingLayer):
     parameters and names; ``activation_checkpointing_enable(...)`` sets its ``gradient_checkpointing``
     flag and ``_gradient_checkpointing_func`` (``torch.utils.checkpoint.checkpoint`` with the caller's
     options, e.g. ``use_reentrant``; ``every_n_layers`` picks the blocks). :class:`MegalodonForCausalLM`
-    gives its blocks this class, so ``model.megalodon`` checkpoints the same way."""
+    gives its blocks this class, so ``model.megalodon`` checkpoints the same way. A block that
+    updates a streaming state is never checkpointed: replaying it in the backward would absorb its
+    tokens into the state twice."""
 
 
-def _checkpointed_block_forward(self, x, state=None, **kwargs):
-    # Replaces the wrapper GradientCheckpointingLayer puts around forward: a block that updates a
-    # streaming state runs as it is (replaying it in the backward would absorb its tokens into the
-    # state twice), and x, the only input that needs a gradient, is the one positional argument
-    # (what use_reentrant=True requires).
-    if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and state is None:
-        return self._gradient_checkpointing_func(functools.partial(MegalodonBlock.forward, self, **kwargs), x)
-    return MegalodonBlock.forward(self, x, state, **kwargs)
+if "__call__" in vars(GradientCheckpointingLayer):
+    # transformers up to 5.2x: the layer checkpoints its __call__ (hooks and forward) when flagged
+    def _checkpointed_block_call(self, x, state=None, **kwargs):
+        if state is not None:
+            return nn.Module.__call__(self, x, state, **kwargs)
+        return GradientCheckpointingLayer.__call__(self, x, **kwargs)  # x alone positional (use_reentrant)
 
+    CheckpointedMegalodonBlock.__call__ = _checkpointed_block_call
+else:
+    # later versions wrap forward (GradientCheckpointingLayer.__init_subclass__); this replaces the wrapper
+    def _checkpointed_block_forward(self, x, state=None, **kwargs):
+        if self.gradient_checkpointing and self.training and torch.is_grad_enabled() and state is None:
+            return self._gradient_checkpointing_func(functools.partial(MegalodonBlock.forward, self, **kwargs), x)
+        return MegalodonBlock.forward(self, x, state, **kwargs)
 
-CheckpointedMegalodonBlock.forward = _checkpointed_block_forward
-CheckpointedMegalodonBlock.__call__ = nn.Module.__call__  # whatever a transformers version wraps, forward decides
+    CheckpointedMegalodonBlock.forward = _checkpointed_block_forward
 
 
 def _init_keeping_loaded(module: nn.Module, fn) -> None:
