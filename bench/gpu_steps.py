@@ -214,9 +214,11 @@ def step_tests(run: Run, limit_s: float) -> dict:
     tests = PACKAGE_DIR / "tests" / "test_gpu.py"
     if not tests.exists():
         return dict(summary=[f"not run: {tests} is not there (run from a checkout)"], files=[], skipped=True)
+    # with the documentation's GPU blocks (tests/test_docs.py, mark "gpu": docs/ci.md)
+    docs = PACKAGE_DIR / "tests" / "test_docs.py"
     cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-s", "-m", "gpu", "-p", "no:cacheprovider",
            "--rootdir", str(PACKAGE_DIR), "-c", str(PACKAGE_DIR / "pyproject.toml"), str(tests),
-           "--junitxml", str(run.out / "gpu_tests.xml")]
+           *([str(docs)] if docs.exists() else []), "--junitxml", str(run.out / "gpu_tests.xml")]
     # the gpu tests need compiled Triton: never the interpreter, not even in the dry run
     rc, text = run_cmd(run, cmd, "gpu_tests.txt", limit_s, TRITON_INTERPRET="0")
     tail = text.splitlines()[-1:] if rc is not None else []
