@@ -141,3 +141,73 @@ def dropkey_softmax_bwd(dy, scores, causal=True, keep_mask=None):
     y = dropkey_softmax(scores, causal, keep_mask)
     dy = np.asarray(dy, dtype=np.float64)
     return y * (dy - np.sum(y * dy, axis=-1, keepdims=True))
+
+
+# --- the magnitude of the terms (reference/terms.py) ----------------------------------------------
+# Scores are sums of products (magnitude scale |q| |k|); a weight moves with its score to first
+# order: softmax: dp_j = p_j (ds_j - sum_i p_i ds_i), Laplace: dp = laplace'(s) ds; each value
+# also carries its own rounding (its size). The outputs and gradients are then sums of products of
+# these, whose magnitudes add as in reference.terms.Magnitude.
+
+def _weight_terms(p, s, s_terms, allowed, attn_fn):
+    """(M_p, g, M_g): the magnitude of the weights' terms and, for the backward, laplace'(s) with
+    its own (None for softmax)."""
+    if attn_fn == "softmax":
+        spread = s_terms + np.sum(p * s_terms, axis=-1, keepdims=True)
+        return np.where(allowed, p * (1.0 + spread), 0.0), None, None
+    g = laplace_grad(s)
+    curvature = np.abs(g * (s - LAPLACE_MU)) / LAPLACE_SIGMA**2   # |laplace''(s)|
+    m_p = np.where(allowed, p + g * s_terms, 0.0)
+    return m_p, np.where(allowed, g, 0.0), np.where(allowed, g + curvature * s_terms, 0.0)
+
+
+def attention_terms(q, k, v, scale=1.0, causal=True, chunk_size=None, block_causal=False, keep_mask=None,
+                    attn_fn="softmax"):
+    """The magnitude of the terms of o (B, L, H, dv) of :func:`attention`."""
+    p, s, allowed = attention_probs(q, k, scale, causal, chunk_size, block_causal, keep_mask, attn_fn)
+    s_terms = abs(scale) * np.einsum("blhd,bshd->bhls", np.abs(q), np.abs(k))
+    m_p, _, _ = _weight_terms(p, s, s_terms, allowed, attn_fn)
+    return np.einsum("bhls,bshd->blhd", m_p + p, np.abs(np.asarray(v, dtype=np.float64)))
+
+
+def attention_bwd_terms(do, q, k, v, scale=1.0, causal=True, chunk_size=None, block_causal=False, keep_mask=None,
+                        attn_fn="softmax"):
+    """The magnitude of the terms of (dq, dk, dv) of :func:`attention_bwd`."""
+    q, k, v, do = (np.asarray(a, dtype=np.float64) for a in (q, k, v, do))
+    p, s, allowed = attention_probs(q, k, scale, causal, chunk_size, block_causal, keep_mask, attn_fn)
+    s_terms = abs(scale) * np.einsum("blhd,bshd->bhls", np.abs(q), np.abs(k))
+    m_p, g, m_g = _weight_terms(p, s, s_terms, allowed, attn_fn)
+    m_dv = np.einsum("bhls,blhd->bshd", m_p + p, np.abs(do))
+    dp = np.einsum("blhd,bshd->bhls", do, v)
+    m_dp = np.einsum("blhd,bshd->bhls", np.abs(do), np.abs(v))
+    if attn_fn == "softmax":
+        r = np.sum(p * dp, axis=-1, keepdims=True)
+        m_r = np.sum(m_p * np.abs(dp) + p * m_dp, axis=-1, keepdims=True)
+        ds = p * (dp - r)
+        m_ds = m_p * np.abs(dp - r) + p * (m_dp + m_r)
+    else:
+        ds = dp * g
+        m_ds = np.where(allowed, m_dp * g + np.abs(dp) * m_g, 0.0)
+    m_ds = m_ds + np.abs(ds)
+    m_dq = abs(scale) * np.einsum("bhls,bshd->blhd", m_ds, np.abs(k))
+    m_dk = abs(scale) * np.einsum("bhls,blhd->bshd", m_ds, np.abs(q))
+    return m_dq, m_dk, m_dv
+
+
+def dropkey_softmax_terms(scores, causal=True, keep_mask=None):
+    """The magnitude of the terms of y of :func:`dropkey_softmax` (the scores are inputs: |s|)."""
+    scores = np.asarray(scores, dtype=np.float64)
+    y = dropkey_softmax(scores, causal, keep_mask)
+    allowed = _row_mask(scores.shape, causal, keep_mask)
+    return _weight_terms(y, scores, np.abs(scores), allowed, "softmax")[0]
+
+
+def dropkey_softmax_bwd_terms(dy, scores, causal=True, keep_mask=None):
+    """The magnitude of the terms of dscores of :func:`dropkey_softmax_bwd`."""
+    scores, dy = np.asarray(scores, dtype=np.float64), np.asarray(dy, dtype=np.float64)
+    y = dropkey_softmax(scores, causal, keep_mask)
+    allowed = _row_mask(scores.shape, causal, keep_mask)
+    m_y = _weight_terms(y, scores, np.abs(scores), allowed, "softmax")[0]
+    r = np.sum(y * dy, axis=-1, keepdims=True)
+    m_r = np.sum(m_y * np.abs(dy) + y * np.abs(dy), axis=-1, keepdims=True)
+    return m_y * np.abs(dy - r) + y * (np.abs(dy) + m_r) + np.abs(y * (dy - r))

@@ -59,3 +59,19 @@ def rotary_bwd(dy, positions, base=10000.0, xpos_scale_base=None, xpos_downscale
     dx = np.empty_like(dy)
     dx[..., 0::2], dx[..., 1::2] = out.real, out.imag
     return dx
+
+
+def rotary_terms(x, positions, base=10000.0, xpos_scale_base=None, xpos_downscale=False, xpos_reference=None):
+    """The magnitude of the terms of :func:`rotary` (reference/terms.py): per pair
+    (|x_even| + |x_odd|) |f|, the size of both products each output sums."""
+    x = np.abs(np.asarray(x, dtype=np.float64))
+    f = np.abs(_factors(positions, x.shape[-1], base, xpos_scale_base, xpos_downscale, xpos_reference))
+    pair = (x[..., 0::2] + x[..., 1::2]) * f
+    y = np.empty_like(x)
+    y[..., 0::2], y[..., 1::2] = pair, pair
+    return y
+
+
+def rotary_bwd_terms(dy, positions, base=10000.0, xpos_scale_base=None, xpos_downscale=False, xpos_reference=None):
+    """The magnitude of the terms of :func:`rotary_bwd` (the same map transposed)."""
+    return rotary_terms(dy, positions, base, xpos_scale_base, xpos_downscale, xpos_reference)

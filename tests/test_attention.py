@@ -70,8 +70,9 @@ def runs(case, backend, dtype, attn_fn):
     return not (backend == "cuda" and dtype == F64 and attn_fn == "laplace")
 
 
-def close(name, actual, expected, tolerance, floor=0.0):
-    """assert_close, with the error normalised by max(max|expected|, floor) instead of max|expected|.
+def close(name, actual, expected, tolerance, floor=0.0, terms=None):
+    """assert_close, with the error normalised by max(max(terms), floor) (the magnitude of the
+    terms: reference.attention's *_terms), or without terms by max(max|expected|, floor).
 
     Inputs are O(1), so the op's rounding errors are O(eps) in absolute terms even where a
     gradient cancels to almost 0 (one visible key: softmax is constant and dq = dk = 0 up to
@@ -80,6 +81,9 @@ def close(name, actual, expected, tolerance, floor=0.0):
     """
     assert np.isfinite(to_np(actual)).all(), f"{name}: non-finite values"
     max_abs = float(np.max(np.abs(expected), initial=0.0))
+    if terms is not None and float(np.max(terms, initial=0.0)) >= max(floor, 1e-300):
+        assert_close(name, actual, expected, tolerance, terms)
+        return
     if max_abs >= floor and max_abs > 0.0:
         assert_close(name, actual, expected, tolerance)
         return
@@ -103,12 +107,14 @@ def check(B, L, S, H, dh, dv, dtype=F32, *, causal=True, chunk_size=None, block_
     keep = dropkey_mask(seed, dropkey_p, B, H, L, S).numpy() if dropkey_p > 0 else None
     qn, kn, vn = to_np(q), to_np(k), to_np(v)  # the reference sees the rounded inputs
     ftol, btol = tol(backend, dtype, "fwd"), tol(backend, dtype, "bwd")
-    close("o", o, ref.attention(qn, kn, vn, keep_mask=keep, **kw), ftol, floor)
+    close("o", o, ref.attention(qn, kn, vn, keep_mask=keep, **kw), ftol, floor,
+          ref.attention_terms(qn, kn, vn, keep_mask=keep, **kw))
     grads = torch.autograd.grad(o, (q, k, v), do)
     expected = ref.attention_bwd(to_np(do), qn, kn, vn, keep_mask=keep, **kw)
-    for name, g, e, x in zip(("dq", "dk", "dv"), grads, expected, (q, k, v)):
+    terms = ref.attention_bwd_terms(to_np(do), qn, kn, vn, keep_mask=keep, **kw)
+    for name, g, e, x, m in zip(("dq", "dk", "dv"), grads, expected, (q, k, v), terms):
         assert g.dtype == dtype and g.shape == x.shape
-        close(name, g, e, btol, floor)
+        close(name, g, e, btol, floor, m)
     if against_torch:
         ot = attention(q, k, v, dropkey_p=dropkey_p, seed=seed, backend="torch", **kw)
         close("o vs torch", o, to_np(ot), ftol, floor)

@@ -73,7 +73,7 @@ def check(shape, dtype=F32, causal=True, p=0.0, seed=99, contiguous=True, data_s
     keep = keep_for(shape, seed, p) if p > 0 else None
     xn = to_np(x)
     y_ref = ref.dropkey_softmax(xn, causal, keep)
-    assert_close("y", y, y_ref, tol(backend, dtype, "fwd"))
+    assert_close("y", y, y_ref, tol(backend, dtype, "fwd"), ref.dropkey_softmax_terms(xn, causal, keep))
     allowed = np.broadcast_to(ref.visible_mask(shape[-2], shape[-1], causal), shape)
     if keep is not None:
         allowed = allowed & keep
@@ -83,7 +83,8 @@ def check(shape, dtype=F32, causal=True, p=0.0, seed=99, contiguous=True, data_s
     dy = torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
     (dx,) = torch.autograd.grad(y, x, dy)
     assert dx.dtype == dtype and dx.shape == x.shape
-    assert_close("dscores", dx, ref.dropkey_softmax_bwd(to_np(dy), xn, causal, keep), tol(backend, dtype, "bwd"))
+    assert_close("dscores", dx, ref.dropkey_softmax_bwd(to_np(dy), xn, causal, keep), tol(backend, dtype, "bwd"),
+                 ref.dropkey_softmax_bwd_terms(to_np(dy), xn, causal, keep))
     return y, dx
 
 

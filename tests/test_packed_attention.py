@@ -8,6 +8,7 @@ dropkey_softmax paths alike); one backend call per packed call (Triton) or per b
 (torch, CUDA); bad input."""
 import importlib
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings, strategies as st
@@ -15,6 +16,7 @@ from hypothesis import given, settings, strategies as st
 from megalodon_kernels import ops
 from megalodon_kernels.ops.attention import attention
 from megalodon_kernels.ops.attention import torch_impl, triton_impl
+from megalodon_kernels.reference import attention as attention_ref
 from support import assert_close, to_np, tol
 
 F32, BF16, F64 = torch.float32, torch.bfloat16, torch.float64
@@ -71,13 +73,28 @@ def unpadded(t, cu):
     return torch.cat([t[d, : b - a] for d, (a, b) in enumerate(docs)])[None]
 
 
-def compare(actual, expected, backend, dtype):
+def terms(q, k, v, do, cu, scale=1.0, chunk_size=None, block_causal=False, attn_fn="softmax", **_):
+    """The magnitude of the terms (reference.attention's *_terms) of o, dq, dk, dv, document by
+    document (no DropKey)."""
+    q, k, v, do = (to_np(t) for t in (q, k, v, do))
+    out = [np.zeros(t.shape) for t in (do, q, k, v)]
+    kw = dict(scale=scale, chunk_size=chunk_size, block_causal=block_causal, attn_fn=attn_fn)
+    for a, b in spans(cu):
+        doc = [t[:, a:b] for t in (q, k, v)]
+        out[0][:, a:b] = attention_ref.attention_terms(*doc, **kw)
+        for m, part in zip(out[1:], attention_ref.attention_bwd_terms(do[:, a:b], *doc, **kw)):
+            m[:, a:b] = part
+    return out
+
+
+def compare(actual, expected, backend, dtype, magnitudes=(None,) * 4):
     """Packed vs reference: the backend's tolerance (the rows are tiled differently, so the
-    accumulation order may differ)."""
-    for name, a, e, kind in zip(("o", "dq", "dk", "dv"), actual, expected, ("fwd", "bwd", "bwd", "bwd")):
+    accumulation order may differ), against the magnitude of the terms where given."""
+    for name, a, e, kind, m in zip(("o", "dq", "dk", "dv"), actual, expected, ("fwd", "bwd", "bwd", "bwd"),
+                                   magnitudes):
         assert a.dtype == e.dtype and a.shape == e.shape
         assert torch.isfinite(a.float()).all(), name
-        assert_close(name, a, to_np(e), tol(backend, dtype, kind))
+        assert_close(name, a, to_np(e), tol(backend, dtype, kind), m)
 
 
 def fns(backend, dtype):
@@ -94,7 +111,8 @@ CASES = [(b, d, fn, C, bc) for b, d in BACKEND_DTYPES for fn in fns(b, d) for C,
 def test_packed_equals_separate_documents(backend, dtype, attn_fn, chunk_size, block_causal):
     q, k, v, do, cu = packed_inputs(LENGTHS, dtype)
     kw = dict(scale=DH ** -0.5, chunk_size=chunk_size, block_causal=block_causal, attn_fn=attn_fn, backend=backend)
-    compare(run(q, k, v, do, cu_seqlens=cu, **kw), separate(q, k, v, do, cu, **kw), backend, dtype)
+    compare(run(q, k, v, do, cu_seqlens=cu, **kw), separate(q, k, v, do, cu, **kw), backend, dtype,
+            terms(q, k, v, do, cu, **kw))
 
 
 @settings(max_examples=30, deadline=None)
@@ -104,7 +122,8 @@ def test_packed_equals_separate_documents(backend, dtype, attn_fn, chunk_size, b
 def test_random_documents_torch_float64(lengths, mask, attn_fn, seed):
     q, k, v, do, cu = packed_inputs(lengths, F64, seed)
     kw = dict(chunk_size=mask[0], block_causal=mask[1], attn_fn=attn_fn, backend="torch")
-    compare(run(q, k, v, do, cu_seqlens=cu, **kw), separate(q, k, v, do, cu, **kw), "torch", F64)
+    compare(run(q, k, v, do, cu_seqlens=cu, **kw), separate(q, k, v, do, cu, **kw), "torch", F64,
+            terms(q, k, v, do, cu, **kw))
 
 
 @settings(max_examples=6, deadline=None)
@@ -114,7 +133,8 @@ def test_random_documents_torch_float64(lengths, mask, attn_fn, seed):
 def test_random_documents_kernels(backend, lengths, mask, seed):
     q, k, v, do, cu = packed_inputs(lengths, F32, seed)
     kw = dict(chunk_size=mask[0], block_causal=mask[1], backend=backend)
-    compare(run(q, k, v, do, cu_seqlens=cu, **kw), separate(q, k, v, do, cu, **kw), backend, F32)
+    compare(run(q, k, v, do, cu_seqlens=cu, **kw), separate(q, k, v, do, cu, **kw), backend, F32,
+            terms(q, k, v, do, cu, **kw))
 
 
 @pytest.mark.parametrize("backend", ["torch", "triton", "cuda"])

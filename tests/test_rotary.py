@@ -55,12 +55,13 @@ def check(B, L, H, d, dtype, xpos, downscale, offset, per_batch, contiguous, see
     y = ops.rotary(x, pos, xpos_scale_base=xpos, xpos_downscale=downscale, backend=backend)
     assert y.dtype == dtype and y.shape == x.shape
     xr = to_np(x.detach())  # the reference sees the rounded input
-    assert_close("y", y, ref.rotary(xr, pos.numpy(), 10000.0, xpos, downscale), tol(backend, dtype, "fwd"))
+    assert_close("y", y, ref.rotary(xr, pos.numpy(), 10000.0, xpos, downscale), tol(backend, dtype, "fwd"),
+                 ref.rotary_terms(xr, pos.numpy(), 10000.0, xpos, downscale))
     dy = torch.randn(y.shape, generator=gen, dtype=torch.float64).to(dtype)
     (dx,) = torch.autograd.grad(y, x, dy)
     assert dx.dtype == dtype and dx.shape == x.shape
     assert_close("dx", dx, ref.rotary_bwd(to_np(dy), pos.numpy(), 10000.0, xpos, downscale),
-                 tol(backend, dtype, "bwd"))
+                 tol(backend, dtype, "bwd"), ref.rotary_bwd_terms(to_np(dy), pos.numpy(), 10000.0, xpos, downscale))
 
 
 @pytest.mark.parametrize("backend, dtype", BACKEND_DTYPES)
