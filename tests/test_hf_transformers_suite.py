@@ -34,6 +34,8 @@ import torch  # noqa: E402
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 from megalodon_kernels.model.hf import (  # noqa: E402
     CACHE_ARG, MegalodonForCausalLM, MegalodonHFCache, MegalodonHFConfig)
 
@@ -120,6 +122,27 @@ class GenerationChecks:
         model, ids = self._generate_model()
         out = model.generate(ids, max_new_tokens=3, num_beams=2, num_return_sequences=2, do_sample=False)
         self.assertEqual(out.shape, (2 * ids.shape[0], ids.shape[1] + 3))
+
+    def test_left_padding_generates_each_row_as_alone(self):
+        model, ids = self._generate_model()
+        eos = model.config.eos_token_id
+        mask = torch.ones_like(ids)
+        mask[0, :3] = 0
+        padded = ids.masked_fill(mask == 0, model.config.pad_token_id)
+        got = model.generate(padded, attention_mask=mask, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+        for b in range(ids.shape[0]):
+            row = ids[b:b + 1, int((mask[b] == 0).sum()):]
+            alone = model.generate(row, max_new_tokens=3, min_new_tokens=3, do_sample=False)
+            self.assertTrue(torch.equal(got[b, -3:], alone[0, -3:]), f"row {b} (eos {eos})")
+
+    def test_generate_continues_from_the_returned_cache(self):
+        model, ids = self._generate_model()
+        whole = model.generate(ids, max_new_tokens=5, min_new_tokens=5, do_sample=False)
+        first = model.generate(ids, max_new_tokens=3, min_new_tokens=3, do_sample=False, return_dict_in_generate=True)
+        # transformers' way: the whole sequence and its mask with the cache
+        more = model.generate(first.sequences, attention_mask=torch.ones_like(first.sequences), max_new_tokens=2,
+                              min_new_tokens=2, do_sample=False, **{CACHE_ARG: getattr(first, CACHE_ARG)})
+        self.assertTrue(torch.equal(more, whole))
 
     def test_assisted_decoding_is_refused(self):
         model, ids = self._generate_model()
@@ -210,10 +233,7 @@ except (RuntimeError, OSError, tarfile.TarError, KeyError) as e:  # no network, 
     pytest.skip(f"transformers' test mixin could not be obtained: {e}", allow_module_level=True)
 _common = _load_mixin(_tests_dir)  # an import error here is a failure: the sdist is there
 
-# An in-tree model is listed in transformers' causal-LM names; the mixin picks its checks by that list.
 from transformers.models.auto import modeling_auto  # noqa: E402
-
-modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.setdefault("megalodon", "MegalodonForCausalLM")
 
 
 class MegalodonTransformersSuite(_common.ModelTesterMixin, GenerationChecks, unittest.TestCase):
@@ -223,6 +243,21 @@ class MegalodonTransformersSuite(_common.ModelTesterMixin, GenerationChecks, uni
     # The mixin skips this init check for models whose file has no copyright year >= 2023 (ours has
     # none); Mamba's (2024) runs it, so ours does.
     test_can_init_all_missing_weights_before_2023 = True
+
+    @classmethod
+    def setUpClass(cls):
+        super().setUpClass()
+        # An in-tree model is listed in transformers' causal-LM names, by which the mixin picks its
+        # checks (labels, shift_labels); listed while this class runs.
+        names = modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        cls._listed = "megalodon" not in names
+        names.setdefault("megalodon", "MegalodonForCausalLM")
+
+    @classmethod
+    def tearDownClass(cls):
+        if cls._listed:
+            del modeling_auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES["megalodon"]
+        super().tearDownClass()
 
     def setUp(self):
         self.model_tester = MegalodonModelTester(self)
