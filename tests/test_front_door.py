@@ -11,7 +11,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
-#: every command the README names that takes arguments, and every example
+#: every command the README and docs/guide.md name that takes arguments, and every example
 HELP = [
     ["-m", "megalodon_kernels"],
     ["-m", "megalodon_kernels.bench"],
@@ -20,6 +20,12 @@ HELP = [
     ["-m", "megalodon_kernels.autotune"],
     ["-m", "megalodon_kernels.cuda"],
     ["-m", "megalodon_kernels.model.hf_convert"],
+    ["-m", "megalodon_kernels.autotune", "regenerate"],
+    ["-m", "megalodon_kernels.bench.resources"],
+    ["-m", "megalodon_kernels.bench.cuda_resources"],
+    ["-m", "megalodon_kernels.bench.triton_bytes"],
+    *[[f"bench/{name}.py"] for name in ("op_times", "packed", "accuracy_cema", "accuracy_timestep_norm", "accuracy_fp32",
+                                         "cema_forms", "cpu_step", "decode", "compile_step", "vs_transformer")],
     *[[str(p.relative_to(ROOT))] for p in sorted((ROOT / "examples").glob("*.py"))],
 ]
 
@@ -56,7 +62,7 @@ def test_every_help_answers_without_running_anything():
     assert r.returncode == 0, r.stderr[-3000:]
     for res in json.loads(r.stdout.splitlines()[-1]):
         argv, out = res["argv"], res["out"]
-        print(f"{' '.join(argv)} --help: exit {res['code']}, {res['s']:.2f} s after torch's import")
+        print(f"{' '.join(argv)} --help: exit {res['code']}, {res['s']:.2f} s (the first pays torch's import)")
         assert res["code"] in (0, None) and out.lstrip().startswith("usage:"), (argv, res["code"], out[:500])
         assert "self-check\n" not in out and " passed" not in out, argv  # nothing ran
         if argv[0].startswith("examples/"):  # the docstring's first paragraph, not its first line cut mid-sentence
