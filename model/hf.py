@@ -18,10 +18,16 @@ Importing this module registers ``model_type="megalodon"`` with ``AutoConfig`` a
 * ``generate`` runs transformers' loop over :class:`MegalodonHFCache`, a ``Cache`` that carries
   the constant-size streaming state (:class:`~.cache.MegalodonCache`: CEMA hidden state,
   TimestepNorm statistics, keys and values of the unfinished attention chunk). A recurrent state
-  cannot be rolled back, so assisted decoding (which crops the cache) is refused by transformers.
+  cannot be rolled back: the model is stateful (``_is_stateful``), so transformers refuses
+  assisted and prompt-lookup decoding. A continuation gets either only the new tokens or the
+  whole sequence, of which the cache is fed only the part it has not consumed.
 * ``labels=`` (transformers' convention: ``labels`` aligned with ``input_ids``, shifted inside)
-  returns the fused cross-entropy of :func:`~.loss.linear_cross_entropy`; the logits are not
-  formed, so ``logits`` is ``None`` in that output.
+  or ``shift_labels=`` (aligned already) returns the fused cross-entropy of
+  :func:`~.loss.linear_cross_entropy`; the logits are not formed, so ``logits`` is ``None`` in
+  that output.
+* ``inputs_embeds`` and ``output_hidden_states`` as in transformers' decoder models;
+  activation checkpointing through transformers' ``GradientCheckpointingLayer`` (each block);
+  ``init_weights()`` initialises every parameter and buffer as the constructor does.
 * ``attention_mask``: a padded batch runs each row's tokens as a document of its own (a packed
   row), the padding skipped, so left-padded ragged batches generate each row exactly as alone
   (the ragged semantics of :meth:`~.megalodon.Megalodon.generate`). Padding between tokens is
