@@ -86,6 +86,7 @@ class Backend:
         return []
 
     def _reasons(self, named: dict, dtype_of: str) -> list[str]:
-        reasons = self._available() + self._arch_reasons(named.values()) + self._device_reasons(named)
+        # an unavailable backend (no GPU, no CuPy) gives that one reason, not also "needs cuda tensors"
+        reasons = self._available() or self._arch_reasons(named.values()) + self._device_reasons(named)
         reasons += self._dtype_reason(dtype_of, named[dtype_of])
         return reasons

@@ -12,7 +12,8 @@ def test_cuda_reasons_name_the_fix(emulated):
                                           torch.zeros(1).expand(1, L))
     text = " ".join(why)
     assert "CUDA backend is unavailable" in text  # no GPU runtime here, with the reason
-    assert "cuda tensors" in text and "L <= 134217728" in text
+    # ... as the one reason about where it runs (not also "needs cuda tensors"), then the input limits
+    assert "cuda tensors" not in text and "L <= 134217728" in text
     assert "float16" in text and "backend='torch'" in text  # a refused dtype, and where to go instead
 
 

@@ -415,8 +415,10 @@ class AttentionBackend(Backend):
 
     def not_supported_reasons(self, q, k=None, v=None, *, attn_fn="softmax", **_other_inputs) -> list[str]:
         named = {n: t for n, t in (("q", q), ("k", k), ("v", v)) if t is not None}
-        reasons = self._available() + self._arch_reasons(named.values())
-        if any(t.device.type != self.device_type for t in named.values()):
+        # an unavailable backend (no GPU, no CuPy) gives that one reason, not also "needs cuda tensors"
+        unavailable = self._available()
+        reasons = unavailable or self._arch_reasons(named.values())
+        if not unavailable and any(t.device.type != self.device_type for t in named.values()):
             bad = next(n for n, t in named.items() if t.device.type != self.device_type)
             reasons.append(f"needs {self.device_type} tensors, got {bad} on {named[bad].device} (use backend='torch')")
         if q.dtype not in self._INPUT_DTYPES:

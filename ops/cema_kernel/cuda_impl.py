@@ -176,7 +176,7 @@ class CemaBackendBase(Backend):
     FP64 = True
 
     def _cema_reasons(self, named: dict, p, N: int, length: int | None) -> list[str]:
-        reasons = self._available() + self._arch_reasons(named.values()) + self._device_reasons(named)
+        reasons = self._available() or self._arch_reasons(named.values()) + self._device_reasons(named)
         if p.dtype not in REAL:
             reasons.append(f"the CUDA CEMA kernels take float32 or float64 p, got p {p.dtype} (use backend='torch')")
         else:
