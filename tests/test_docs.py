@@ -149,6 +149,8 @@ def test_python_block(block: Block, request, tmp_path, monkeypatch):
         exec(compile(block.code, block.id, "exec"), namespace)
     finally:
         torch.set_num_threads(threads)
+        if "torch.compile" in block.code:
+            torch._dynamo.reset()  # the block's compiled graphs are not the later tests' business
     _NAMESPACES[block.page] = namespace
 
 
