@@ -102,29 +102,50 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     ("timestep_norm", "triton", F32): (2.69e-06, 8.45e-06),  # as torch; dx 8.5e-6 at G = D without a prior
 }
 
-# The same on the scale of the terms (assert_close with terms=): the worst max|err| / max(terms),
-# measured for the backends re-measured on that scale, by
+# The same on the scale of the terms (assert_close with terms=): the worst max|err| / max(terms)
+# the op's tests see, measured by
 #     python bench/accuracy_tests.py --terms --python --run tests/test_<op>.py tests/test_packed_<op>.py ...
-# A comparison with terms is held to this budget where its (op, backend, dtype) has one, else to
-# MEASURED's, which bounds it too (max(terms) >= max|ref|) but more loosely. About 1-2 units of
-# float32 rounding (u = 6e-8) at worst: the rounding of the terms, whatever the output cancels.
+# (docs/verification.md, "Bounds on the magnitude of the terms"). A comparison with terms is held
+# to this budget where its (op, backend, dtype) has one, else to MEASURED's, which bounds it too
+# (max(terms) >= max|ref|) but more loosely. About 1-2 units of float32 rounding (u = 6e-8) at
+# worst, whatever the output cancels; timestep_norm on CUDA 6e-7 (the running mean of a bf16 input
+# over 150 steps, the figure MEASURED's note on that backend leaves unexplained too).
 MEASURED_TERMS: dict[tuple, tuple[float, float]] = {
+    ("attention", "torch", F32): (5.37e-08, 4.79e-08),
+    ("attention", "torch", F64): (6.52e-17, 8.04e-17),
     ("cema", "cpu", F32): (6.59e-08, 8.96e-08),
     ("cema", "cpu", F64): (8.25e-16, 7.36e-15),
     ("cema", "torch", F32): (6.59e-08, 9.65e-08),
     ("cema", "torch", F64): (1.54e-15, 7.36e-15),
+    ("cema", "triton", F32): (1.03e-07, 8.96e-08),
+    ("cema_kernel", "cuda", F32): (1.09e-07, 4.54e-08),
+    ("cema_kernel", "cuda", F64): (5.33e-15, 3.49e-15),
     ("cema_kernel", "torch", F32): (8.15e-08, 4.93e-08),
     ("cema_kernel", "torch", F64): (1.26e-14, 4.89e-15),
+    ("cema_kernel", "triton", F32): (1.02e-07, 6.46e-08),
+    ("dropkey_softmax", "torch", F32): (2.41e-08, 1.71e-08),
+    ("dropkey_softmax", "torch", F64): (4.31e-17, 4.13e-17),
+    ("ema_hidden", "cuda", F32): (6.59e-08, 9.62e-08),
+    ("ema_hidden", "cuda", F64): (1.10e-15, 1.93e-14),
     ("ema_hidden", "torch", F32): (6.59e-08, 9.84e-08),
     ("ema_hidden", "torch", F64): (1.76e-15, 1.08e-14),
+    ("ema_hidden", "triton", F32): (1.04e-07, 8.67e-08),
     ("fftconv", "cpu", F32): (1.03e-07, 1.07e-07),
     ("fftconv", "cpu", F64): (3.01e-16, 3.05e-16),
+    ("fftconv", "cuda", F32): (1.07e-07, 1.32e-07),
+    ("fftconv", "cuda", F64): (2.42e-16, 2.86e-16),
     ("fftconv", "torch", F32): (7.81e-08, 1.16e-07),
     ("fftconv", "torch", F64): (2.42e-16, 2.11e-16),
+    ("fftconv", "triton", F32): (1.35e-07, 1.39e-07),
+    ("rotary", "torch", F32): (6.09e-08, 6.85e-08),
+    ("rotary", "torch", F64): (2.48e-16, 3.08e-16),
     ("timestep_norm", "cpu", F32): (3.56e-08, 2.65e-08),
     ("timestep_norm", "cpu", F64): (6.77e-16, 1.93e-16),
+    ("timestep_norm", "cuda", F32): (5.93e-07, 6.93e-08),
+    ("timestep_norm", "cuda", F64): (6.77e-16, 1.77e-16),
     ("timestep_norm", "torch", F32): (1.47e-07, 4.96e-08),
     ("timestep_norm", "torch", F64): (7.96e-16, 2.36e-16),
+    ("timestep_norm", "triton", F32): (8.76e-08, 5.67e-08),
 }
 
 # bfloat16 and float16 keep FlashAttention's rule of thumb: about 2x what a plain PyTorch
