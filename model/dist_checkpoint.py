@@ -39,12 +39,21 @@ import torch
 import torch.distributed as dist
 
 from .distributed import DistributedMegalodon
-from .safe_dcp import SafeReader, UnsafeCheckpointError, WeightsOnlyLoadPlanner
+
+# .safe_dcp imports torch.distributed.checkpoint (0.8 s): loaded where a checkpoint is read, so a
+# script that imports this module answers --help without it
 
 __all__ = ["save_checkpoint", "load_checkpoint", "read_checkpoint_info", "resave_legacy_checkpoint",
            "UnsafeCheckpointError", "CONFIG_FILE"]
 
 CONFIG_FILE = "megalodon.json"
+
+
+def __getattr__(name: str):
+    if name == "UnsafeCheckpointError":   # re-exported from .safe_dcp, imported on first use
+        from .safe_dcp import UnsafeCheckpointError
+        return UnsafeCheckpointError
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 # fields that do not change what the parameters mean: a checkpoint loads across them
 _RUNTIME_FIELDS = ("backend", "layerwise_ckpt")
 # the train state's layout (train.json's "format"); the earlier one was a pickled "train" item
@@ -219,6 +228,8 @@ def _train_target(path: str, metadata, legacy: bool) -> Any:
     """What DCP loads the train state into: empty tensors shaped from the (checked) metadata."""
     from torch.distributed.checkpoint.metadata import BytesStorageMetadata, TensorStorageMetadata
 
+    from .safe_dcp import UnsafeCheckpointError
+
     items = metadata.state_dict_metadata
     if isinstance(items.get("train"), BytesStorageMetadata):
         if not legacy:
@@ -262,6 +273,8 @@ def _read(path: str, model: DistributedMegalodon, optimizer, legacy: bool = Fals
     from torch.distributed.checkpoint._nested_dict import flatten_state_dict
     from torch.distributed.checkpoint.api import CheckpointException
     from torch.distributed.checkpoint.state_dict import set_state_dict
+
+    from .safe_dcp import SafeReader, UnsafeCheckpointError, WeightsOnlyLoadPlanner
 
     if not isinstance(model, DistributedMegalodon):
         raise TypeError(f"model must come from parallelize(), got {type(model).__name__}")
