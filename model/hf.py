@@ -53,7 +53,7 @@ try:
     from transformers.modeling_outputs import CausalLMOutputWithPast
 except ImportError as e:  # pragma: no cover - exercised only without the extra
     raise ImportError("megalodon_kernels.model.hf needs transformers 5.x and safetensors: "
-                      "pip install 'megalodon-kernels[hf]'") from e
+                      "from a checkout, pip install -e '.[hf]'") from e
 
 from .cache import MegalodonCache
 from .config import MegalodonConfig
