@@ -36,16 +36,13 @@ def run(files: list[str], log: str) -> None:
         print(f"# {f}: exit {rc}, {time.time() - start:.0f} s", file=sys.stderr)
 
 
-#: with --terms: only comparisons measured against the magnitude of the terms (support.MEASURED_TERMS)
-ONLY_TERMS = False
-
-
-def records(logs: list[str]):
-    """(budget key or None, record) for every comparison logged in ``logs``."""
+def records(logs: list[str], only_terms: bool = False):
+    """(budget key or None, record) for every comparison logged in ``logs``; with ``only_terms``
+    those measured against the magnitude of the terms alone (support.MEASURED_TERMS)."""
     for path in logs:
         for line in Path(path).read_text().splitlines():
             rec = json.loads(line)
-            if ONLY_TERMS and rec.get("scale") != "max(terms)":
+            if only_terms and rec.get("scale") != "max(terms)":
                 continue
             if not rec["rel"] <= rec["tol"]:
                 # a comparison that failed: one a test expects to fail (pytest.raises, e.g. a
@@ -58,11 +55,11 @@ def records(logs: list[str]):
             yield key, rec
 
 
-def table(logs: list[str]) -> str:
+def table(logs: list[str], only_terms: bool = False) -> str:
     worst: dict[tuple, dict] = {}
     count: dict[tuple, int] = defaultdict(int)
     literal: dict[tuple, dict] = {}
-    for key, rec in records(logs):
+    for key, rec in records(logs, only_terms):
         if key:
             count[key] += 1
             if key not in worst or rec["rel"] > worst[key]["rel"]:
@@ -88,10 +85,10 @@ def table(logs: list[str]) -> str:
     return "\n".join(lines)
 
 
-def measured_dict(logs: list[str]) -> str:
+def measured_dict(logs: list[str], only_terms: bool = False) -> str:
     """The worst errors as tests/support.py's MEASURED table: (op, backend, dtype) -> (fwd, bwd)."""
     worst: dict[tuple, float] = defaultdict(float)
-    for key, rec in records(logs):
+    for key, rec in records(logs, only_terms):
         if key:
             worst[key] = max(worst[key], rec["rel"])
     short = {"float32": "F32", "float64": "F64", "bfloat16": "BF16", "float16": "F16"}
@@ -100,13 +97,13 @@ def measured_dict(logs: list[str]) -> str:
                      f'{worst.get((op, b, d, "bwd"), 0.0):.2e}),' for op, b, d in rows if d in ("float32", "float64"))
 
 
-def doc_table(logs: list[str]) -> str:
+def doc_table(logs: list[str], only_terms: bool = False) -> str:
     """The worst errors per op x backend x dtype with the budgets tests/support.py derives from them
     (fp32/fp64: selfcheck.budget, 3x-4x; bf16/fp16: the fixed half-precision budgets)."""
     from megalodon_kernels.selfcheck import budget
     half = {"bfloat16": (2e-2, 4e-2), "float16": (4e-3, 8e-3)}
     worst: dict[tuple, float] = defaultdict(float)
-    for key, rec in records(logs):
+    for key, rec in records(logs, only_terms):
         if key:
             worst[key] = max(worst[key], rec["rel"])
     order = {"float32": 0, "float64": 1, "bfloat16": 2, "float16": 3}
@@ -134,15 +131,14 @@ def main() -> None:
     ap.add_argument("--terms", action="store_true",
                     help="only the comparisons against the magnitude of the terms (support.MEASURED_TERMS)")
     args = ap.parse_args()
-    global ONLY_TERMS
-    ONLY_TERMS = args.terms
     logs = list(args.logs)
     if args.run:
         fd, log = tempfile.mkstemp(suffix=".jsonl")
         os.close(fd)
         run(args.run, log)
         logs.append(log)
-    print(measured_dict(logs) if args.python else doc_table(logs) if args.doc else table(logs))
+    print(measured_dict(logs, args.terms) if args.python else doc_table(logs, args.terms) if args.doc
+          else table(logs, args.terms))
 
 
 if __name__ == "__main__":

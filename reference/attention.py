@@ -161,6 +161,15 @@ def _weight_terms(p, s, s_terms, allowed, attn_fn):
     return m_p, np.where(allowed, g, 0.0), np.where(allowed, g + curvature * s_terms, 0.0)
 
 
+def _softmax_bwd_terms(p, m_p, dp, m_dp):
+    """(ds, its magnitude) of the softmax backward ds = p (dp - sum_j p dp), from the weights p,
+    the upstream dp and their magnitudes."""
+    r = np.sum(p * dp, axis=-1, keepdims=True)
+    m_r = np.sum(m_p * np.abs(dp) + p * m_dp, axis=-1, keepdims=True)
+    ds = p * (dp - r)
+    return ds, m_p * np.abs(dp - r) + p * (m_dp + m_r) + np.abs(ds)
+
+
 def attention_terms(q, k, v, scale=1.0, causal=True, chunk_size=None, block_causal=False, keep_mask=None,
                     attn_fn="softmax"):
     """The magnitude of the terms of o (B, L, H, dv) of :func:`attention`."""
@@ -181,14 +190,9 @@ def attention_bwd_terms(do, q, k, v, scale=1.0, causal=True, chunk_size=None, bl
     dp = np.einsum("blhd,bshd->bhls", do, v)
     m_dp = np.einsum("blhd,bshd->bhls", np.abs(do), np.abs(v))
     if attn_fn == "softmax":
-        r = np.sum(p * dp, axis=-1, keepdims=True)
-        m_r = np.sum(m_p * np.abs(dp) + p * m_dp, axis=-1, keepdims=True)
-        ds = p * (dp - r)
-        m_ds = m_p * np.abs(dp - r) + p * (m_dp + m_r)
+        _, m_ds = _softmax_bwd_terms(p, m_p, dp, m_dp)
     else:
-        ds = dp * g
-        m_ds = np.where(allowed, m_dp * g + np.abs(dp) * m_g, 0.0)
-    m_ds = m_ds + np.abs(ds)
+        m_ds = np.where(allowed, m_dp * g + np.abs(dp) * m_g, 0.0) + np.abs(dp * g)
     m_dq = abs(scale) * np.einsum("bhls,bshd->blhd", m_ds, np.abs(k))
     m_dk = abs(scale) * np.einsum("bhls,blhd->bshd", m_ds, np.abs(q))
     return m_dq, m_dk, m_dv
@@ -208,6 +212,4 @@ def dropkey_softmax_bwd_terms(dy, scores, causal=True, keep_mask=None):
     y = dropkey_softmax(scores, causal, keep_mask)
     allowed = _row_mask(scores.shape, causal, keep_mask)
     m_y = _weight_terms(y, scores, np.abs(scores), allowed, "softmax")[0]
-    r = np.sum(y * dy, axis=-1, keepdims=True)
-    m_r = np.sum(m_y * np.abs(dy) + y * np.abs(dy), axis=-1, keepdims=True)
-    return m_y * np.abs(dy - r) + y * (np.abs(dy) + m_r) + np.abs(y * (dy - r))
+    return _softmax_bwd_terms(y, m_y, dy, np.abs(dy))[1]
