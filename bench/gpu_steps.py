@@ -34,6 +34,8 @@ BENCH_DIR = Path(__file__).resolve().parent
 OPS = ("cema_kernel", "ema_hidden", "fftconv", "cema", "timestep_norm", "attention", "dropkey_softmax", "rotary")
 BACKENDS = ("cuda", "triton", "torch")
 MODES = ("fwd", "bwd", "fwd+bwd")
+#: the ops step's share for fftconv at many rows (bench/fftconv_rows.py), seconds
+FFTCONV_ROWS_S = 45.0
 
 
 @dataclasses.dataclass
@@ -325,6 +327,13 @@ def step_ops(run: Run, limit_s: float) -> dict:
     peak = run.results.get("env", {}).get("data", {}).get("d2d_bytes_per_s")
     budget, min_reps, max_reps = (0.05, 3, 50) if dev.type == "cuda" else (0.0, 1, 1)
     rows, skipped, not_reached = [], {}, []
+    # fftconv at 8192 rows, L 1K-16K, bf16 and fp32 (issue 39's rows), first, within its own share
+    # of the step's time: the loop below may use up the rest
+    from megalodon_kernels.bench import fftconv_rows
+
+    conv_rows, conv_skipped, conv_summary = fftconv_rows.measure(
+        dev, peak, min(end, time.perf_counter() + FFTCONV_ROWS_S), _time_case, no_cuda, budget, min_reps,
+        min(max_reps, 20))
     # every op at the shortest length first: when the time runs out, the longer lengths are what is missing
     for L in s.lengths:
         for op in OPS:
@@ -364,7 +373,7 @@ def step_ops(run: Run, limit_s: float) -> dict:
                                      ideal_bytes=nb, ideal_flops=fl, bytes_per_s=nb / med,
                                      of_peak=(nb / med / peak) if peak else None))
     data = dict(shape_set=set_name, dtype=dtype_name, rows=rows, skipped=skipped, not_reached=not_reached,
-                peak_bytes_per_s=peak)
+                peak_bytes_per_s=peak, fftconv_rows=conv_rows, fftconv_rows_skipped=conv_skipped)
     (run.out / "ops.json").write_text(json.dumps(data, indent=1))
     summary = [f"shape set {set_name} ({dtype_name}): {len(rows) // 3} op x L x backend points timed, "
                f"{len(skipped)} refused or failed, {len(not_reached)} not reached in the step's time"]
@@ -377,8 +386,12 @@ def step_ops(run: Run, limit_s: float) -> dict:
         frac = f", {r['of_peak'] * 100:.0f}% of the copy peak" if r["of_peak"] else ""
         summary.append(f"  {op:<15} fwd+bwd L={r['L']}: best {r['provider']:<6} {r['median'] * 1e3:8.3f} ms, "
                        f"{r['bytes_per_s'] / 1e9:7.3g} GB/s ideal bytes{frac}")
-    errors = [k for k, v in skipped.items() if v.startswith("ERROR")]
-    summary += [f"  ERROR {k}: {skipped[k][6:120]}" for k in errors[:3]]
+    summary.append(f"fftconv at many rows (bench/fftconv_rows.py; {len(conv_skipped)} points refused or not "
+                   "reached, reasons in ops.json):")
+    summary += conv_summary
+    every_skip = {**skipped, **conv_skipped}
+    errors = [k for k, v in every_skip.items() if v.startswith("ERROR")]
+    summary += [f"  ERROR {k}: {every_skip[k][6:120]}" for k in errors[:3]]
     return dict(summary=summary, files=["ops.json"], data=data, failed=bool(errors))
 
 

@@ -374,11 +374,13 @@ def _fftconv_config_variants(cfg, direct_tiles):
             tile = (("A", a), ("LOG_A", impl._log2(a)))
             w = impl.tile_warps(256 * a, cfg["num_warps"])
             variants.append(Variant(
-                op="fftconv", kernel="_tile_fwd_kernel", fn=impl._tile_fwd_kernel, arg_types=fwd_ptrs_t + fwd_ints,
+                op="fftconv", kernel="_tile_fwd_kernel", fn=impl._tile_fwd_kernel,
+                arg_types=fwd_ptrs_t + fwd_ints + (("PAIRS", "i32"),),
                 constexprs=tile + (("OUT_BF16", out_bf16),), div16=div16, num_warps=w, num_stages=impl.FFT_STAGES,
                 label=f"tile fwd x={dt} N={256 * a} warps={w}"))
             variants.append(Variant(
-                op="fftconv", kernel="_tile_bwd_kernel", fn=impl._tile_bwd_kernel, arg_types=bwd_ptrs_t + bwd_ints,
+                op="fftconv", kernel="_tile_bwd_kernel", fn=impl._tile_bwd_kernel,
+                arg_types=bwd_ptrs_t + bwd_ints + (("PAIRS", "i32"),),
                 constexprs=tile, div16=div16, num_warps=w, num_stages=impl.FFT_STAGES,
                 label=f"tile bwd x={dt} N={256 * a} warps={w}"))
         for br in impl.WORK_ROWS:

@@ -103,6 +103,11 @@ CASES = [
     *(case(2, 2, L, F64, k, f"L{L}-x_float64-k_{_dt(k)}", seed=24) for L in (70, 8193) for k in (F64, F32)),
     # Triton: the largest register tile (N = 4096 = 16 x 16 x 16, three dot levels), odd batch
     case(3, 1, 2048, F32, F32, "L2048", seed=2),
+    # Triton: N = 1024 (radix-4 first level) and N = 2048 (block-diagonal 8-point dot), the batch
+    # split over two programs per feature (row_chunks with the interpreter's SM count), an
+    # unpaired row in the last chunk
+    case(5, 2, 300, F32, F32, "L300-N1024-chunked", seed=5, only=("torch", "triton")),
+    case(3, 2, 700, BF16, F32, "L700-N2048-x_bfloat16", seed=6, only=("torch", "triton")),
     # Triton: the workspace path, N = 8192 = R C with R = 2 (padded column tile), one unpaired row
     case(3, 1, 2049, BF16, F32, "L2049-strided-x_bfloat16", contiguous=False, seed=3,
          knobs={"triton": FAST_WORK}),
@@ -299,10 +304,27 @@ def test_reference_bwd_matches_finite_differences(L):
 # ------------------------------------------------------------------------------------------------
 
 def test_triton_tile_sizes():
-    # N = 256 (A = 1: two dot levels), 512 / 1024 (A = 4: radix-4 + two levels), 4096 (A = 16: three)
+    # N = 256 A: A = 1 (two dot levels), 2 (radix-2 + two), 4 (radix-4 + two), 8 (block-diagonal
+    # dot + two), 16 (three dot levels); N = 2 nextpow2(L), at least 256
     assert conv_triton._plan(2048, 0) == ("tile", 16)
-    assert [conv_triton._plan(L, 0) for L in (31, 128, 129, 512, 513, 2048)] == [
-        ("tile", 1), ("tile", 1), ("tile", 4), ("tile", 4), ("tile", 16), ("tile", 16)]
+    lengths = (31, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048)
+    assert [conv_triton._plan(L, 0)[1] for L in lengths] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+
+
+def test_triton_row_chunks():
+    """The tile path's grid (D, chunks): enough programs for 4 per SM where the batch allows,
+    every row pair in exactly one chunk."""
+    rc = conv_triton.row_chunks
+    assert rc(2, 256, 132) == (1, 1)                  # one pair per feature: nothing to split
+    chunks, per = rc(32, 256, 132)                    # 16 pairs: 3 chunks of 6, 6, 4
+    assert 256 * chunks >= 4 * 132 and (chunks - 1) * per < 16 <= chunks * per
+    assert rc(64, 1024, 132) == (1, 32)               # 1024 features are enough programs
+    assert rc(7, 1, 132) == (4, 1) and rc(0, 4, 132) == (1, 1)
+    for B in range(0, 40):
+        for D in (1, 3, 256):
+            chunks, per = rc(B, D, 132)
+            pairs = (B + 1) // 2
+            assert chunks >= 1 and per >= 1 and (chunks - 1) * per < max(pairs, 1) <= chunks * per
 
 
 @pytest.mark.parametrize("need", ["x", "k"])

@@ -40,8 +40,15 @@ MIN_FFT = 256
 MAX_TILE_FFT = 4096
 #: longest supported L (N = 2**18: workspace path with R = 64)
 MAX_LENGTH = 1 << 17
-#: first-stage sizes A of the tile path's N = 256 A point transforms (N = 256, 1024, 4096)
-TILE_FACTORS = (1, 4, 16)
+#: first-stage sizes A of the tile path's N = 256 A point transforms (N = 256 .. 4096: every power
+#: of two, so no length pays more than the 2x zero padding of the linear convolution itself)
+TILE_FACTORS = (1, 2, 4, 8, 16)
+#: the tile path's grid: programs over (feature, chunk of batch row pairs), enough chunks for this
+#: many programs per SM when the batch allows (docs/fft.md, "The row-tiled grid")
+PROGRAMS_PER_SM = 4
+#: the SM count the interpreter plans with (CPU tensors: no device to ask); small, so that the
+#: tests' few features already split the batch into chunks
+INTERPRETER_SMS = 1
 #: column-pass dot tile BR of the workspace path (R = N / 4096 <= 64, rows >= R masked)
 WORK_ROWS = (64,)
 #: row length C of the workspace path (one 16 x 16 x 16 tile transform per row)
@@ -75,9 +82,8 @@ def fft_size(L: int) -> int:
 
 
 def tile_factor(N: int) -> int:
-    """A of the tile path's N' = 256 A point transform for an N-point FFT: N rounded up to 256, 1024
-    or 4096 (a larger zero padding is still a linear convolution), so three compiled tile sizes serve
-    every L, at most 2x the points."""
+    """A of the tile path's N' = 256 A point transform for an N-point FFT: N itself, at least 256
+    (a larger zero padding is still a linear convolution)."""
     return next(a for a in TILE_FACTORS if 256 * a >= N)
 
 
@@ -103,6 +109,10 @@ if HAVE_TRITON:
 
     #: tensor-core fp32 emulation (3 TF32 products per product, fp32 accumulation): see docs/fft.md, Precision
     DOT_PRECISION = tl.constexpr(os.environ.get("FFTCONV_DOT", "tf32x3"))
+    #: the tile forward's dots when y is rounded to bf16: one TF32 product (operand error 2^-11, about
+    #: 1e-3 of the scale after the transforms, against bf16's own 2^-9 rounding and its 2e-2 budget)
+    #: instead of three; the gradients keep DOT_PRECISION (dk is returned in k's dtype, fp32)
+    BF16_OUT_DOT = tl.constexpr(os.environ.get("FFTCONV_DOT_BF16", "tf32"))
 
     @triton.jit
     def twiddle(e, LOG_M):
@@ -161,12 +171,12 @@ if HAVE_TRITON:
         return c, SIGN * s, -SIGN * s
 
     @triton.jit
-    def mm_right(xr, xi, fr, fi, fin):
-        """[M, 16] @ [16, 16] complex: 4 accumulating K = 16 real dots (fin = -fi)."""
-        re = -tl.dot(xi, fi, input_precision=DOT_PRECISION)
-        re = tl.dot(xr, fr, re, input_precision=DOT_PRECISION)
-        im = tl.dot(xr, fi, input_precision=DOT_PRECISION)
-        im = tl.dot(xi, fr, im, input_precision=DOT_PRECISION)
+    def mm_right(xr, xi, fr, fi, fin, P: tl.constexpr):
+        """[M, 16] @ [16, 16] complex: 4 accumulating K = 16 real dots (fin = -fi) in precision P."""
+        re = -tl.dot(xi, fi, input_precision=P)
+        re = tl.dot(xr, fr, re, input_precision=P)
+        im = tl.dot(xr, fi, input_precision=P)
+        im = tl.dot(xi, fr, im, input_precision=P)
         return re, im
 
     @triton.jit
@@ -212,23 +222,49 @@ if HAVE_TRITON:
         return tl.reshape(yr, [256, 4]), tl.reshape(yi, [256, 4])
 
     @triton.jit
-    def stage_a(tw_ptr, xr, xi, A: tl.constexpr, SIGN: tl.constexpr):
-        """The A-point DFT along the last axis of [256, A] (16: a K = 16 dot level; 4: radix4; 1: none)."""
+    def radix2(xr, xi):
+        """2-point DFT along the last axis of [256, 2] (exact; the same both ways)."""
+        x0r, x1r = tl.split(xr)
+        x0i, x1i = tl.split(xi)
+        return tl.join(x0r + x1r, x0r - x1r), tl.join(x0i + x1i, x0i - x1i)
+
+    @triton.jit
+    def level8(tw_ptr, xr, xi, SIGN: tl.constexpr, P: tl.constexpr):
+        """8-point DFT along the last axis of [256, 8] as ONE K = 16 dot: the tile viewed as [128, 16]
+        (rows 2r and 2r + 1 side by side) times the block-diagonal diag(F_8, F_8) (a dot needs K >= 16;
+        half its products are by zero, cheaper than a radix-8 of splits and joins)."""
+        tl.debug_barrier()
+        o = tl.arange(0, 16) + opaque_zero(tw_ptr)
+        c, s = table_twiddle(tw_ptr, (o[:, None] % 8) * (o[None, :] % 8), 3)
+        same = (o[:, None] // 8) == (o[None, :] // 8)
+        fr = tl.where(same, c, 0.0)
+        fi = tl.where(same, SIGN * s, 0.0)
+        re, im = mm_right(tl.reshape(xr, [128, 16]), tl.reshape(xi, [128, 16]), fr, fi, -fi, P)
+        return tl.reshape(re, [256, 8]), tl.reshape(im, [256, 8])
+
+    @triton.jit
+    def stage_a(tw_ptr, xr, xi, A: tl.constexpr, SIGN: tl.constexpr, P: tl.constexpr):
+        """The A-point DFT along the last axis of [256, A] (16: a K = 16 dot level; 8: a block-diagonal
+        dot; 4: radix4; 2: radix2; 1: none)."""
         if A == 16:
-            return level16(tw_ptr, xr, xi, SIGN)
+            return level16(tw_ptr, xr, xi, SIGN, P)
+        elif A == 8:
+            return level8(tw_ptr, xr, xi, SIGN, P)
         elif A == 4:
             return radix4(xr, xi, SIGN)
+        elif A == 2:
+            return radix2(xr, xi)
         else:
             return xr, xi
 
     @triton.jit
-    def level16(tw_ptr, xr, xi, SIGN: tl.constexpr):
+    def level16(tw_ptr, xr, xi, SIGN: tl.constexpr, P: tl.constexpr):
         """[M, 16] @ the 16-point DFT matrix. The barrier (and ``opaque_zero``) keep the matrix's
         table loads and TF32 head/tail split (48 registers per thread) from being hoisted or shared
         between levels, transforms and loop iterations: each level's fragments live only during its dots."""
         tl.debug_barrier()
         fr, fi, fin = dft16(tw_ptr, SIGN)
-        return mm_right(xr, xi, fr, fi, fin)
+        return mm_right(xr, xi, fr, fi, fin, P)
 
     @triton.jit
     def twiddle_a(tw_ptr, ar, ai, A: tl.constexpr, LOG_A: tl.constexpr, SIGN: tl.constexpr):
@@ -249,51 +285,56 @@ if HAVE_TRITON:
         return cmul(ar, ai, tc, SIGN * ts)
 
     @triton.jit
-    def fftn(tw_ptr, xr, xi, A: tl.constexpr, LOG_A: tl.constexpr):
+    def fftn(tw_ptr, xr, xi, A: tl.constexpr, LOG_A: tl.constexpr, P: tl.constexpr):
         """Forward DFT of N = 256 A points, x[16 b + c + 256 a] as the [256, A] tile (16 b + c, a),
         -> X[f0 + A f1 + 16 A f2] as the [16 A, 16] tile (16 f0 + f1, f2)."""
-        ar, ai = stage_a(tw_ptr, xr, xi, A, -1)                            # [(b, c), f0]
+        ar, ai = stage_a(tw_ptr, xr, xi, A, -1, P)                           # [(b, c), f0]
         ar, ai = twiddle_a(tw_ptr, ar, ai, A, LOG_A, -1)
-        ar, ai = level16(tw_ptr, rot(ar, 16, 16, A), rot(ai, 16, 16, A), -1)   # [(c, f0), b] -> [(c, f0), f1]
+        ar, ai = level16(tw_ptr, rot(ar, 16, 16, A), rot(ai, 16, 16, A), -1, P)   # [(c, f0), b] -> [(c, f0), f1]
         ar, ai = twiddle_n(tw_ptr, ar, ai, A, LOG_A, -1)
-        return level16(tw_ptr, rot(ar, 16, A, 16), rot(ai, 16, A, 16), -1)     # [(f0, f1), c] -> [(f0, f1), f2]
+        return level16(tw_ptr, rot(ar, 16, A, 16), rot(ai, 16, A, 16), -1, P)    # [(f0, f1), c] -> [(f0, f1), f2]
 
     @triton.jit
-    def ifftn(tw_ptr, yr, yi, A: tl.constexpr, LOG_A: tl.constexpr):
+    def ifftn(tw_ptr, yr, yi, A: tl.constexpr, LOG_A: tl.constexpr, P: tl.constexpr):
         """Unnormalised inverse of ``fftn``: [16 A, 16] spectrum -> N x as the [256, A] tile."""
-        ar, ai = level16(tw_ptr, yr, yi, 1)                                 # [(f0, f1), c]
+        ar, ai = level16(tw_ptr, yr, yi, 1, P)                                # [(f0, f1), c]
         ar, ai = twiddle_n(tw_ptr, unrot(ar, 16, A, 16), unrot(ai, 16, A, 16), A, LOG_A, 1)   # [(c, f0), f1]
-        ar, ai = level16(tw_ptr, ar, ai, 1)                                 # [(c, f0), b]
+        ar, ai = level16(tw_ptr, ar, ai, 1, P)                                # [(c, f0), b]
         ar, ai = twiddle_a(tw_ptr, unrot(ar, 16, 16, A), unrot(ai, 16, 16, A), A, LOG_A, 1)   # [(b, c), f0]
-        return stage_a(tw_ptr, ar, ai, A, 1)                                # [(b, c), a]
+        return stage_a(tw_ptr, ar, ai, A, 1, P)                               # [(b, c), a]
 
     # ------------------------------------------------------------------ tile path (N <= 4096)
 
     @triton.jit
     def _tile_fwd_kernel(
         x_ptr, k_ptr, tw_ptr, b_ptr, om_ptr, y_ptr,
-        B, D, L, sxb, sxd, sxt, HAS_BIAS, HAS_SKIP,
+        B, D, L, sxb, sxd, sxt, HAS_BIAS, HAS_SKIP, PAIRS,
         A: tl.constexpr, LOG_A: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
+        """Program (d, c): feature d, batch rows [2 PAIRS c, 2 PAIRS (c + 1)) as row pairs; k's spectrum
+        once per program, shared by its pairs."""
+        PF: tl.constexpr = BF16_OUT_DOT if OUT_BF16 else DOT_PRECISION
         d = tl.program_id(0)
+        b_lo = tl.program_id(1) * (2 * PAIRS)
+        b_hi = tl.minimum(B, b_lo + 2 * PAIRS)
         o_n = tile_offsets(tw_ptr, A)                                          # [256, A] position
         m_n = o_n < L
         b_k = tl.load(k_ptr + d.to(tl.int64) * L + o_n, mask=m_n, other=0.0).to(tl.float32)
-        kr, ki = fftn(tw_ptr, b_k, tl.zeros([256, A], dtype=tl.float32), A, LOG_A)
+        kr, ki = fftn(tw_ptr, b_k, tl.zeros([256, A], dtype=tl.float32), A, LOG_A, PF)
         inv_n = 1.0 / (A * 256)                                               # exact: a power of two
         kr = kr * inv_n
         ki = ki * inv_n
         om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
-        for b0 in range(0, B, 2):
+        for b0 in range(b_lo, b_hi, 2):
             o_n = tile_offsets(tw_ptr, A)
             m_n = o_n < L
             m_1 = o_n < L * tl.minimum(B - 1 - b0, 1)                        # row b0+1 exists
             p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd + o_n * sxt
             b_xr = tl.load(p_x, mask=m_n, other=0.0).to(tl.float32)
             b_xi = tl.load(p_x + sxb, mask=m_1, other=0.0).to(tl.float32)
-            sr, si = fftn(tw_ptr, b_xr, b_xi, A, LOG_A)
+            sr, si = fftn(tw_ptr, b_xr, b_xi, A, LOG_A, PF)
             sr, si = cmul(sr, si, kr, ki)
-            yr, yi = ifftn(tw_ptr, sr, si, A, LOG_A)
+            yr, yi = ifftn(tw_ptr, sr, si, A, LOG_A, PF)
             o_n = tile_offsets(tw_ptr, A)
             m_n = o_n < L
             m_1 = o_n < L * tl.minimum(B - 1 - b0, 1)
@@ -316,7 +357,7 @@ if HAVE_TRITON:
         """conj(K) / N of row d of k (zero unless NEED_X: only dx uses it)."""
         o_n = tile_offsets(tw_ptr, A)
         b_k = tl.load(k_ptr + d.to(tl.int64) * L + o_n, mask=o_n < L * NEED_X, other=0.0).to(tl.float32)
-        kr, ki = fftn(tw_ptr, b_k, tl.zeros([256, A], dtype=tl.float32), A, LOG_A)
+        kr, ki = fftn(tw_ptr, b_k, tl.zeros([256, A], dtype=tl.float32), A, LOG_A, DOT_PRECISION)
         inv_n = 1.0 / (A * 256)
         return kr * inv_n, -ki * inv_n
 
@@ -325,7 +366,7 @@ if HAVE_TRITON:
                 A: tl.constexpr, LOG_A: tl.constexpr):
         """dx rows b0, b0 + 1 = IFFT(Z conj(K) / N) + omega dy, from dy's pair spectrum Z."""
         sr, si = cmul(zr, zi, kr, ki)
-        gr, gi = ifftn(tw_ptr, sr, si, A, LOG_A)
+        gr, gi = ifftn(tw_ptr, sr, si, A, LOG_A, DOT_PRECISION)
         b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
         o_n = tile_offsets(tw_ptr, A)
         row = (b0 * D + d).to(tl.int64) * L
@@ -335,10 +376,16 @@ if HAVE_TRITON:
     @triton.jit
     def _tile_bwd_kernel(
         dy_ptr, x_ptr, k_ptr, tw_ptr, om_ptr, dx_ptr, dk_ptr, dom_ptr,
-        B, D, L, syb, syd, syt, sxb, sxd, sxt, NEED_X, NEED_K, HAS_SKIP,
+        B, D, L, syb, syd, syt, sxb, sxd, sxt, NEED_X, NEED_K, HAS_SKIP, PAIRS,
         A: tl.constexpr, LOG_A: tl.constexpr,
     ):
+        """Program (d, c): feature d, batch rows [2 PAIRS c, 2 PAIRS (c + 1)); dk and domega are this
+        chunk's partial sums, stored at chunk c of [chunks, D, L] / [chunks, D] (the launcher adds
+        the chunks in a fixed order: deterministic, no atomics)."""
         d = tl.program_id(0)
+        c = tl.program_id(1)
+        b_lo = c * (2 * PAIRS)
+        b_hi = tl.minimum(B, b_lo + 2 * PAIRS)
         o_n = tile_offsets(tw_ptr, A)
         m_n = o_n < L
         inv_n = 1.0 / (A * 256)
@@ -357,17 +404,17 @@ if HAVE_TRITON:
         # N = 4096: two passes over the pairs when dx is needed (the dy transform done twice), since
         # k's spectrum, the dk accumulator and dy's spectrum (3 x 32 registers per thread) next to a
         # transform in flight exceed sm_80's 255 registers; smaller tiles do it in one pass.
-        for b0 in range(0, B, 2):
+        for b0 in range(b_lo, b_hi, 2):
             if need_x_tile | ((NEED_X != 0) & ONE_PASS):
                 b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
-                zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A)
+                zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
                 if need_x_tile:
                     # dy and x re-read where needed (L1/L2 hits) rather than held across the transforms
                     b_xr, b_xi = tile_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, A)
                     b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
                     dom += tl.sum(tl.sum(b_gr * b_xr + b_gi * b_xi, 1), 0)
                     if NEED_K != 0:
-                        pr, pi = fftn(tw_ptr, b_xr, b_xi, A, LOG_A)
+                        pr, pi = fftn(tw_ptr, b_xr, b_xi, A, LOG_A, DOT_PRECISION)
                         sr, si = cmul(zr, zi, pr, -pi)
                         acc_r += sr
                         acc_i += si
@@ -377,15 +424,15 @@ if HAVE_TRITON:
         if not ONE_PASS:
             if NEED_X != 0:
                 kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
-                for b0 in range(0, B, 2):
+                for b0 in range(b_lo, b_hi, 2):
                     b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
-                    zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A)
+                    zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
                     dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, A, LOG_A)
         if NEED_K != 0:
-            gr, gi = ifftn(tw_ptr, acc_r, acc_i, A, LOG_A)
-            tl.store(dk_ptr + d.to(tl.int64) * L + o_n, gr * inv_n, mask=m_n)
+            gr, gi = ifftn(tw_ptr, acc_r, acc_i, A, LOG_A, DOT_PRECISION)
+            tl.store(dk_ptr + (c * D + d).to(tl.int64) * L + o_n, gr * inv_n, mask=m_n)
         if HAS_SKIP != 0:
-            tl.store(dom_ptr + d, dom)
+            tl.store(dom_ptr + c * D + d, dom)
 
     # ------------------------------------------------------------------ workspace path (N >= 8192)
 
@@ -484,7 +531,7 @@ if HAVE_TRITON:
         tl.debug_barrier()
         for f in range(R):
             sr, si, _ = row_load(tw_ptr, w_k, f, R, C)
-            sr, si = fftn(tw_ptr, sr, si, 16, 4)
+            sr, si = fftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
             o_s = f * C + spec_offsets(tw_ptr)
             tl.store(w_k + o_s, sr * inv_n)
             tl.store(w_k + N + o_s, si * inv_n)
@@ -498,10 +545,10 @@ if HAVE_TRITON:
             tl.debug_barrier()
             for f in range(R):
                 sr, si, _ = row_load(tw_ptr, w_x, f, R, C)
-                sr, si = fftn(tw_ptr, sr, si, 16, 4)
+                sr, si = fftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
                 kr, ki, _ = spec_load(tw_ptr, w_k, f, R, C)
                 sr, si = cmul(sr, si, kr, ki)
-                sr, si = ifftn(tw_ptr, sr, si, 16, 4)
+                sr, si = ifftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
                 o_f = f * C + tile_offsets(tw_ptr, 16)
                 tl.store(w_x + o_f, sr)
                 tl.store(w_x + N + o_f, si)
@@ -548,7 +595,7 @@ if HAVE_TRITON:
             tl.debug_barrier()
             for f in range(R):
                 sr, si, _ = row_load(tw_ptr, w_k, f, R, C)
-                sr, si = fftn(tw_ptr, sr, si, 16, 4)
+                sr, si = fftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
                 o_s = f * C + spec_offsets(tw_ptr)
                 tl.store(w_k + o_s, sr * inv_n)
                 tl.store(w_k + N + o_s, -si * inv_n)
@@ -579,13 +626,13 @@ if HAVE_TRITON:
                     # x's row spectrum first, parked in place in its workspace row, so that the two
                     # transforms of the product are never live at once (that spilled on sm_90)
                     pr, pi, _ = row_load(tw_ptr, w_p, f, R, C)
-                    pr, pi = fftn(tw_ptr, pr, pi, 16, 4)
+                    pr, pi = fftn(tw_ptr, pr, pi, 16, 4, DOT_PRECISION)
                     o_s = f * C + spec_offsets(tw_ptr)
                     tl.store(w_p + o_s, pr)
                     tl.store(w_p + N + o_s, pi)
                     tl.debug_barrier()
                 zr, zi, _ = row_load(tw_ptr, w_z, f, R, C)
-                zr, zi = fftn(tw_ptr, zr, zi, 16, 4)
+                zr, zi = fftn(tw_ptr, zr, zi, 16, 4, DOT_PRECISION)
                 if NEED_K != 0:
                     pr, pi, o_s = spec_load(tw_ptr, w_p, f, R, C)
                     sr, si = cmul(zr, zi, pr, -pi)
@@ -597,7 +644,7 @@ if HAVE_TRITON:
                 if NEED_X != 0:
                     kr, ki, _ = spec_load(tw_ptr, w_k, f, R, C)
                     sr, si = cmul(zr, zi, kr, ki)
-                    sr, si = ifftn(tw_ptr, sr, si, 16, 4)
+                    sr, si = ifftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
                     o_f = f * C + tile_offsets(tw_ptr, 16)
                     tl.store(w_z + o_f, sr)
                     tl.store(w_z + N + o_f, si)
@@ -618,7 +665,7 @@ if HAVE_TRITON:
             tl.debug_barrier()
             for f in range(R):
                 sr, si, _ = spec_load(tw_ptr, w_s, f, R, C)
-                sr, si = ifftn(tw_ptr, sr, si, 16, 4)
+                sr, si = ifftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
                 o_f = f * C + tile_offsets(tw_ptr, 16)
                 tl.store(w_s + o_f, sr)
                 tl.store(w_s + N + o_f, si)
@@ -701,6 +748,30 @@ def _plan(L: int, direct_max_len: int):
     return ("work", R, WORK_ROWS[-1])
 
 
+_SMS: dict = {}
+
+
+def sm_count(device) -> int:
+    """Streaming multiprocessors of a CUDA ``device`` (cached); ``INTERPRETER_SMS`` for CPU tensors."""
+    if device.type != "cuda":
+        return INTERPRETER_SMS
+    key = str(device)
+    if key not in _SMS:
+        _SMS[key] = torch.cuda.get_device_properties(device).multi_processor_count
+    return _SMS[key]
+
+
+def row_chunks(B: int, D: int, sms: int) -> tuple[int, int]:
+    """(chunks, pairs per chunk) of the tile path's grid (D, chunks) on a device with ``sms`` SMs:
+    the batch's row pairs split into as few chunks as give ``PROGRAMS_PER_SM`` programs per SM
+    (each chunk recomputes k's spectrum and, in the backward, writes one partial dk), down to one
+    pair per chunk."""
+    pairs = (B + 1) // 2
+    want = -(-PROGRAMS_PER_SM * sms // max(D, 1))
+    per = max(1, -(-pairs // max(1, min(pairs, want))))
+    return max(1, -(-pairs // per)), per
+
+
 def _log2(n: int) -> int:
     return n.bit_length() - 1
 
@@ -723,9 +794,10 @@ def conv_fwd(x, k, bias=None, omega=None, out_dtype=None, *, direct_max_len, num
                                  BL=plan[1], OUT_BF16=out_bf16, num_warps=direct_warps)
     elif plan[0] == "tile":
         a = plan[1]
-        _tile_fwd_kernel[(D,)](x, k, twiddle_table(x.device), bias_t, om, y, B, D, L, *strides, *flags,
-                               A=a, LOG_A=_log2(a), OUT_BF16=out_bf16, num_warps=tile_warps(256 * a, num_warps),
-                               num_stages=FFT_STAGES)
+        chunks, pairs = row_chunks(B, D, sm_count(x.device))
+        _tile_fwd_kernel[(D, chunks)](x, k, twiddle_table(x.device), bias_t, om, y, B, D, L, *strides, *flags, pairs,
+                                      A=a, LOG_A=_log2(a), OUT_BF16=out_bf16, num_warps=tile_warps(256 * a, num_warps),
+                                      num_stages=FFT_STAGES)
     else:
         R, BR = plan[1:]
         N = R * WORK_C
@@ -757,8 +829,18 @@ def conv_bwd(dy, x, k, need_x=True, need_k=True, omega=None, *, direct_max_len, 
         _direct_bwd_kernel[(D,)](*args, *shape, *flags, BL=plan[1], num_warps=direct_warps)
     elif plan[0] == "tile":
         a = plan[1]
-        _tile_bwd_kernel[(D,)](*targs, *shape, *flags, A=a, LOG_A=_log2(a), num_warps=tile_warps(256 * a, num_warps),
-                               num_stages=FFT_STAGES)
+        chunks, pairs = row_chunks(B, D, sm_count(dev))
+        # per-chunk partial sums of dk and domega (chunk c at [c]), added below in a fixed order
+        dk_c = torch.empty(chunks, D, L, dtype=torch.float32, device=dev) if need_k and chunks > 1 else dk
+        dom_c = torch.empty(chunks, D, dtype=torch.float32, device=dev) if omega is not None and chunks > 1 else dom
+        _tile_bwd_kernel[(D, chunks)](dy, x, k, twiddle_table(dev), om, dx, dk_c, dom_c, *shape, *flags, pairs,
+                                      A=a, LOG_A=_log2(a), num_warps=tile_warps(256 * a, num_warps),
+                                      num_stages=FFT_STAGES)
+        if chunks > 1:
+            if need_k:
+                torch.sum(dk_c, 0, out=dk)
+            if omega is not None:
+                torch.sum(dom_c, 0, out=dom)
     else:
         R, BR = plan[1:]
         N = R * WORK_C
