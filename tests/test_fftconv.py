@@ -103,10 +103,8 @@ CASES = [
     *(case(2, 2, L, F64, k, f"L{L}-x_float64-k_{_dt(k)}", seed=24) for L in (70, 8193) for k in (F64, F32)),
     # Triton: the largest register tile (N = 4096 = 16 x 16 x 16, three dot levels), odd batch
     case(3, 1, 2048, F32, F32, "L2048", seed=2),
-    # Triton: N = 1024 (radix-4 first level) and N = 2048 (block-diagonal 8-point dot), the batch
-    # split over two programs per feature (row_chunks with the interpreter's SM count), an
-    # unpaired row in the last chunk
-    case(5, 2, 300, F32, F32, "L300-N1024-chunked", seed=5, only=("torch", "triton")),
+    # Triton: N = 1024 (radix-4 first level) and N = 2048 (block-diagonal 8-point dot)
+    case(3, 2, 300, F32, F32, "L300-N1024", seed=5, only=("torch", "triton")),
     case(3, 2, 700, BF16, F32, "L700-N2048-x_bfloat16", seed=6, only=("torch", "triton")),
     # Triton: the workspace path, N = 8192 = R C with R = 2 (padded column tile), one unpaired row
     case(3, 1, 2049, BF16, F32, "L2049-strided-x_bfloat16", contiguous=False, seed=3,
@@ -319,12 +317,38 @@ def test_triton_row_chunks():
     chunks, per = rc(32, 256, 132)                    # 16 pairs: 3 chunks of 6, 6, 4
     assert 256 * chunks >= 4 * 132 and (chunks - 1) * per < 16 <= chunks * per
     assert rc(64, 1024, 132) == (1, 32)               # 1024 features are enough programs
-    assert rc(7, 1, 132) == (4, 1) and rc(0, 4, 132) == (1, 1)
+    assert rc(7, 1, 132) == (1, 4) and rc(0, 4, 132) == (1, 1)   # too few pairs to split
     for B in range(0, 40):
         for D in (1, 3, 256):
             chunks, per = rc(B, D, 132)
             pairs = (B + 1) // 2
             assert chunks >= 1 and per >= 1 and (chunks - 1) * per < max(pairs, 1) <= chunks * per
+            assert chunks == 1 or per >= conv_triton.MIN_CHUNK_PAIRS
+
+
+@pytest.mark.parametrize("xdtype, L", [(F32, 300), (BF16, 1000)], ids=["float32-N1024", "bfloat16-N2048"])
+def test_triton_batch_split_over_programs(monkeypatch, xdtype, L):
+    """The tile path with the batch split over programs (grid (D, chunks)): every chunk's rows,
+    the unpaired last row, and dk / domega added from the chunks' partial sums. One pair per
+    chunk here (the shipped minimum is MIN_CHUNK_PAIRS: the interpreter's shapes are small)."""
+    monkeypatch.setattr(conv_triton, "MIN_CHUNK_PAIRS", 1)
+    assert conv_triton.row_chunks(5, 2, conv_triton.INTERPRETER_SMS) == (2, 2)
+    check_fftconv("triton", 5, 2, L, xdtype, F32, seed=8, **PATHS["fft"]["triton"])
+    # the fused epilogue (cema's bias and skip terms) and domega's partial sums over the chunks
+    gen = torch.Generator().manual_seed(9)
+    x, dy, bias = (torch.randn(5, 2, L, generator=gen) for _ in range(3))
+    k, om = torch.randn(2, L, generator=gen) / math.sqrt(L), torch.randn(2, generator=gen)
+    cfg = dict(conv_triton.DEFAULT_CONFIG, **PATHS["fft"]["triton"])
+    y = conv_triton.conv_fwd(x.to(xdtype), k, bias=bias, omega=om, **cfg)
+    xs = x.to(xdtype).double()
+    y_ref = torch.from_numpy(ref.fftconv(to_np(xs), to_np(k))) + bias.double() + om.double()[:, None] * xs
+    assert_close("y fused", y, to_np(y_ref), tol("triton", xdtype, "fwd"))
+    dx, dk, dom = conv_triton.conv_bwd(dy.to(xdtype), x.to(xdtype), k, True, True, om, **cfg)
+    dys = dy.to(xdtype).double()
+    dom_ref = (dys * xs).sum((0, 2))
+    assert_close("domega", dom, to_np(dom_ref), tol("triton", F32, "bwd"))
+    dx_ref = torch.from_numpy(ref.fftconv_bwd(to_np(dys), to_np(xs), to_np(k))[0]) + om.double()[:, None] * dys
+    assert_close("dx fused", dx, to_np(dx_ref), tol("triton", xdtype, "bwd"))
 
 
 @pytest.mark.parametrize("need", ["x", "k"])

@@ -1,13 +1,15 @@
 """Triton backend of fftconv: an FFT convolution whose every dense factor is a 16-point DFT matrix.
 
 Three paths, chosen by length (``_plan``): a direct Toeplitz product for L <= ``direct_max_len``;
-the tile path for FFT sizes N <= 4096 (256 A points, A in 1/4/16, whole row pair and k's spectrum
-in registers); the workspace path for 8192 <= N <= 2**18 (four steps: column pass, row pass with
-the 4096-point tile transform, inverse column pass, through a per-feature fp32 workspace). One
-program per feature d loops over the batch row pairs (two real rows packed into one complex row),
-so k's spectrum is built once per d and dk is summed over b without atomics. Dots run in
-``DOT_PRECISION`` ("tf32x3" unless env FFTCONV_DOT says otherwise). The algorithms, twiddles,
-register discipline, costs and limits are described in docs/fft.md.
+the tile path for FFT sizes N <= 4096 (256 A points, A in 1/2/4/8/16, whole row pair and k's
+spectrum in registers; grid (D, chunks of batch row pairs), ``row_chunks``); the workspace path for
+8192 <= N <= 2**18 (four steps: column pass, row pass with the 4096-point tile transform, inverse
+column pass, through a per-feature fp32 workspace; one program per feature). Two real rows are
+packed into one complex row; a program builds k's spectrum once for all its pairs, and dk is summed
+over b without atomics (the tile path's per-chunk partials added in a fixed order). Dots run in
+``DOT_PRECISION`` ("tf32x3" unless env FFTCONV_DOT says otherwise; the bf16-output tile forward in
+``BF16_OUT_DOT``). The algorithms, twiddles, register discipline, costs and limits are described in
+docs/fft.md.
 """
 from __future__ import annotations
 
@@ -46,6 +48,10 @@ TILE_FACTORS = (1, 2, 4, 8, 16)
 #: the tile path's grid: programs over (feature, chunk of batch row pairs), enough chunks for this
 #: many programs per SM when the batch allows (docs/fft.md, "The row-tiled grid")
 PROGRAMS_PER_SM = 4
+#: the fewest row pairs a chunk gets: each chunk re-reads k (4 L bytes per feature) and, in the
+#: backward, writes and re-reads a partial dk (8 L bytes), against at least 8 rows x 3 L x 2-4 bytes
+#: of the chunk's own inputs and outputs: at most ~17% (bf16) / ~8% (fp32) over the ideal
+MIN_CHUNK_PAIRS = 4
 #: the SM count the interpreter plans with (CPU tensors: no device to ask); small, so that the
 #: tests' few features already split the batch into chunks
 INTERPRETER_SMS = 1
@@ -764,11 +770,11 @@ def sm_count(device) -> int:
 def row_chunks(B: int, D: int, sms: int) -> tuple[int, int]:
     """(chunks, pairs per chunk) of the tile path's grid (D, chunks) on a device with ``sms`` SMs:
     the batch's row pairs split into as few chunks as give ``PROGRAMS_PER_SM`` programs per SM
-    (each chunk recomputes k's spectrum and, in the backward, writes one partial dk), down to one
-    pair per chunk."""
+    (each chunk recomputes k's spectrum and, in the backward, writes one partial dk), with at least
+    ``MIN_CHUNK_PAIRS`` pairs per chunk."""
     pairs = (B + 1) // 2
     want = -(-PROGRAMS_PER_SM * sms // max(D, 1))
-    per = max(1, -(-pairs // max(1, min(pairs, want))))
+    per = max(1, -(-pairs // max(1, min(want, pairs // MIN_CHUNK_PAIRS))))
     return max(1, -(-pairs // per)), per
 
 
