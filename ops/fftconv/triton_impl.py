@@ -396,7 +396,7 @@ if HAVE_TRITON:
         m_n = o_n < L
         inv_n = 1.0 / (A * 256)
         zero = tl.zeros([256, A], dtype=tl.float32)
-        ONE_PASS: tl.constexpr = A < 16
+        ONE_PASS: tl.constexpr = A < 8
         if ONE_PASS:
             kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
         else:
@@ -407,9 +407,10 @@ if HAVE_TRITON:
         acc_i = acc_r
         dom = tl.sum(tl.sum(zero, 1), 0)
         need_x_tile = (NEED_K != 0) | (HAS_SKIP != 0)
-        # N = 4096: two passes over the pairs when dx is needed (the dy transform done twice), since
-        # k's spectrum, the dk accumulator and dy's spectrum (3 x 32 registers per thread) next to a
-        # transform in flight exceed sm_80's 255 registers; smaller tiles do it in one pass.
+        # N = 2048 and 4096: two passes over the pairs when dx is needed (the dy transform done twice),
+        # since k's spectrum, the dk accumulator and dy's spectrum (3 x 32 registers per thread at 4
+        # and 8 warps) next to a transform in flight exceed sm_80's 255 registers (N = 2048 in one
+        # pass spilled 56-96 B with Triton 3.9); smaller tiles do it in one pass.
         for b0 in range(b_lo, b_hi, 2):
             if need_x_tile | ((NEED_X != 0) & ONE_PASS):
                 b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
