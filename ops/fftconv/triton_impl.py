@@ -368,12 +368,13 @@ if HAVE_TRITON:
         return kr * inv_n, -ki * inv_n
 
     @triton.jit
-    def dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt,
+    def dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, HAS_SKIP,
                 A: tl.constexpr, LOG_A: tl.constexpr):
-        """dx rows b0, b0 + 1 = IFFT(Z conj(K) / N) + omega dy, from dy's pair spectrum Z."""
+        """dx rows b0, b0 + 1 = IFFT(Z conj(K) / N) + omega dy, from dy's pair spectrum Z (dy re-read
+        only with the skip term: its lanes are masked off otherwise)."""
         sr, si = cmul(zr, zi, kr, ki)
         gr, gi = ifftn(tw_ptr, sr, si, A, LOG_A, DOT_PRECISION)
-        b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
+        b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L * HAS_SKIP, syb, syd, syt, A)
         o_n = tile_offsets(tw_ptr, A)
         row = (b0 * D + d).to(tl.int64) * L
         tl.store(dx_ptr + row + o_n, gr + om * b_gr, mask=o_n < L)
@@ -416,9 +417,10 @@ if HAVE_TRITON:
                 b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
                 zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
                 if need_x_tile:
-                    # dy and x re-read where needed (L1/L2 hits) rather than held across the transforms
+                    # x read here, dy re-read (an L1/L2 hit) for domega alone, rather than held across
+                    # the transforms; without the skip term its lanes are masked off (no traffic)
                     b_xr, b_xi = tile_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, A)
-                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
+                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L * HAS_SKIP, syb, syd, syt, A)
                     dom += tl.sum(tl.sum(b_gr * b_xr + b_gi * b_xi, 1), 0)
                     if NEED_K != 0:
                         pr, pi = fftn(tw_ptr, b_xr, b_xi, A, LOG_A, DOT_PRECISION)
@@ -427,14 +429,16 @@ if HAVE_TRITON:
                         acc_i += si
                 if ONE_PASS:
                     if NEED_X != 0:
-                        dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, A, LOG_A)
+                        dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, HAS_SKIP,
+                                A, LOG_A)
         if not ONE_PASS:
             if NEED_X != 0:
                 kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
                 for b0 in range(b_lo, b_hi, 2):
                     b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
                     zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
-                    dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, A, LOG_A)
+                    dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, HAS_SKIP,
+                                A, LOG_A)
         if NEED_K != 0:
             gr, gi = ifftn(tw_ptr, acc_r, acc_i, A, LOG_A, DOT_PRECISION)
             tl.store(dk_ptr + (c * D + d).to(tl.int64) * L + o_n, gr * inv_n, mask=m_n)
