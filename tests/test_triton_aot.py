@@ -317,9 +317,11 @@ LAUNCH_CASES = [
     ("fftconv", dict(x=(1, 2, 2049, F32), k=(2, 2049, F32)), (90,)),  # the workspace path's first length
     ("fftconv", dict(x=(1, 2, 2048, BF16), k=(2, 2048, F32)), (80,)),  # the 4096-point tile: 1024 < L <= 2048
     ("fftconv", dict(x=(1, 2, 1025, F32), k=(2, 1025, F32)), (80,)),
-    ("fftconv", dict(x=(1, 2, 1024, BF16), k=(2, 1024, F32)), ()),
+    ("fftconv", dict(x=(1, 2, 1024, BF16), k=(2, 1024, F32)), (80,)),  # the 2048-point tile: 512 < L <= 1024
+    ("fftconv", dict(x=(1, 2, 512, BF16), k=(2, 512, F32)), ()),
     ("cema", dict(x=(1, 2, 2048, BF16), **_CEMA), (80,)),
-    ("cema", dict(x=(1, 2, 1024, BF16), **_CEMA), ()),
+    ("cema", dict(x=(1, 2, 1024, BF16), **_CEMA), (80,)),  # through fftconv's 2048-point tile prune
+    ("cema", dict(x=(1, 2, 512, BF16), **_CEMA), ()),
     ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=1, packed=True), (90,)),
     ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=1, packed=False), ()),
     ("timestep_norm", dict(x=(1, 40, 256, F16), num_groups=1, packed=True), ()),

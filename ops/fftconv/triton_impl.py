@@ -368,13 +368,13 @@ if HAVE_TRITON:
         return kr * inv_n, -ki * inv_n
 
     @triton.jit
-    def dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, HAS_SKIP,
+    def dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, L_DY,
                 A: tl.constexpr, LOG_A: tl.constexpr):
-        """dx rows b0, b0 + 1 = IFFT(Z conj(K) / N) + omega dy, from dy's pair spectrum Z (dy re-read
-        only with the skip term: its lanes are masked off otherwise)."""
+        """dx rows b0, b0 + 1 = IFFT(Z conj(K) / N) + omega dy, from dy's pair spectrum Z; dy is re-read
+        for the skip term up to L_DY (0: its lanes are masked off, no traffic)."""
         sr, si = cmul(zr, zi, kr, ki)
         gr, gi = ifftn(tw_ptr, sr, si, A, LOG_A, DOT_PRECISION)
-        b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L * HAS_SKIP, syb, syd, syt, A)
+        b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L_DY, syb, syd, syt, A)
         o_n = tile_offsets(tw_ptr, A)
         row = (b0 * D + d).to(tl.int64) * L
         tl.store(dx_ptr + row + o_n, gr + om * b_gr, mask=o_n < L)
@@ -408,6 +408,13 @@ if HAVE_TRITON:
         acc_i = acc_r
         dom = tl.sum(tl.sum(zero, 1), 0)
         need_x_tile = (NEED_K != 0) | (HAS_SKIP != 0)
+        # dy's re-reads (for domega and the skip term) only with the skip term at N <= 1024; at
+        # N >= 2048 they stay unmasked: the masks' extra live state made the 4096-point bf16
+        # backward spill 8 B on sm_90 with Triton 3.6 (it reads dy twice more there instead)
+        if ONE_PASS:
+            l_dy = L * HAS_SKIP
+        else:
+            l_dy = L
         # N = 2048 and 4096: two passes over the pairs when dx is needed (the dy transform done twice),
         # since k's spectrum, the dk accumulator and dy's spectrum (3 x 32 registers per thread at 4
         # and 8 warps) next to a transform in flight exceed sm_80's 255 registers (N = 2048 in one
@@ -418,9 +425,9 @@ if HAVE_TRITON:
                 zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
                 if need_x_tile:
                     # x read here, dy re-read (an L1/L2 hit) for domega alone, rather than held across
-                    # the transforms; without the skip term its lanes are masked off (no traffic)
+                    # the transforms (masked off without the skip term at N <= 1024, l_dy)
                     b_xr, b_xi = tile_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, A)
-                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L * HAS_SKIP, syb, syd, syt, A)
+                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, l_dy, syb, syd, syt, A)
                     dom += tl.sum(tl.sum(b_gr * b_xr + b_gi * b_xi, 1), 0)
                     if NEED_K != 0:
                         pr, pi = fftn(tw_ptr, b_xr, b_xi, A, LOG_A, DOT_PRECISION)
@@ -429,7 +436,7 @@ if HAVE_TRITON:
                         acc_i += si
                 if ONE_PASS:
                     if NEED_X != 0:
-                        dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, HAS_SKIP,
+                        dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, l_dy,
                                 A, LOG_A)
         if not ONE_PASS:
             if NEED_X != 0:
@@ -437,7 +444,7 @@ if HAVE_TRITON:
                 for b0 in range(b_lo, b_hi, 2):
                     b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
                     zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
-                    dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, HAS_SKIP,
+                    dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, l_dy,
                                 A, LOG_A)
         if NEED_K != 0:
             gr, gi = ifftn(tw_ptr, acc_r, acc_i, A, LOG_A, DOT_PRECISION)
