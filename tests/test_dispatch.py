@@ -282,6 +282,19 @@ def test_replacing_a_backend_module_drops_the_cached_choices(fakes, monkeypatch)
     assert _select(backends, x).module is cuda
 
 
+def test_use_swaps_a_module_in_for_the_block_and_restores_it(fakes):
+    backends, cuda, _ = fakes
+    x = torch.zeros(1, 8, 4)
+    other = FakeBackend("mk_demo_cuda_swapped")
+    with backends.use("cuda", other) as swapped:
+        assert swapped is other and _select(backends, x).module is other
+        assert "(swapped in)" in backends._modules["cuda"]
+    assert _select(backends, x).module is cuda and backends._modules["cuda"] == cuda.__name__
+    with pytest.raises(ValueError, match="unknown backend name"):
+        with backends.use("gpu", other):
+            pass
+
+
 def test_the_cache_is_bounded(fakes, monkeypatch):
     backends, _, _ = fakes
     monkeypatch.setattr(_dispatch, "MAX_CHOICES", 3)
