@@ -350,15 +350,21 @@ def replay_select(calls):
     return run
 
 
-def autograd_floor(fwd_calls):
-    """(run, run_direct): torch's own autograd cost for calls of this signature. ``run`` calls,
-    for each recorded forward op call, an autograd.Function with the same arguments that returns
-    as many outputs of the same shapes and dtypes (clones), saves as many tensors and returns a
-    gradient for each input that requires one (precomputed), then runs the backward with the same
-    output gradients; ``run_direct`` makes the same clones. Their difference is what autograd
-    itself costs for such a call: apply, the node and its saved tensors, the engine, the gradient
-    accumulation, ``torch.autograd.backward``'s own Python."""
+def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
+    """(empty, clones, bare): torch's own autograd cost for a call of this signature.
+
+    ``empty`` calls, for each recorded forward op call, an autograd.Function with the same
+    arguments that returns as many outputs of the same shapes and dtypes (clones), saves as many
+    tensors and returns a gradient for each input that requires one (precomputed), then runs the
+    backward with the same output gradients; ``clones`` makes the same clones. ``bare`` is the
+    same autograd.Function doing the op's math: the recorded backend forward calls in its
+    forward, the backward calls in its backward: the math plus torch's autograd, none of our
+    code. ``bare - direct`` is what autograd costs around this math (more than ``empty -
+    clones``: the math between the autograd steps runs them with colder caches), ``public -
+    bare`` what is ours."""
     floors = []
+    fwd_fns = [(getattr(module, name), args, kwargs) for name, args, kwargs in fwd_backend]
+    bwd_fns = [(getattr(module, name), args, kwargs) for name, args, kwargs in bwd_backend]
     for op, args, kwargs in fwd_calls:
         out = op(*args, **kwargs)
         multi = isinstance(out, tuple)
@@ -372,28 +378,39 @@ def autograd_floor(fwd_calls):
         grads = tuple(torch.zeros_like(a) if isinstance(a, torch.Tensor) and a.requires_grad else None
                       for a in (*args, *kwargs.values()))
 
-        def forward(ctx, *a, templates=templates, saved=saved, multi=multi):
-            ctx.save_for_backward(*saved)
-            res = tuple(t.clone() for t in templates)
-            return res if multi else res[0]
+        def make(math_fwd, math_bwd, templates=templates, saved=saved, multi=multi, grads=grads):
+            def forward(ctx, *a):
+                for fn, fargs, fkwargs in math_fwd:
+                    fn(*fargs, **fkwargs)
+                ctx.save_for_backward(*saved)
+                res = tuple(t.clone() for t in templates)
+                return res if multi else res[0]
 
-        def backward(ctx, *g, grads=grads):
-            ctx.saved_tensors
-            return grads
+            def backward(ctx, *g):
+                ctx.saved_tensors
+                for fn, fargs, fkwargs in math_bwd:
+                    fn(*fargs, **fkwargs)
+                return grads
+            return type(f"Floor_{op._name}", (torch.autograd.Function,),
+                        {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
-        fn = type(f"Floor_{op._name}", (torch.autograd.Function,),
-                  {"forward": staticmethod(forward), "backward": staticmethod(backward)})
-        out_grads = grads_for(fn.apply(*args, *kwargs.values()))[1]
-        floors.append((fn, (*args, *kwargs.values()), out_grads, templates))
+        empty, bare = make((), ()), make(fwd_fns, bwd_fns)
+        fwd_fns = bwd_fns = ()  # the math once per call
+        out_grads = grads_for(empty.apply(*args, *kwargs.values()))[1]
+        floors.append((empty, bare, (*args, *kwargs.values()), out_grads, templates))
 
-    def run():
-        for fn, args, out_grads, _ in floors:
-            torch.autograd.backward(grads_for(fn.apply(*args))[0], out_grads)
+    def run_empty():
+        for empty, _, args, out_grads, _ in floors:
+            torch.autograd.backward(grads_for(empty.apply(*args))[0], out_grads)
 
-    def run_direct():
-        for _, _, _, templates in floors:
+    def run_bare():
+        for _, bare, args, out_grads, _ in floors:
+            torch.autograd.backward(grads_for(bare.apply(*args))[0], out_grads)
+
+    def run_clones():
+        for _, _, _, _, templates in floors:
             tuple(t.clone() for t in templates)
-    return run, run_direct
+    return run_empty, run_clones, run_bare
 
 
 def backend_object(op, name, stubs):
@@ -426,6 +443,7 @@ def measure(op, name, build, calls, rounds, clock, stubs, timer_us):
         grad_ctx = torch.no_grad if phase == "forward" else contextlib.nullcontext
         with grad_ctx(), recording(backends, name, module) as (op_calls, backend_calls, select_calls):
             out = fn(name)
+            n_fwd = len(backend_calls)  # the backend calls of the forward; the rest are the backward's
             if phase != "forward":
                 outs, gs = grads_for(out)
                 torch.autograd.backward(outs, gs)
@@ -446,7 +464,8 @@ def measure(op, name, build, calls, rounds, clock, stubs, timer_us):
                 levels = {"public": public, "op": op_level, "real": replay_ops(op_calls, real=True),
                           "direct": replay_backend(module, backend_calls), "select": replay_select(select_calls)}
                 if phase != "forward":
-                    levels["floor"], levels["floor clones"] = autograd_floor(fwd_ops)
+                    levels["floor"], levels["floor clones"], levels["bare"] = autograd_floor(
+                        fwd_ops, module, backend_calls[:n_fwd], backend_calls[n_fwd:])
                 got = interleaved(levels, calls, rounds, clock)
                 # the instrumented pass over the direct calls
                 timers = Timers(clock)
@@ -558,14 +577,15 @@ def table(result) -> list[str]:
         lines += ["", f"### {phase} (target: ours <= {target:.0f} us)", "",
                   "| op | backend | public | direct (the math) | **ours = public - direct** | checks + glue | "
                   "custom-op + autograd plumbing | wrapper | select | launch road (its packing) | allocations (n) | "
-                  + ("torch autograd floor, same signature | ours - floor | " if both else "")
+                  + ("autograd, empty body | **autograd around the math (bare - direct)** | **ours beyond it "
+                     "(public - bare)** | " if both else "")
                   + "torch math direct | native op, same arity |",
-                  "|---|---|" + "---:|" * (13 if both else 11)]
+                  "|---|---|" + "---:|" * (14 if both else 11)]
         for op, by_backend in result["ops"].items():
             torch_direct = by_backend.get("torch", {}).get(phase, {}).get("direct")
             for name, row in by_backend.items():
                 if "skipped" in row:
-                    lines.append(f"| {op} | {name} | skipped: {row['skipped']} |" + " |" * (12 if both else 10))
+                    lines.append(f"| {op} | {name} | skipped: {row['skipped']} |" + " |" * (13 if both else 10))
                     continue
                 r = row[phase]
                 p = r["pieces"]
@@ -574,12 +594,13 @@ def table(result) -> list[str]:
                 mark = "" if ours <= target else " (over)"
                 native = result["native"][str(result["arity"][op])][1 if both else 0]
                 floor = r["floor"] - r["floor clones"] if both else None
+                around = r["bare"] - r["direct"] if both else None
                 lines.append(
                     f"| {op} | {name} | {r['public']:.1f} | {r['direct']:.1f} | **{ours:.1f}**{mark} | "
                     f"{r['public'] - r['op']:.1f} | {r['op'] - r['real']:.1f} | "
                     f"{r['real'] - r['direct'] - r['select']:.1f} | {r['select']:.1f} | {launch} | "
                     f"{p.get('allocations', 0):.1f} ({p.get('allocations (count)', 0):.0f}) | "
-                    + (f"{floor:.1f} | {ours - floor:.1f} | " if both else "")
+                    + (f"{floor:.1f} | **{around:.1f}** | **{r['public'] - r['bare']:.1f}** | " if both else "")
                     + f"{'-' if torch_direct is None else f'{torch_direct:.1f}'} | {native:.1f} |")
     return lines
 

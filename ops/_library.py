@@ -20,16 +20,26 @@ Rules the ops follow (so that a fake implementation can describe the real one ex
   ``return_state``, a gradient nobody asked for) is an empty placeholder (:func:`absent`),
   decided by the arguments alone; the public function turns it back into None.
 
-Calls go through the dispatcher (torch.library's own autograd and backend kernels), with one
-exception, :class:`Op`: a plain eager call that autograd will not record (``torch.no_grad()``,
-inference mode, or no input that requires grad; decoding, evaluation) runs the same wrapper the
-dispatcher's backend kernel runs, directly. The dispatcher's road costs tens of microseconds per
-call more (bench/results/library_fast_path.md), a large part of a small op's time and of a
-decoded token's. Whether a call is plain eager is :func:`plain_eager`, which reads private
-torch names; :func:`direct_calls_ok` checks once, on the running torch, that it still sees each
-thing it must (a function mode, a dispatch mode, a vmap level, a forward-AD level) and otherwise
-turns the exception off: every call then takes the dispatcher's road (same results, slower).
-Every call autograd records goes through torch.library, so no part of the autograd node is ours.
+Calls go through the dispatcher (torch.library's own autograd and backend kernels), with two
+exceptions, both in :class:`Op` and both for a plain eager call (no tracer, mode or transform;
+plain tensors; decoding, evaluation, an eager training step):
+
+* a call autograd will not record (``torch.no_grad()``, inference mode, or no input that requires
+  grad) runs the same wrapper the dispatcher's backend kernel runs, directly;
+* a call autograd records runs that wrapper inside the op's own ``torch.autograd.Function`` with
+  the op's registered ``setup_context`` and ``backward`` (:meth:`Op.register_autograd`): what
+  torch.library's autograd kernel runs (its generated autograd.Function), without the
+  dispatcher's trips from Python to C++ and back around it.
+
+The dispatcher's road costs tens of microseconds per no-grad call and about a hundred more per
+recorded forward + backward (bench/results/library_fast_path.md, bench/results/host_cost.md), a
+large part of a small op's time and of a decoded token's. Whether a call is plain eager is
+:func:`plain_eager`, which reads private torch names; :func:`direct_calls_ok` checks once, on
+the running torch, that it still sees each thing it must (a function mode, a dispatch mode, a
+vmap level, a forward-AD level) and otherwise turns both exceptions off: every call then takes
+the dispatcher's road (same results, slower). torch.compile, torch.export, opcheck, functorch
+transforms, forward AD, tensor subclasses (DTensor, fake and functional tensors) and the profiler
+always see torch.library's op.
 
 The other private ``torch._C`` names this module reads: :func:`_fresh` (torch.library's own
 alias check) has a Python fallback where a torch release drops it; :func:`_lazy_views_resolved`
