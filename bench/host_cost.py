@@ -3,6 +3,7 @@
     python bench/host_cost.py [--ops ...] [--backends torch cpu triton cuda] [--calls 100] [--rounds 15]
                               [--clock wall|cpu] [--decode] [--compile inductor] [--json FILE] [--out FILE]
     python bench/host_cost.py --real ...        # on a GPU: CUDA tensors, real launches, no stubs
+    python bench/host_cost.py --compare BEFORE.json AFTER.json   # our part, before and after
 
 For each op and backend, one forward under ``torch.no_grad()`` and one forward + backward (inputs
 that require grad, ``torch.autograd.backward`` of the outputs with fixed gradients) of a tiny
@@ -40,8 +41,9 @@ from __future__ import annotations
 
 import os
 
-if "--real" not in os.sys.argv:
+if __name__ == "__main__" and "--real" not in os.sys.argv:
     # Triton decides at decoration whether a kernel is interpreted: the stubs need JIT kernels
+    # (only when run as a script: a test that imports this module keeps its interpreter)
     os.environ.pop("TRITON_INTERPRET", None)
 
 import argparse  # noqa: E402
@@ -605,6 +607,28 @@ def table(result) -> list[str]:
     return lines
 
 
+def compare(before: dict, after: dict) -> list[str]:
+    """Markdown: our part (public - direct) per op, backend and phase in two results (--json
+    files of two trees), and after's split of forward + backward into torch's autograd around
+    the math and ours beyond it."""
+    lines = [f"before: commit {before['commit']}, load `{before['load_before']}`; after: commit {after['commit']}, "
+             f"load `{after['load_before']}`", "",
+             "| op | backend | forward: ours before | after | forward + backward: ours before | after | "
+             "of which torch's autograd around the math (after) | ours beyond it (after) |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for op, by_backend in after["ops"].items():
+        for name, row in by_backend.items():
+            old = before["ops"].get(op, {}).get(name, {})
+            if "skipped" in row or "skipped" in old or not old:
+                continue
+            f0, f1 = (r["forward"]["public"] - r["forward"]["direct"] for r in (old, row))
+            b0, b1 = (r["forward+backward"]["public"] - r["forward+backward"]["direct"] for r in (old, row))
+            a = row["forward+backward"]
+            lines.append(f"| {op} | {name} | {f0:.1f} | {f1:.1f} | {b0:.1f} | {b1:.1f} | {a['bare'] - a['direct']:.1f} | "
+                         f"{a['public'] - a['bare']:.1f} |")
+    return lines
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -618,7 +642,12 @@ def main(argv=None) -> int:
     parser.add_argument("--decode-steps", type=int, default=20)
     parser.add_argument("--json", help="write the raw result here")
     parser.add_argument("--out", help="write the markdown report here (else print it)")
+    parser.add_argument("--compare", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
+                        help="only print the before/after table of two --json results")
     args = parser.parse_args(argv)
+    if args.compare:
+        print("\n".join(compare(*(json.loads(Path(f).read_text()) for f in args.compare))))
+        return 0
     torch.set_num_threads(1)
     clock = CLOCKS[args.clock]
     device = torch.device("cuda" if args.real else "cpu")

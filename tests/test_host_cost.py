@@ -1,0 +1,48 @@
+"""The host-cost benchmark's machinery (bench/host_cost.py, bench/launch_stubs.py) keeps working:
+an op's CUDA backend runs its host code on CPU tensors over the no-op driver (a launch reaches
+CuPy's stubbed driver call, nothing runs), and one measured row records the op's custom-op calls,
+its backend calls and its select calls. Cheap: two calls and one round per level.
+
+(The Triton stub needs kernels decorated with ``TRITON_INTERPRET`` unset, which this test process
+cannot give: bench/host_cost.py clears it before importing the package.)"""
+import importlib
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
+import host_cost  # noqa: E402
+import launch_stubs  # noqa: E402
+
+from megalodon_kernels import ops  # noqa: E402
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def test_the_stubbed_cuda_backend_runs_its_host_code_and_launches_nothing():
+    backends = importlib.import_module("megalodon_kernels.ops.fftconv").BACKENDS
+    launcher = launch_stubs.stubbed_cuda_launcher()
+    x = torch.randn(2, 3, 8, requires_grad=True)
+    k = torch.randn(3, 8, requires_grad=True)
+    with backends.use("cuda", launch_stubs.host_only_backends("fftconv", "cuda", launcher)):
+        y = ops.fftconv(x, k, backend="cuda")
+        forward_launches = launcher.api.launches
+        y.sum().backward()
+    assert forward_launches >= 1 and launcher.api.launches > forward_launches
+    assert x.grad.shape == x.shape and k.grad.shape == k.shape
+
+
+def test_one_row_records_the_levels_of_a_call():
+    stubs = {"cuda": launch_stubs.stubbed_cuda_launcher()}
+    clock = host_cost.CLOCKS["cpu"]
+    row = host_cost.measure("fftconv", "cuda", host_cost.cases(torch.device("cpu")), 2, 1, clock, stubs, 0.0)
+    assert row["forward"]["calls"] == {"op": ["fftconv"], "backend": ["forward"], "select": 1}
+    both = row["forward+backward"]
+    assert both["calls"] == {"op": ["fftconv", "fftconv_bwd"], "backend": ["forward", "backward"], "select": 2}
+    for level in ("public", "op", "real", "direct", "select", "floor", "floor clones", "bare"):
+        assert both[level] > 0, level
+    assert both["pieces"]["launch road (count)"] >= 2  # a forward and a backward launch at least
+    assert host_cost.measure("rotary", "cpu", host_cost.cases(torch.device("cpu")), 2, 1, clock, stubs, 0.0) == {
+        "skipped": "no cpu backend of rotary"}
