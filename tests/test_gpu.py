@@ -19,6 +19,7 @@ import torch
 
 from megalodon_kernels import ops
 from megalodon_kernels.bench import gpu_cases
+from megalodon_kernels.ops._dispatch import NoBackendError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -70,7 +71,10 @@ def test_matches_torch_float64_at_model_shapes(name, backend):
     case = gpu_cases.CASES[name]
     if backend not in case.tols:
         pytest.skip(f"{name} has no {backend} backend on a GPU (bench/gpu_cases.py)")
-    fwd, bwd, out, _ = gpu_cases.errors(case, backend, torch.float32, torch.device("cuda"))
+    try:
+        fwd, bwd, out, _ = gpu_cases.errors(case, backend, torch.float32, torch.device("cuda"))
+    except NoBackendError as e:  # a refusal with its reason (e.g. a Triton release it cannot serve)
+        pytest.skip(str(e))
     ftol, btol = case.tols[backend]
     print(f"{name} {backend}: fwd {fwd:.2e} (tol {ftol:.1e}), bwd {bwd:.2e} (tol {btol:.1e})")
     assert all(o.device.type == "cuda" for o in out)
