@@ -150,3 +150,18 @@ def test_without_the_alias_check_outputs_are_still_fresh(monkeypatch):
     monkeypatch.undo()
     for e, g in zip(expected, _rotary_result()):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("road", ["eager", "dispatcher"])
+def test_a_recorded_gradient_goes_through_the_backward_ops_dispatcher_on_both_roads(monkeypatch, road):
+    """create_graph: the backward op is called with grad mode on and inputs that require grad,
+    which no eager shortcut takes (it has no autograd formula): on both roads the gradient is
+    recorded by torch.library's node of the backward op, whose own backward raises the same error."""
+    if road == "dispatcher":
+        monkeypatch.setattr(_library, "_SELF_CHECK", [False])
+    g = torch.Generator().manual_seed(2)
+    x, k = torch.randn(2, 3, 8, generator=g).requires_grad_(), torch.randn(3, 8, generator=g).requires_grad_()
+    (gx,) = torch.autograd.grad(ops.fftconv(x, k, backend="torch").sum(), x, create_graph=True)
+    assert "GeneratedBackwardFor_megalodon_kernels_fftconv_bwd" in type(gx.grad_fn).__name__
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        gx.sum().backward()
