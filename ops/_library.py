@@ -336,8 +336,9 @@ class Op:
             if road == _RECORDED and not kwargs and self._eager_autograd is not None:
                 if len(args) < self._arity:
                     args = (*args, *self._defaults[len(args):])
-                    if inspect.Parameter.empty in args:  # a required argument missing: the dispatcher says which
-                        return self._op(*args[:args.index(inspect.Parameter.empty)])
+                    missing = [i for i, a in enumerate(args) if a is inspect.Parameter.empty]
+                    if missing:  # a required argument left out: the dispatcher says which
+                        return self._op(*args[:missing[0]])
                 return self._eager_autograd.apply(*args)
         return self._op(*args, **kwargs)
 
