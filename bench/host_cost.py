@@ -54,12 +54,12 @@ import json  # noqa: E402
 import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import sys  # noqa: E402
-import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).parent))
+if str(Path(__file__).parent) not in sys.path:  # appended: never ahead of a test directory's modules
+    sys.path.append(str(Path(__file__).parent))
 from dispatch_overhead import CLOCKS  # noqa: E402
 import launch_stubs  # noqa: E402
 

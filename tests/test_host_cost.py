@@ -12,16 +12,27 @@ from pathlib import Path
 import pytest
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "bench"))
-import host_cost  # noqa: E402
-import launch_stubs  # noqa: E402
-
-from megalodon_kernels import ops  # noqa: E402
+from megalodon_kernels import ops
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+BENCH = str(Path(__file__).resolve().parent.parent / "bench")
 
 
-def test_the_stubbed_cuda_backend_runs_its_host_code_and_launches_nothing():
+@pytest.fixture(scope="module")
+def bench_modules():
+    """(host_cost, launch_stubs), imported when the tests run (bench/ holds test_*.py files of its
+    own: it is on sys.path only meanwhile, after every test module was collected)."""
+    sys.path.append(BENCH)
+    try:
+        import host_cost
+        import launch_stubs
+        yield host_cost, launch_stubs
+    finally:
+        sys.path.remove(BENCH)
+
+
+def test_the_stubbed_cuda_backend_runs_its_host_code_and_launches_nothing(bench_modules):
+    _, launch_stubs = bench_modules
     backends = importlib.import_module("megalodon_kernels.ops.fftconv").BACKENDS
     launcher = launch_stubs.stubbed_cuda_launcher()
     x = torch.randn(2, 3, 8, requires_grad=True)
@@ -34,7 +45,8 @@ def test_the_stubbed_cuda_backend_runs_its_host_code_and_launches_nothing():
     assert x.grad.shape == x.shape and k.grad.shape == k.shape
 
 
-def test_one_row_records_the_levels_of_a_call():
+def test_one_row_records_the_levels_of_a_call(bench_modules):
+    host_cost, launch_stubs = bench_modules
     stubs = {"cuda": launch_stubs.stubbed_cuda_launcher()}
     clock = host_cost.CLOCKS["cpu"]
     row = host_cost.measure("fftconv", "cuda", host_cost.cases(torch.device("cpu")), 2, 1, clock, stubs, 0.0)
