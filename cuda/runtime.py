@@ -64,7 +64,7 @@ class CupyDriver:
 
     def launch(self, function, grid, block, smem: int, stream: int, values: list) -> None:
         self._make_context_current()
-        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        params = (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
         self._driver.launchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
 
 
