@@ -1,6 +1,7 @@
 """cema (the composed CEMA layer) on every backend against the float64 reference recurrence.
 
-* One table of cases run on each backend that implements it (torch; Triton in the interpreter:
+* One table of cases run on each backend that implements it (torch, cpu; CUDA in the emulator: the
+  CUDA stage kernels composed; Triton in the interpreter:
   the stage kernels with the bias and skip fused into the convolution, x fp32/bf16, float32
   coefficients): y, h and every gradient (through y and the state h), with and without hx, state
   returned or not, one output used, the direct / FFT (register tile and workspace) convolution
@@ -42,7 +43,7 @@ NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 # with chunks small enough that the cases below span several of them. The cpu backend runs its
 # defaults: the FFT form with the compiled convolution, the recurrence up to RECURRENCE_MAX_LEN steps.
 PATHS = {"direct": {"torch": dict(chunk=0, direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
-         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0), "cpu": {}},
+         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0), "cpu": {}, "cuda": {}},
          "chunked": {"torch": dict(chunk=8, chunk_min_len=0)}}
 
 
@@ -122,7 +123,7 @@ def runs_on(backend, c: Case) -> bool:
         return False
     if backend == "triton":
         return c.xdtype in (F32, BF16) and c.cdtype == F32
-    return backend in ("torch", "cpu")   # no CUDA backend of the composed op: it runs as the CUDA stage ops
+    return backend in ("torch", "cpu", "cuda")   # cuda: the CUDA stage kernels composed, in the emulator
 
 
 def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguous=True, seed=0,
@@ -165,7 +166,7 @@ def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=T
         assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"), terms[name])
 
 
-@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton")))
+@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton", "cuda")))
 def test_matches_reference(backend, c):
     config = {**PATHS[c.path][backend], **c.knobs.get(backend, {})}
     check_cema(backend, c.B, c.D, c.N, c.L, c.xdtype, c.cdtype, c.with_hx, c.return_state, c.contiguous, c.seed,
@@ -199,8 +200,10 @@ def test_equals_stage_ops():
 
 
 @pytest.mark.parametrize("backend, xdtype, cdtype", [("torch", F32, F32), ("torch", F64, F64), ("triton", F32, F32),
-                                                    ("cpu", F32, F32), ("cpu", F64, F64)],
-                         ids=["torch-fp32", "torch-fp64", "triton-fp32", "cpu-fp32", "cpu-fp64"])
+                                                    ("cpu", F32, F32), ("cpu", F64, F64), ("cuda", F32, F32),
+                                                    ("cuda", F64, F64)],
+                         ids=["torch-fp32", "torch-fp64", "triton-fp32", "cpu-fp32", "cpu-fp64", "cuda-fp32",
+                              "cuda-fp64"])
 def test_streaming(backend, xdtype, cdtype):
     # two parts with the state carried == the whole sequence, for y and the final state
     gen = torch.Generator().manual_seed(13)
