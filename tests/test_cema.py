@@ -390,3 +390,21 @@ def test_triton_refuses_what_it_cannot_run():
     p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F32)
     with pytest.raises(ValueError, match="omega"):
         cema(torch.randn(1, 2, 8), p, log_q, gamma, torch.zeros(3), backend="triton")
+
+
+def test_cuda_refuses_what_it_cannot_run(use_emulated_cuda):
+    # the CUDA cema takes what its three stages take (in the emulator here): not float16 x (its
+    # ema_hidden stage), not N above the CUDA n tile, and says so by name
+    gen = torch.Generator().manual_seed(0)
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 65, None, F32)          # N = 65 > 64
+    with pytest.raises(Exception, match="N = 65 > 64"):
+        cema(torch.randn(1, 2, 8), p, log_q, gamma, torch.zeros(2), backend="cuda")
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F32)
+    with pytest.raises(Exception, match="float16"):
+        cema(torch.randn(1, 2, 8, dtype=torch.float16), p, log_q, gamma, torch.zeros(2), backend="cuda")
+    # what it takes: float32 x with float64 coefficients runs in float64 (as the torch backend)
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F64)
+    x, omega = torch.randn(1, 2, 8), torch.randn(2, dtype=F64)
+    y, _ = cema(x, p, log_q, gamma, omega, backend="cuda")
+    y_ref, _ = ref.cema(*(to_np(t) for t in (x, p, log_q, gamma, omega)), None)
+    assert_close("y (float32 x, float64 coefficients)", y, y_ref, tol("cuda", F32, "fwd"))

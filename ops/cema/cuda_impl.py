@@ -45,6 +45,9 @@ class CemaBackend(Backend):
         self.hidden = EmaHiddenBackend(get_ext, device_type)
 
     def not_supported_reasons(self, x, p, log_q=None, gamma=None, omega=None, hx=None, **_other_inputs) -> list[str]:
+        unavailable = self._available()
+        if unavailable:  # no GPU runtime here: that one reason, as the stage backends give it
+            return unavailable
         why = self.kernel.not_supported_reasons(p, log_q=log_q, gamma=gamma, length=x.shape[-1], hx=hx)
         # the convolution runs on x widened to the compute dtype, with k in p's dtype: its reasons
         # for that pair (a zero-size stand-in of x: only its dtype, length and device are read)
