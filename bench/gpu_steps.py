@@ -75,11 +75,18 @@ def run_cmd(run: Run, cmd: list[str], log: str, limit_s: float, **env) -> tuple[
         f.flush()
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=child_env(run, **env),
                              start_new_session=True)
+        # At the limit, SIGINT first: pytest then prints its failures so far and the self-check its
+        # table, which a SIGKILL loses; what does not stop within the grace is killed.
+        grace = min(5.0, 0.1 * limit_s)
         try:
-            rc = p.wait(timeout=max(1.0, limit_s))
+            rc = p.wait(timeout=max(1.0, limit_s - grace))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            os.killpg(p.pid, signal.SIGINT)
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
             rc = None
     text = path.read_text(errors="replace")
     if rc is None:
@@ -216,7 +223,7 @@ def step_tests(run: Run, limit_s: float) -> dict:
         return dict(summary=[f"not run: {tests} is not there (run from a checkout)"], files=[], skipped=True)
     # with the documentation's GPU blocks (tests/test_docs.py, mark "gpu": docs/ci.md)
     docs = PACKAGE_DIR / "tests" / "test_docs.py"
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-s", "-m", "gpu", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-s", "--tb=short", "-m", "gpu", "-p", "no:cacheprovider",
            "--rootdir", str(PACKAGE_DIR), "-c", str(PACKAGE_DIR / "pyproject.toml"), str(tests),
            *([str(docs)] if docs.exists() else []), "--junitxml", str(run.out / "gpu_tests.xml")]
     # the gpu tests need compiled Triton: never the interpreter, not even in the dry run
@@ -225,14 +232,16 @@ def step_tests(run: Run, limit_s: float) -> dict:
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", " ".join(tail))}
     if not counts:
         # killed at the limit (no summary line): count the verbose per-test results printed so far
-        for outcome in re.findall(r"^tests/test_gpu\.py::\S+ .*?(PASSED|FAILED|SKIPPED|ERROR)", text, re.M):
+        # (pytest names the files relative to its working folder, ``../../<checkout>/tests/...``; with
+        # -s a test's prints sit between its name and its outcome)
+        for outcome in re.findall(r"^\S*tests/test_\w+\.py::\S+ .*?(PASSED|FAILED|SKIPPED|ERROR)", text, re.M | re.S):
             counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
     if not counts:
         raise RuntimeError(f"pytest printed no result (rc {rc}; gpu_tests.txt)")
     failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
     if rc is None:
         failed += [line.split(" ", 1)[0] for line in text.splitlines()
-                   if line.startswith("tests/test_gpu.py::") and line.rstrip().endswith(("FAILED", "ERROR"))]
+                   if re.match(r"\S*tests/test_\w+\.py::", line) and line.rstrip().endswith(("FAILED", "ERROR"))]
     summary = [", ".join(f"{v} {k}" for k, v in counts.items()) + ("" if rc is not None else " (stopped at its limit)")]
     if run.device.type != "cuda":
         summary[0] += " (no CUDA device: the gpu tests skip; on a GPU they run)"
@@ -593,7 +602,11 @@ def step_model(run: Run, limit_s: float) -> dict:
 def step_autotune(run: Run, limit_s: float) -> dict:
     set_name = shape_set(run)[0] if run.device.type == "cuda" else "cpu"
     folder = run.out / "autotune"
-    args = ["--shapes", set_name, "--dtypes", "bfloat16", "--budget", "0.02", "--out", str(folder)]
+    # The table is written after every op, so the ops go in the order a short budget should keep them:
+    # the slowest to tune (attention: seconds per candidate at the paper shape) last.
+    order = ["cema", "fftconv", "cema_kernel", "ema_hidden", "timestep_norm", "dropkey_softmax", "rotary",
+             "attention"]
+    args = ["--shapes", set_name, "--ops", *order, "--dtypes", "bfloat16", "--budget", "0.02", "--out", str(folder)]
     if run.device.type != "cuda":
         args = ["--shapes", "cpu", "--ops", "rotary", "--dtypes", "float32", "--budget", "0.002", "--out", str(folder)]
     rc, text = run_cmd(run, [sys.executable, "-m", "megalodon_kernels.autotune", "regenerate", *args],

@@ -160,6 +160,8 @@ def _cuda_backend_runs_in_the_emulator(request):
     """A test parametrised with ``backend="cuda"`` runs the CUDA backend in the emulator
     (:func:`use_emulated_cuda`); skipped only where the emulator cannot be built."""
     callspec = getattr(request.node, "callspec", None)
+    if request.node.get_closest_marker("gpu") is not None:
+        return  # tests/test_gpu.py: "cuda" is the real backend on a real device, never the emulator
     if callspec is not None and callspec.params.get("backend") == "cuda":
         if NO_EMULATOR:
             pytest.skip(NO_EMULATOR)
