@@ -145,13 +145,14 @@ class OpBackends:
         its calls. Cached choices made with the previous module are not used meanwhile, nor after."""
         if name not in PRIORITY:
             raise ValueError(f"unknown backend name {name!r}; one of {list(PRIORITY)}")
-        saved = {d: d.get(name, _MISSING) for d in (self._modules, self._loaded)}
+        # (dict, its previous entry) pairs: a dict is not hashable, so not a key of another dict
+        saved = [(d, d.get(name, _MISSING)) for d in (self._modules, self._loaded)]
         self._modules[name] = description or f"(swapped in) {getattr(module, '__name__', type(module).__name__)}"
         self._loaded[name] = module
         try:
             yield module
         finally:
-            for d, value in saved.items():
+            for d, value in saved:
                 if value is _MISSING:
                     d.pop(name, None)
                 else:

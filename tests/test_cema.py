@@ -11,6 +11,8 @@
   the recurrence.
 * Argument validation and what each backend refuses.
 """
+import contextlib
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -182,6 +184,19 @@ def test_property_torch(B, D, N, L, dtypes, with_hx, return_state, contiguous, c
     check_cema("torch", B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed,
                config={"chunk": chunk, "chunk_min_len": 0, "power_block": power_block,
                        "direct_max_len": direct_max_len})
+
+
+@given(B=st.integers(1, 3), D=st.integers(1, 4), N=st.integers(1, 6), L=st.integers(1, 140),
+       dtypes=st.sampled_from(DTYPES), with_hx=st.booleans(), return_state=st.booleans(), contiguous=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_property_cuda(emulated, B, D, N, L, dtypes, with_hx, return_state, contiguous, seed):
+    # the CUDA cema and its three CUDA stages in the emulator (a module-scoped fixture: hypothesis
+    # runs every example in one test call)
+    with contextlib.ExitStack() as stack:
+        for op in ("cema", "cema_kernel", "fftconv", "ema_hidden"):
+            backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
+            stack.enter_context(backends.use("cuda", emulated[op], f"(emulated) {op}"))
+        check_cema("cuda", B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed)
 
 
 # ------------------------------------------------------------------------------------------------
