@@ -29,6 +29,8 @@ from .gpu_defaults import PATH
 ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "bench" / "results" / "gpu"
 MODE = "fwd+bwd"
+#: the providers that are backends (ops/_dispatch.py PRIORITY; the tuning layer may not import ops)
+BACKEND_NAMES = ("cuda", "triton", "cpu", "torch")
 #: the shapes bench/gpu_probe.py (at 4e98e87, the H100 run's script) timed, by its case name: (rows, L)
 PROBE_SHAPES = {"fftconv L4096": ("fftconv", 2 * 256, 4096), "fftconv L16384": ("fftconv", 64, 16384),
                 "fftconv L65536": ("fftconv", 16, 65536), "cema L4096": ("cema", 2 * 256, 4096)}
@@ -64,7 +66,7 @@ def from_ops_json(path: Path) -> list[dict]:
     device_class = cap if isinstance(cap, str) else _device_class(cap)
     points: dict = {}
     for r in data["rows"]:
-        if r["mode"] != MODE:
+        if r["mode"] != MODE or r["provider"] not in BACKEND_NAMES:  # e.g. a baseline, or "auto"
             continue
         rows, L = point_features(r["op"], r["shape"])
         key = (r["op"], r["dtype"], rows, L)
