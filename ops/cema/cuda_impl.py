@@ -19,7 +19,6 @@ it over the GPU runtime (NVRTC); tests build it over the CPU emulator (tests/con
 """
 from __future__ import annotations
 
-
 from ...cuda import runtime
 from ...cuda.backend import Backend
 from ..cema_kernel.cuda_impl import CemaKernelBackend
