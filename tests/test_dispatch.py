@@ -282,19 +282,6 @@ def test_replacing_a_backend_module_drops_the_cached_choices(fakes, monkeypatch)
     assert _select(backends, x).module is cuda
 
 
-def test_use_swaps_a_module_in_for_the_block_and_restores_it(fakes):
-    backends, cuda, _ = fakes
-    x = torch.zeros(1, 8, 4)
-    other = FakeBackend("mk_demo_cuda_swapped")
-    with backends.use("cuda", other) as swapped:
-        assert swapped is other and _select(backends, x).module is other
-        assert "(swapped in)" in backends._modules["cuda"]
-    assert _select(backends, x).module is cuda and backends._modules["cuda"] == cuda.__name__
-    with pytest.raises(ValueError, match="unknown backend name"):
-        with backends.use("gpu", other):
-            pass
-
-
 def test_the_cache_is_bounded(fakes, monkeypatch):
     backends, _, _ = fakes
     monkeypatch.setattr(_dispatch, "MAX_CHOICES", 3)
@@ -302,3 +289,17 @@ def test_the_cache_is_bounded(fakes, monkeypatch):
         _select(backends, torch.zeros(1, L, 4))
     assert len(backends._choices) == 3
     assert _select(backends, torch.zeros(1, 9, 4)) is _select(backends, torch.zeros(1, 9, 4))
+
+
+def test_use_swaps_a_backend_module_in_and_back_out(fakes):
+    backends, cuda, torch_ = fakes
+    x = torch.zeros(2, 8, 4)
+    other = FakeBackend("mk_demo_swapped")
+    assert _select(backends, x, "cuda").module is cuda
+    with backends.use("cuda", other, "(swapped in) demo"):
+        assert _select(backends, x, "cuda").module is other
+        assert backends._modules["cuda"] == "(swapped in) demo"
+    assert _select(backends, x, "cuda").module is cuda and backends._modules["cuda"] == cuda.__name__
+    with backends.use("triton", other):   # a backend the op did not have is removed again afterwards
+        assert _select(backends, x, "triton").module is other
+    assert "triton" not in backends._modules and "triton" not in backends._loaded
