@@ -79,7 +79,8 @@ CASES: dict[str, Case] = {
                     {"cuda": (9.1e-7, 9.6e-7), "triton": (2.6e-6, 2.8e-6)}),
     # the Triton tile path at N = 2048 (block-diagonal first level; issue 39), first checked on a GPU
     # here: the workspace path's bound (under the interpreter's TF32 device model this size passes the
-    # fp32 test budgets, ~3e-7 of the terms: tests/test_fftconv.py L700), cuda's L4096 bound
+    # fp32 test budgets, ~3e-7 of the terms: tests/test_fftconv.py test_triton_batch_split_over_programs),
+    # cuda's L4096 bound
     "fftconv_L1000": Case(lambda d: [_randn(8, 64, 1000, device=d), _randn(64, 1000, device=d)], _fftconv, 1, F32,
                           {"cuda": (9.1e-7, 9.6e-7), "triton": (2.6e-6, 2.8e-6)}),
     "fftconv_L16384": Case(lambda d: [_randn(1, 64, 16384, device=d), _randn(64, 16384, device=d)], _fftconv, 1, F32,
