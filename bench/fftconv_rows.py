@@ -4,8 +4,9 @@ ratio to the torch and the cuda backends, and the fraction of the measured copy 
 reaches on the ideal bytes (``roofline.ideal``: inputs read once, outputs written once).
 
 Run by ``bench gpu``'s ops step (``gpu_steps.step_ops``: the rows go to ops.json under
-"fftconv_rows" and to the step's summary), about 30 s of GPU time: a few repetitions per point,
-since at these sizes one call takes milliseconds. The dry run (``--dry``, CPU) runs the same code
+"fftconv_rows" and to the step's summary), within at most 60 s and half the step's limit
+(``gpu_steps.FFTCONV_ROWS_S``): a few repetitions per point, since at these sizes one call takes
+milliseconds, and Triton's first calls JIT-compile its new tile sizes (hence its points come last). The dry run (``--dry``, CPU) runs the same code
 on one tiny shape.
 """
 from __future__ import annotations
@@ -40,39 +41,42 @@ def measure(device, peak, end, time_case, no_cuda=None, budget_s=0.05, min_reps=
 
     cases = GPU_CASES if device.type == "cuda" else DRY_CASES
     rows, skipped = [], {}
-    for B, D, L in cases:
-        for dtype_name in DTYPES:
-            dtype = getattr(torch, dtype_name)
-            shp = {"B": B, "D": D, "L": L}
-            ideal = roofline.ideal("fftconv", shp, dtype_name)
-            for backend in BACKENDS:
-                key = f"fftconv rows={B * D} L={L} {dtype_name} {backend}"
-                if time.perf_counter() > end:
-                    skipped[key] = "not reached in the step's time"
-                    continue
-                torch.manual_seed(0)
-                x = k = None
-                try:
-                    x, k = _case(B, D, L, dtype, device)
-                    why = [no_cuda] if backend == "cuda" and no_cuda else FFTCONV.reasons(backend, {"x": x, "k": k})
-                    if why:
-                        skipped[key] = "; ".join(why)
-                        continue
-                    t = time_case(lambda x=x, k=k, b=backend: ops.fftconv(x, k, backend=b), [x, k], device,
-                                  budget_s, min_reps, max_reps)
-                except Exception as exc:
-                    skipped[key] = f"ERROR {type(exc).__name__}: {str(exc)[:300]}"
-                    continue
-                finally:
-                    x = k = None
-                    if device.type == "cuda":
-                        torch.cuda.empty_cache()
-                for mode in MODES:
-                    med = statistics.median(t[mode])
-                    nb = ideal["fwd"][0] + (ideal["bwd"][0] if mode == "fwd+bwd" else 0)
-                    rows.append(dict(op="fftconv", provider=backend, mode=mode, B=B, D=D, L=L, dtype=dtype_name,
-                                     median=med, reps=len(t[mode]), ideal_bytes=nb, bytes_per_s=nb / med,
-                                     of_peak=(nb / med / peak) if peak else None))
+    # the library backends at every point first, then Triton's (its first calls JIT-compile the new
+    # tile sizes, tens of seconds on the host): a share spent compiling costs Triton points, never
+    # the baselines they are compared with
+    points = [(backend, B, D, L, dtype_name) for group in (BACKENDS[:-1], BACKENDS[-1:])
+              for B, D, L in cases for dtype_name in DTYPES for backend in group]
+    for backend, B, D, L, dtype_name in points:
+        dtype = getattr(torch, dtype_name)
+        shp = {"B": B, "D": D, "L": L}
+        key = f"fftconv rows={B * D} L={L} {dtype_name} {backend}"
+        if time.perf_counter() > end:
+            skipped[key] = "not reached in the step's time"
+            continue
+        torch.manual_seed(0)
+        x = k = None
+        try:
+            x, k = _case(B, D, L, dtype, device)
+            why = [no_cuda] if backend == "cuda" and no_cuda else FFTCONV.reasons(backend, {"x": x, "k": k})
+            if why:
+                skipped[key] = "; ".join(why)
+                continue
+            t = time_case(lambda x=x, k=k, b=backend: ops.fftconv(x, k, backend=b), [x, k], device,
+                          budget_s, min_reps, max_reps)
+        except Exception as exc:
+            skipped[key] = f"ERROR {type(exc).__name__}: {str(exc)[:300]}"
+            continue
+        finally:
+            x = k = None
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+        ideal = roofline.ideal("fftconv", shp, dtype_name)
+        for mode in MODES:
+            med = statistics.median(t[mode])
+            nb = ideal["fwd"][0] + (ideal["bwd"][0] if mode == "fwd+bwd" else 0)
+            rows.append(dict(op="fftconv", provider=backend, mode=mode, B=B, D=D, L=L, dtype=dtype_name,
+                             median=med, reps=len(t[mode]), ideal_bytes=nb, bytes_per_s=nb / med,
+                             of_peak=(nb / med / peak) if peak else None))
     return rows, skipped, summarize(rows)
 
 
