@@ -52,8 +52,9 @@ PROGRAMS_PER_SM = 4
 #: backward, writes and re-reads a partial dk (8 L bytes), against at least 8 rows x 3 L x 2-4 bytes
 #: of the chunk's own inputs and outputs: at most ~17% (bf16) / ~8% (fp32) over the ideal
 MIN_CHUNK_PAIRS = 4
-#: the SM count the interpreter plans with (CPU tensors: no device to ask); small, so that the
-#: tests' few features already split the batch into chunks
+#: the SM count the interpreter plans with (CPU tensors: no device to ask); small, so that a
+#: test's few features split a batch of >= 2 MIN_CHUNK_PAIRS pairs (tests lower that minimum);
+#: chunks <= 4 x SMs stays far below the grid's y limit
 INTERPRETER_SMS = 1
 #: column-pass dot tile BR of the workspace path (R = N / 4096 <= 64, rows >= R masked)
 WORK_ROWS = (64,)
