@@ -160,6 +160,98 @@ def step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
+# ------------------------------------------------------------------------------------ the paper's setting
+#: Megalodon / Llama2 training throughput per device in the paper (section 4.1, Fig. 4: Llama2 32K 1.00,
+#: Megalodon 32K 1.32, Megalodon 4K 1.40, Llama2 4K 1.48 relative to Llama2-7B at 32K)
+PAPER_THROUGHPUT_RATIO = {4096: 1.40 / 1.48, 32768: 1.32 / 1.00}
+PAPER_VOCAB = 32000
+PAPER_HEAD_DIM = 128  # Llama2-7B: 32 heads of 128
+
+
+def build_paper(kind: str, layers: int, device="cpu", width: int = 4096, chunk: int = 4096) -> nn.Module:
+    """The 7B layer width with ``layers`` layers: Megalodon as upstream's ``mega7.1B`` (D 4096, 4 heads, z 1024,
+    v 8192, FFN 11264, G 64) at chunk ``chunk``; the Transformer as a Llama2-7B layer (32 heads of 128) with
+    the SwiGLU width that matches Megalodon's parameter count at that depth (11972 at 2 layers: Llama2-7B's
+    own 11008 gives 202.4M parameters a layer against Megalodon's 214.2M, on the meta device). ``width`` < 4096 scales every width
+    down by the same factor (the dry run's tiny models). Seeded, train mode, float32 parameters."""
+    from megalodon_kernels.model.config import get_config
+
+    f = width / 4096
+    cfg = get_config("mega7.1B", vocab_size=PAPER_VOCAB if width == 4096 else 256, num_layers=layers, model_dim=width,
+                     z_dim=max(8, int(1024 * f)), value_dim=max(8, int(8192 * f)), ffn_hidden_dim=max(8, int(11264 * f)),
+                     norm_num_groups=max(1, int(64 * f)) if width >= 64 else 2, chunk_size=chunk,
+                     num_heads=4 if width >= 256 else 1)
+    torch.manual_seed(0)
+    if kind == "megalodon":
+        return Megalodon(cfg).to(device).train()
+    if kind != "transformer":
+        raise ValueError(f"kind must be 'megalodon' or 'transformer', got {kind!r}")
+    with torch.device("meta"):
+        target = n_params(Megalodon(cfg))
+    ffn = matched_ffn(width, layers, cfg.vocab_size, target)
+    torch.manual_seed(0)
+    heads = max(1, width // PAPER_HEAD_DIM)
+    return Llama(cfg.vocab_size, width, layers, heads, ffn).to(device).train()
+
+
+def measure_paper(kind: str, tokens: int, layers: int, steps: int, device="cpu", max_step_s: float = float("inf"),
+                  width: int = 4096, chunk: int = 4096) -> dict:
+    """One training step as the paper trains: bf16 autocast over float32 parameters, forward + fused loss,
+    backward, AdamW (fused on CUDA), batch 1 of ``tokens`` tokens. {kind, tokens, layers, params, warmup_s,
+    step_s (median of ``steps``), steps_s, tokens_per_s, peak_bytes, peak_kind, loss}."""
+    device = torch.device(device)
+    model = build_paper(kind, layers, device, width, chunk)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
+    vocab = model.embed.weight.shape[0]
+    tok = torch.randint(0, vocab, (1, tokens + 1), generator=torch.Generator().manual_seed(1)).to(device)
+
+    def one():
+        opt.zero_grad(set_to_none=True)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = model(tok[:, :-1], labels=tok[:, 1:])
+        loss.backward()
+        opt.step()
+        return loss.detach()
+
+    row = dict(kind=kind, tokens=tokens, layers=layers, width=width, chunk=chunk, params=n_params(model),
+               device=str(device), precision="bf16 autocast, float32 parameters, AdamW")
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        row["peak_kind"] = "torch.cuda.max_memory_allocated over the first step (parameters and AdamW state included)"
+    else:
+        row["peak_kind"] = "not measured on the CPU"
+    t0 = time.perf_counter()
+    loss = one()  # also allocates AdamW's state, so the peak includes it
+    _sync(device)
+    row["warmup_s"] = time.perf_counter() - t0
+    row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+    row["loss"] = float(loss)
+    times = []
+    if row["warmup_s"] <= max_step_s:
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            one()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+    row["steps_s"] = times
+    row["step_s"] = statistics.median(times) if times else None
+    row["tokens_per_s"] = tokens / row["step_s"] if row["step_s"] else None
+    return row
+
+
+def paper_ratios(rows: list[dict]) -> list[dict]:
+    """Per length: Megalodon tokens/s / Transformer tokens/s beside the paper's ratio, and the memory ratio."""
+    by = {(r["kind"], r["tokens"]): r for r in rows}
+    out = []
+    for tokens in sorted({r["tokens"] for r in rows}):
+        m, t = by.get(("megalodon", tokens)), by.get(("transformer", tokens))
+        if m and t and m.get("tokens_per_s") and t.get("tokens_per_s"):
+            out.append(dict(tokens=tokens, throughput=m["tokens_per_s"] / t["tokens_per_s"],
+                            paper=PAPER_THROUGHPUT_RATIO.get(tokens),
+                            memory=(m["peak_bytes"] / t["peak_bytes"]) if t["peak_bytes"] else None))
+    return out
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
