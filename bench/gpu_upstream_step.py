@@ -39,6 +39,9 @@ def _model_lines(model: dict) -> list[str]:
              f"{k}: {v:.2f}" for k, v in PAPER_THROUGHPUT_RATIO.items()) + ").", "",
          "| model | tokens | params | step ms | tokens/s | peak MiB |", "|---|---|---|---|---|---|"]
     for r in model["rows"]:
+        if r.get("error"):
+            L.append(f"| {r['kind']} | {r['tokens']} | {r['params'] / 1e6:.1f}M | ERROR: {r['error'][:150]} | | |")
+            continue
         step = "-" if r.get("step_s") is None else f"{r['step_s'] * 1e3:.1f}"
         tps = "-" if not r.get("tokens_per_s") else f"{r['tokens_per_s']:.0f}"
         L.append(f"| {r['kind']} | {r['tokens']} | {r['params'] / 1e6:.1f}M | {step} | {tps} | "
@@ -48,7 +51,7 @@ def _model_lines(model: dict) -> list[str]:
         paper = "-" if q["paper"] is None else f"{q['paper']:.2f}"
         mem = "-" if q["memory"] is None else f"{q['memory']:.2f}"
         L.append(f"| {q['tokens']} | {q['throughput']:.2f} | {paper} | {mem} |")
-    L += [f"- {n}" for n in model["notes"]]
+    L += [""] + [f"- {n}" for n in model["notes"]]
     return L
 
 
@@ -78,19 +81,18 @@ def step_upstream(run, limit_s: float) -> dict:
     else:
         points, layers, steps, width, chunk = (4096, 32768), 2, 2, 4096, 4096
     rows, mnotes = [], []
-    for tokens in points:
-        for kind in vt.KINDS:
-            if time.perf_counter() > end:
-                mnotes.append(f"train {kind} {tokens}: not reached in the step's time")
-                continue
-            try:
-                rows.append(vt.measure_paper(kind, tokens, layers, steps, dev, max(1.0, end - time.perf_counter()),
-                                             width=width, chunk=chunk))
-            except Exception as exc:
-                mnotes.append(f"train {kind} {tokens}: ERROR {type(exc).__name__}: {str(exc)[:200]}")
-            finally:
-                if dev.type == "cuda":
-                    torch.cuda.empty_cache()
+    if time.perf_counter() < end:
+        try:
+            rows = vt.measure_paper(vt.KINDS, points, layers, steps, dev, max(1.0, end - time.perf_counter()),
+                                    width=width, chunk=chunk, deadline=end)
+        except Exception as exc:
+            mnotes.append(f"train: ERROR {type(exc).__name__}: {str(exc)[:200]}")
+        finally:
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    done = {(r["kind"], r["tokens"]) for r in rows}
+    mnotes += [f"train {k} {n}: not reached in the step's time" for n in points for k in vt.KINDS
+               if (k, n) not in done and not any("ERROR" in m for m in mnotes)]
     mnotes.append("upstream's kernels inside the model step: not measured (they would replace this library's ops "
                   "in its model layer, which takes no external kernels)")
     model = dict(rows=rows, ratios=vt.paper_ratios(rows), layers=layers, width=width, notes=mnotes)
@@ -120,5 +122,7 @@ def step_upstream(run, limit_s: float) -> dict:
         paper = "" if q["paper"] is None else f" (paper {q['paper']:.2f})"
         summary.append(f"model {q['tokens']} tokens: Megalodon / Transformer tokens/s {q['throughput']:.2f}{paper}")
     summary += [n for n in mnotes if "ERROR" in n or "not reached" in n][:3]
-    errors = [r for r in res["rows"] if r.get("error")] + [n for n in mnotes if "ERROR" in n]
+    errors = ([r for r in res["rows"] if r.get("error")] + [n for n in mnotes if "ERROR" in n]
+              + [r for r in rows if r.get("error")])
+    summary += [f"model {r['kind']} {r['tokens']}: ERROR {r['error'][:100]}" for r in rows if r.get("error")]
     return dict(summary=summary, files=files, data=data, failed=bool(errors))

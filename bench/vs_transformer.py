@@ -194,49 +194,71 @@ def build_paper(kind: str, layers: int, device="cpu", width: int = 4096, chunk: 
     return Llama(cfg.vocab_size, width, layers, heads, ffn).to(device).train()
 
 
-def measure_paper(kind: str, tokens: int, layers: int, steps: int, device="cpu", max_step_s: float = float("inf"),
-                  width: int = 4096, chunk: int = 4096) -> dict:
-    """One training step as the paper trains: bf16 autocast over float32 parameters, forward + fused loss,
-    backward, AdamW (fused on CUDA), batch 1 of ``tokens`` tokens. {kind, tokens, layers, params, warmup_s,
+def measure_paper(kinds, tokens, layers: int, steps: int, device="cpu", max_step_s: float = float("inf"),
+                  width: int = 4096, chunk: int = 4096, deadline: float = float("inf")) -> list[dict]:
+    """Training steps as the paper trains: bf16 autocast over float32 parameters, forward + fused loss,
+    backward, AdamW (fused on CUDA), batch 1. Every model of ``kinds`` is built once on the device, then
+    each length of ``tokens`` runs on all of them in turn (so that a ``deadline`` (perf_counter) that
+    cuts the run leaves whole pairs). Per (length, kind): {kind, tokens, layers, params, warmup_s,
     step_s (median of ``steps``), steps_s, tokens_per_s, peak_bytes, peak_kind, loss}."""
     device = torch.device(device)
-    model = build_paper(kind, layers, device, width, chunk)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-5, fused=device.type == "cuda")
-    vocab = model.embed.weight.shape[0]
-    tok = torch.randint(0, vocab, (1, tokens + 1), generator=torch.Generator().manual_seed(1)).to(device)
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    models, opts = {}, {}
+    for kind in kinds:
+        with torch.device(device):
+            models[kind] = build_paper(kind, layers, device, width, chunk)
+        opts[kind] = torch.optim.AdamW(models[kind].parameters(), lr=1e-5, fused=device.type == "cuda")
+    rows = []
+    for n in ([tokens] if isinstance(tokens, int) else tokens):
+        for kind in kinds:
+            if time.perf_counter() > deadline:
+                return rows
+            model, opt = models[kind], opts[kind]
+            vocab = model.embed.weight.shape[0]
+            tok = torch.randint(0, vocab, (1, n + 1), generator=torch.Generator().manual_seed(1)).to(device)
 
-    def one():
-        opt.zero_grad(set_to_none=True)
-        with torch.autocast(device.type, dtype=torch.bfloat16):
-            loss = model(tok[:, :-1], labels=tok[:, 1:])
-        loss.backward()
-        opt.step()
-        return loss.detach()
+            def one():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(tok[:, :-1], labels=tok[:, 1:])
+                loss.backward()
+                opt.step()
+                return loss.detach()
 
-    row = dict(kind=kind, tokens=tokens, layers=layers, width=width, chunk=chunk, params=n_params(model),
-               device=str(device), precision="bf16 autocast, float32 parameters, AdamW")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        row["peak_kind"] = "torch.cuda.max_memory_allocated over the first step (parameters and AdamW state included)"
-    else:
-        row["peak_kind"] = "not measured on the CPU"
-    t0 = time.perf_counter()
-    loss = one()  # also allocates AdamW's state, so the peak includes it
-    _sync(device)
-    row["warmup_s"] = time.perf_counter() - t0
-    row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
-    row["loss"] = float(loss)
-    times = []
-    if row["warmup_s"] <= max_step_s:
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            one()
-            _sync(device)
-            times.append(time.perf_counter() - t0)
-    row["steps_s"] = times
-    row["step_s"] = statistics.median(times) if times else None
-    row["tokens_per_s"] = tokens / row["step_s"] if row["step_s"] else None
-    return row
+            row = dict(kind=kind, tokens=n, layers=layers, width=width, chunk=chunk, params=n_params(model),
+                       device=str(device), precision="bf16 autocast, float32 parameters, AdamW")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                row["peak_kind"] = ("torch.cuda.max_memory_allocated over the first step at this length (both "
+                                    "models' parameters and AdamW state included)")
+            else:
+                row["peak_kind"] = "not measured on the CPU"
+            try:
+                t0 = time.perf_counter()
+                loss = one()  # the first length's also allocates AdamW's state
+                _sync(device)
+                row["warmup_s"] = time.perf_counter() - t0
+                row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+                row["loss"] = float(loss)
+                times = []
+                if row["warmup_s"] <= max_step_s:
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        one()
+                        _sync(device)
+                        times.append(time.perf_counter() - t0)
+            except Exception as exc:  # out of memory at one length: the point, not the others
+                row.update(error=f"{type(exc).__name__}: {str(exc)[:200]}", peak_bytes=0, steps_s=[], step_s=None,
+                           tokens_per_s=None)
+                opt.zero_grad(set_to_none=True)
+                rows.append(row)
+                continue
+            row["steps_s"] = times
+            row["step_s"] = statistics.median(times) if times else None
+            row["tokens_per_s"] = n / row["step_s"] if row["step_s"] else None
+            rows.append(row)
+    return rows
 
 
 def paper_ratios(rows: list[dict]) -> list[dict]:

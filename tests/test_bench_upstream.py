@@ -109,3 +109,25 @@ def test_paper_step_matches_widths_and_reports_the_paper_ratio():
     (q,) = vs_transformer.paper_ratios(rows)
     assert q["throughput"] == pytest.approx(140 / 148) and q["paper"] == pytest.approx(1.40 / 1.48)
     assert q["memory"] == 0.5
+
+
+#: upstream's ops with a CPU implementation in its extension (ema_parameters, ema_hidden, timestep_norm)
+#: and fftconv, whose wrapper takes torch.fft off the GPU (the path it also takes beyond L 16384)
+CPU_SERVED = ("cema_kernel", "cema_kernel_hx", "ema_hidden", "fftconv", "timestep_norm")
+
+
+def test_upstream_wrappers_agree_with_float64_on_its_cpu_paths():
+    """Upstream's calling conventions as vs_upstream.py calls them (log q in, q's gradient turned into log
+    q's, p as (D, N, 1), timestep_norm's state and dtypes), checked against the float64 reference on the
+    CPU implementations upstream's extension has. Needs the module built for this Python and torch
+    (bench/upstream_build.py); CI has none and skips."""
+    ext, why = vs_upstream.load_upstream(vs_upstream.upstream_location())
+    if ext is None:
+        pytest.skip(why)
+    for case in vs_upstream.cases("dry"):
+        if case.name not in CPU_SERVED:
+            continue
+        r = vs_upstream.run_case(case, "float32", ["upstream"], ext, torch.device("cpu"), 1)
+        up = r["providers"]["upstream"]
+        assert "skipped" not in up, (case.name, up)
+        assert up["err_fwd"] < 1e-5 and up["err_bwd"] < 1e-5, (case.name, up)
