@@ -66,7 +66,7 @@ def step_upstream(run, limit_s: float) -> dict:
     # 1. ops
     if run.dry:
         ext, note = None, "dry run: upstream's extension is CUDA code, skipped"
-        sets, dtypes, providers, reps = ["dry"], ["float32"], ["upstream", "torch"], 1
+        sets, dtypes, providers, reps = ["dry"], ["float32"], ["upstream", "torch", "sdpa"], 1
     else:
         location = vu.upstream_location()
         ext, note = vu.load_upstream(location)

@@ -5,7 +5,8 @@
 
 For each op of upstream's extension (XuezheMax/megalodon, built by bench/upstream_build.py) and its
 counterpart here, on the same inputs in one process: forward (no grad), backward alone and
-forward + backward time of ``upstream``, ``cuda``, ``triton`` and ``torch``, the ratio to upstream,
+forward + backward time of ``upstream``, ``cuda``, ``triton`` and ``torch`` (and ``sdpa``: torch's
+scaled_dot_product_attention on the attention case), the ratio to upstream,
 and the agreement of each with a float64 reference (the torch backend in float64 on the same
 inputs rounded to the tested dtype, so the figure is the kernel's error, not the input rounding;
 at the 7B shapes the reference runs on a slice of the independent rows -- channels or heads -- and
@@ -19,7 +20,7 @@ cema_kernel_hx             ema_parameters_fwd/bwd with hx          cema_kernel(p
 ema_hidden                 ema_hidden_fwd/bwd                      ema_hidden(x, p, log_q)
 fftconv                    fftconv_fwd/bwd + rfft of k (cuFFT)     fftconv(x, k); torch backend = torch.fft
 timestep_norm              group_timestep_norm_fwd/bwd             timestep_norm(x, scale, bias, G)
-attention                  attention_fwd/bwd (chunks as batch)     attention(q, k, v, chunk_size=C)
+attention                  attention_fwd/bwd (chunks as batch)     attention(q, k, v, chunk_size=C); sdpa
 attention_dropkey          attention_fwd/bwd, dropout 0.1          attention(..., dropkey_p=0.1): time only
 softmax_dropkey            attention_softmax_fwd/bwd, dropout 0.1  dropkey_softmax(s, True, 0.1): time only
 =========================  ======================================  =========================================
@@ -37,8 +38,8 @@ with a thread-layout-dependent Philox mapping), so those rows are timed but not 
 Shape sets: ``probe`` = the model-sized cases of bench/gpu_cases.py; ``7b`` = the paper's 7B layer
 (D 4096, N 16, G 64, 4 heads of z 256 / v 2048, chunk 4096) at L 4096 and 32768, batch 1. Timing:
 CUDA events, one warm-up call then ``--reps`` calls (median); a case that would exceed the budget is
-listed as not reached. ``--dry`` runs tiny shapes on the CPU against the torch backend only (the
-upstream extension is CUDA code: skipped with a note), so CI keeps this script working.
+listed as not reached. ``--dry`` runs tiny shapes on the CPU against the torch backend and SDPA only
+(the upstream extension is CUDA code: skipped with a note), so CI keeps this script working.
 
 The upstream module is found at ``--upstream``, else ``$MEGALODON_UPSTREAM``, else ``.upstream/`` in
 the checkout root. It must be built for this Python and this torch (upstream_build.py's
@@ -67,7 +68,9 @@ from megalodon_kernels.bench.gpu_cases import as_dtype, cema_coeffs, outputs, re
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_VAR = "MEGALODON_UPSTREAM"
-PROVIDERS = ("upstream", "cuda", "triton", "torch")
+PROVIDERS = ("upstream", "cuda", "triton", "torch", "sdpa")
+#: this library's backends; other providers are a case's ``extra`` (torch's SDPA on the attention cases)
+BACKENDS = ("cuda", "triton", "torch")
 MODES = ("fwd", "bwd", "fwd+bwd")
 DROPKEY_P = 0.1
 
@@ -261,6 +264,7 @@ class Case:
     side_in_dtype: bool = False
     note: str = ""
     upstream_dtypes: tuple = ("float32", "bfloat16")
+    extra: dict = dataclasses.field(default_factory=dict)
 
 
 def _randn(*shape, device):
@@ -301,7 +305,8 @@ def _fftconv_case(B, D, L, ref_rows=None):
                 lambda dev: [_randn(B, D, L, device=dev), _randn(D, L, device=dev) / math.sqrt(L)], 1,
                 ("bfloat16", "float32"), lambda a, b: ops.fftconv(a[0], a[1], backend=b),
                 lambda a, ext: _FFTConv.apply(ext, a[0], a[1]), (1, 0), (1,), ref_rows,
-                note="" if L <= 16384 else "L > 16384: upstream's wrapper falls back to torch.fft (cuFFT)")
+                note="the torch backend is torch.fft (cuFFT)" + ("" if L <= 16384 else
+                     "; L > 16384: upstream's wrapper falls back to torch.fft too (its fused kernel stops at 16384)"))
 
 
 def _timestep_norm_case(B, L, D, G, ref_rows=None):
@@ -344,9 +349,19 @@ def _attention_case(B, L, H, dz, dv, chunk, dropkey, ref_rows=None):
         y = _Attention.apply(ext, split(q), split(k), split(v), scale, DROPKEY_P if dropkey else 0.0, True)
         return y.reshape(Bq, Lq, *y.shape[2:])
 
+    def sdpa(a):
+        q, k, v = a
+        Bq, Lq, Hq = q.shape[:3]
+        c = min(chunk, Lq)
+        split = lambda t: t.reshape(Bq * (Lq // c), c, Hq, t.shape[-1]).transpose(1, 2)  # noqa: E731
+        y = torch.nn.functional.scaled_dot_product_attention(split(q), split(k), split(v), is_causal=True, scale=scale)
+        return y.transpose(1, 2).reshape(Bq, Lq, Hq, y.shape[-1])
+
     return Case("attention_dropkey" if dropkey else "attention", dict(B=B, L=L, H=H, dz=dz, dv=dv, chunk=chunk),
                 make, 3, ("bfloat16", "float32"), ours, up, (2, 2, 2), (2,), ref_rows, compare=not dropkey,
-                note="time only: DropKey masks differ by construction" if dropkey else "")
+                note="time only: DropKey masks differ by construction" if dropkey else
+                "sdpa = torch.nn.functional.scaled_dot_product_attention on the chunks (torch picks flash, "
+                "memory-efficient or math by dtype and head dims)", extra={} if dropkey else {"sdpa": sdpa})
 
 
 def _softmax_case(B, H, C, ref_rows=None):
@@ -487,8 +502,12 @@ def run_case(case: Case, dtype_name: str, providers, ext, dev, reps: int, seed: 
                 row["providers"][prov] = dict(skipped=f"upstream serves {', '.join(case.upstream_dtypes)} only")
                 continue
             fn = lambda: case.upstream(leaves, ext)  # noqa: E731
-        else:
+        elif prov in case.extra:
+            fn = (lambda f: lambda: f(leaves))(case.extra[prov])
+        elif prov in BACKENDS:
             fn = (lambda b: lambda: case.ours(leaves, b))(prov)
+        else:
+            continue
         try:
             outs = outputs(fn())
             if cot is None:
@@ -630,7 +649,8 @@ def plot(res: dict, path: Path) -> Optional[str]:
     rows = [r for r in res["rows"] if r["providers"].get(base, {}).get("fwd+bwd")]
     if not rows:
         return f"no plot: no case has a {base} time"
-    colors = {"upstream": "tab:red", "cuda": "tab:green", "triton": "tab:blue", "torch": "tab:orange"}
+    colors = {"upstream": "tab:red", "cuda": "tab:green", "triton": "tab:blue", "torch": "tab:orange",
+              "sdpa": "tab:gray"}
     fig, axes = plt.subplots(2, 1, figsize=(max(8, 0.45 * len(rows) + 3), 8), sharex=True)
     width = 0.8 / len(PROVIDERS)
     for ax, mode in zip(axes, ("fwd", "fwd+bwd")):
@@ -673,8 +693,8 @@ def main(argv=None) -> int:
     t_start = time.perf_counter()
     notes = []
     if a.dry:
-        dev, sets, providers, ext = torch.device("cpu"), ["dry"], ["upstream", "torch"], None
-        notes.append("dry run: upstream's extension is CUDA code, skipped; tiny shapes, torch backend only")
+        dev, sets, providers, ext = torch.device("cpu"), ["dry"], ["upstream", "torch", "sdpa"], None
+        notes.append("dry run: upstream's extension is CUDA code, skipped; tiny shapes, torch backend and SDPA only")
     else:
         if not torch.cuda.is_available():
             print("no CUDA device: run it on a GPU, or --dry for the CPU rehearsal", file=sys.stderr)

@@ -68,13 +68,16 @@ def test_loader_says_why_it_does_not_load(tmp_path):
 
 
 def test_dry_comparison_agrees_with_float64_and_skips_upstream_with_the_reason():
-    res = vs_upstream.run(["dry"], ["float32"], ["upstream", "torch"], None, torch.device("cpu"), 1,
+    res = vs_upstream.run(["dry"], ["float32"], ["upstream", "torch", "sdpa"], None, torch.device("cpu"), 1,
                           deadline=math.inf, log=lambda s: None, ext_note="no GPU here")
     by_name = {c.name: c for c in vs_upstream.cases("dry")}
     assert {r["case"] for r in res["rows"]} == set(by_name) and not res["not_reached"]
     for r in res["rows"]:
         assert "error" not in r, r
         assert r["providers"]["upstream"] == {"skipped": "no GPU here"}
+        assert ("sdpa" in r["providers"]) == (r["case"] == "attention")
+        if r["case"] == "attention":  # torch's SDPA on the chunks: the same attention
+            assert r["providers"]["sdpa"]["err_fwd"] < 1e-5 and r["providers"]["sdpa"]["err_bwd"] < 1e-5
         t = r["providers"]["torch"]
         assert all(t[m] > 0 for m in vs_upstream.MODES), r
         if by_name[r["case"]].compare:
