@@ -6,18 +6,21 @@ Upstream (https://github.com/XuezheMax/megalodon) compiles its kernels (megalodo
 and the .cc bindings) into one pybind11 extension, ``megalodon_extension`` with the submodule ``ops``.
 Nothing of upstream is part of this repository: the user points ``--src`` at a checkout, this script
 
-1. copies the sources to ``--build-dir`` (a file whose content is unchanged is not rewritten, so a
-   second run reuses the objects of the first: ninja rebuilds only what changed),
-2. applies the compatibility edits of ``EDITS`` for the installed torch, each stated with its reason
-   and refused loudly when the text it expects is not there (a changed upstream must be looked at),
-3. runs upstream's own ``setup.py build_ext --inplace`` unchanged with the interpreter running this
+1. copies the sources to ``--build-dir`` with the compatibility edits of ``EDITS`` for the installed
+   torch applied, each stated with its reason and refused loudly when the text it expects is not
+   there (a changed upstream must be looked at); a file whose final content is already there is not
+   rewritten, so a second run reuses the objects of the first (ninja rebuilds only what changed),
+2. runs upstream's own ``setup.py build_ext --inplace`` unchanged with the interpreter running this
    script (so the module is tagged for that Python and built against its torch), for the archs of
    ``--arch`` (TORCH_CUDA_ARCH_LIST) with ``--jobs`` parallel compiles (MAX_JOBS),
-4. logs one line per source file as ninja reports it compiled (seconds since the start, object size),
+3. logs one line per source file as ninja reports it compiled (seconds since the start, object size),
    and on failure the file ninja names and the compiler's first error lines,
-5. checks the module: its size, the ``sm_XX`` cubins it holds (cuobjdump when present), that it
-   imports without a GPU in a fresh interpreter (after ``import torch``) and that ``megalodon_extension.ops``
-   exposes the functions vs_upstream.py calls; then copies it into ``--out`` when given.
+4. copies the module into ``--out`` when given, stripped of its debug sections (Python's CFLAGS
+   carry -g: 59 MiB with them, 18 MiB without), and checks that copy (or the built module): its
+   size (at most 40 MiB), the ``sm_XX`` cubins it holds (cuobjdump, or the fatbin headers read
+   directly), that it imports without a GPU in a fresh interpreter (after ``import torch``) and that
+   ``megalodon_extension.ops`` exposes the functions vs_upstream.py calls; ``BUILD_INFO.json``
+   beside it records the torch and Python versions, the arch and the edits.
 
 The module must be built with the same Python minor version and torch version as the machine that
 loads it (pybind11 modules are tagged for one CPython; the torch C++ ABI changes between releases).
@@ -26,11 +29,11 @@ Exit status 0 when the module was built and passed the checks, 1 otherwise, with
 from __future__ import annotations
 
 import argparse
-import filecmp
 import json
 import os
 import re
 import shutil
+import struct
 import subprocess
 import sys
 import time
@@ -80,42 +83,41 @@ def log(msg: str) -> None:
     print(f"[upstream-build {time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def copy_sources(src: Path, dst: Path) -> int:
-    """Copy the checkout's setup.py and megalodon/csrc to dst, leaving files whose content is
-    unchanged untouched (their mtimes keep ninja's objects valid). Returns the number written."""
-    written = 0
-    pairs = [(src / "setup.py", dst / "setup.py")]
-    for p in sorted((src / "megalodon" / "csrc").rglob("*")):
-        if p.is_file():
-            pairs.append((p, dst / p.relative_to(src)))
-    for a, b in pairs:
-        b.parent.mkdir(parents=True, exist_ok=True)
-        if b.exists() and filecmp.cmp(a, b, shallow=False):
-            continue
-        shutil.copy2(a, b)
-        written += 1
-    return written
-
-
-def apply_edits(dst: Path) -> list[str]:
-    """Apply EDITS to the copy; the text is read from the pristine copy step, so a rerun gives the
-    same result. Raises when an edit's pattern is missing from its file. Returns the log lines."""
+def edited_text(rel: str, text: str) -> tuple[str, list[str]]:
+    """``text`` of the checkout's file ``rel`` with the EDITS for it applied, and a note per edit.
+    Raises when an edit finds nothing to change while its target is still there (upstream changed the
+    code around it: look at it)."""
     notes = []
-    by_file: dict[str, list] = {}
     for f, pat, rep, why in EDITS:
-        by_file.setdefault(f, []).append((pat, rep, why))
-    for f, edits in by_file.items():
-        path = dst / f
-        text = path.read_text()
-        new = text
-        for pat, rep, why in edits:
-            new, n = re.subn(pat, rep, new)
-            if n == 0 and "alertCuBLASConfigNotDeterministic" in new:
-                raise RuntimeError(f"edit of {f} found no match for {pat!r}: the source changed, look at it")
-            notes.append(f"edit {f}: {n} replacement(s): {why}")
-        if new != text:
-            path.write_text(new)
-    return notes
+        if f != rel:
+            continue
+        text, n = re.subn(pat, rep, text)
+        if n == 0 and "alertCuBLASConfigNotDeterministic" in text:
+            raise RuntimeError(f"edit of {f} found no match for {pat!r}: the source changed, look at it")
+        notes.append(f"edit {f}: {n} replacement(s): {why}")
+    return text, notes
+
+
+def prepare_sources(src: Path, dst: Path) -> tuple[int, list[str]]:
+    """Copy the checkout's setup.py and megalodon/csrc to dst with EDITS applied, writing only the
+    files whose final content differs from what dst holds (unchanged files keep their mtimes, so
+    ninja keeps their objects). Returns (files written, the edits' notes)."""
+    written, notes = 0, []
+    files = [src / "setup.py"] + [p for p in sorted((src / "megalodon" / "csrc").rglob("*")) if p.is_file()]
+    for a in files:
+        rel = a.relative_to(src).as_posix()
+        b = dst / rel
+        data = a.read_bytes()
+        if any(e[0] == rel for e in EDITS):
+            text, n = edited_text(rel, data.decode())
+            notes += n
+            data = text.encode()
+        if b.exists() and b.read_bytes() == data:
+            continue
+        b.parent.mkdir(parents=True, exist_ok=True)
+        b.write_bytes(data)
+        written += 1
+    return written, notes
 
 
 #: ninja (torch's BuildExtension runs it verbose) prints "[finished/total] <command>" as each command
@@ -202,6 +204,39 @@ print(json.dumps({"torch": torch.__version__, "cuda_available": torch.cuda.is_av
 """
 
 
+def fatbin_archs(path: Path) -> list[str]:
+    """The device code in a module's fat binaries, as ``sm_XX`` (cubin) and ``ptx_XX`` entries, read from
+    the fatbin containers (magic 0xBA55ED50) directly: for machines without cuobjdump."""
+    data = path.read_bytes()
+    magic = struct.pack("<I", 0xBA55ED50)
+    found = set()
+    i = data.find(magic)
+    while i != -1:
+        _version, header, size = struct.unpack_from("<HHQ", data, i + 4)
+        j, end = i + header, i + header + size
+        while j + 32 <= end:
+            kind, _, entry_header, payload = struct.unpack_from("<HHIQ", data, j)
+            if kind not in (1, 2) or entry_header < 32:
+                break
+            found.add(("ptx" if kind == 1 else "sm") + f"_{struct.unpack_from('<I', data, j + 28)[0]}")
+            j += entry_header + payload
+        i = data.find(magic, max(end, i + 4))
+    return sorted(found)
+
+
+def strip_debug(src: Path, dst: Path) -> str:
+    """Copy ``src`` to ``dst`` without debug sections (``strip --strip-debug``: the code, the symbols
+    and the device code are unchanged). The build compiles with Python's CFLAGS, whose -g makes the
+    module three times its size. Returns a note."""
+    tool = shutil.which("strip")
+    if tool is None:
+        shutil.copy2(src, dst)
+        return "strip not found: copied with its debug sections"
+    subprocess.run([tool, "--strip-debug", "-o", str(dst), str(src)], check=True)
+    return (f"stripped of debug sections: {src.stat().st_size / 2**20:.1f} MiB -> "
+            f"{dst.stat().st_size / 2**20:.1f} MiB")
+
+
 def check_module(mod: Path, arch: str) -> tuple[bool, dict]:
     info: dict = {"path": str(mod), "size_mib": round(mod.stat().st_size / 2**20, 2)}
     ok = True
@@ -213,12 +248,16 @@ def check_module(mod: Path, arch: str) -> tuple[bool, dict]:
     if Path(cuobjdump).exists():
         r = subprocess.run([cuobjdump, "--list-elf", str(mod)], capture_output=True, text=True)
         archs = sorted(set(re.findall(r"sm_\d+a?", r.stdout)))
-        info["cubin_archs"] = archs
-        wanted = {"sm_" + a.replace(".", "").replace("+PTX", "") for a in re.split(r"[ ;]+", arch) if a}
-        missing = wanted - set(archs)
-        log(f"cubins for {', '.join(archs) or 'none'}" + (f"; MISSING {sorted(missing)}" if missing else ""))
-        if missing:
-            ok = False
+        how = "cuobjdump --list-elf"
+    else:
+        archs = [a for a in fatbin_archs(mod) if a.startswith("sm_")]
+        how = "its fatbin headers (no cuobjdump here)"
+    info["cubin_archs"] = archs
+    wanted = {"sm_" + a.replace(".", "").replace("+PTX", "") for a in re.split(r"[ ;]+", arch) if a}
+    missing = wanted - set(archs)
+    log(f"cubins for {', '.join(archs) or 'none'} (from {how})" + (f"; MISSING {sorted(missing)}" if missing else ""))
+    if missing:
+        ok = False
     r = subprocess.run([sys.executable, "-c", IMPORT_CHECK, str(mod.parent)], capture_output=True, text=True,
                        env=dict(os.environ, CUDA_VISIBLE_DEVICES=os.environ.get("CUDA_VISIBLE_DEVICES", "")))
     if r.returncode != 0:
@@ -257,14 +296,14 @@ def main(argv: list[str] | None = None) -> int:
         log(f"FAIL: {src} is not a megalodon checkout (missing setup.py or {missing[:3]})")
         return 1
     if not a.check_only:
-        n = copy_sources(src, dst)
-        log(f"copied {src} -> {dst} ({n} file(s) written, the rest unchanged)")
         try:
-            for note in apply_edits(dst):
-                log(note)
+            n, notes = prepare_sources(src, dst)
         except RuntimeError as e:
             log(f"FAIL: {e}")
             return 1
+        log(f"copied {src} -> {dst} ({n} file(s) written, the rest unchanged)")
+        for note in notes:
+            log(note)
         ok, why = build(dst, a.arch, a.jobs, a.verbose)
         if not ok:
             log("FAIL: the build failed\n" + why)
@@ -273,18 +312,21 @@ def main(argv: list[str] | None = None) -> int:
     if mod is None:
         log(f"FAIL: no megalodon_extension*.so in {dst}")
         return 1
-    ok, info = check_module(mod, a.arch)
-    if not ok:
-        return 1
-    if a.out:
+    strip_note = None
+    if a.out:  # the carried copy, stripped of debug sections, is the one checked
         a.out.mkdir(parents=True, exist_ok=True)
         target = a.out / mod.name
-        shutil.copy2(mod, target)
+        strip_note = strip_debug(mod, target)
+        log(f"copied to {target}: {strip_note}")
+        mod = target
+    ok, info = check_module(mod, a.arch)
+    if a.out:
         (a.out / "BUILD_INFO.json").write_text(json.dumps(
-            dict(info, path=str(target), arch=a.arch, python=sys.version.split()[0],
-                 built=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
-                 edits=[e[3] for e in EDITS[:1]], sources=str(src)), indent=1))
-        log(f"copied to {target}")
+            dict(info, ok=ok, arch=a.arch, python=sys.version.split()[0],
+                 built=time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()), strip=strip_note,
+                 edits=sorted({f"{e[0]}: {e[3]}" for e in EDITS}), sources=str(src)), indent=1))
+    if not ok:
+        return 1
     log("OK")
     return 0
 

@@ -30,15 +30,25 @@ def _fake_checkout(root: Path, call: bool = True) -> Path:
 
 def test_build_copies_edits_and_keeps_unchanged_files(tmp_path):
     src, dst = _fake_checkout(tmp_path / "src"), tmp_path / "build"
-    assert upstream_build.copy_sources(src, dst) == 1 + len(upstream_build.SOURCES)
-    notes = upstream_build.apply_edits(dst)
+    written, notes = upstream_build.prepare_sources(src, dst)
+    assert written == 1 + len(upstream_build.SOURCES)
     edited = dst / "megalodon/csrc/ops/attention_kernel.cu"
     assert "alertCuBLAS" not in edited.read_text() and "gemm();" in edited.read_text()
     assert len(notes) == 3 and all("1 replacement" in n for n in notes)
-    # a second copy rewrites only the edited files (their pristine text differs), the rest keep their mtime
-    before = (dst / "megalodon/csrc/blas.cc").stat().st_mtime_ns
-    assert upstream_build.copy_sources(src, dst) == 3
-    assert (dst / "megalodon/csrc/blas.cc").stat().st_mtime_ns == before
+    # a second run writes nothing (edited files included): ninja keeps every object
+    stamps = {p: p.stat().st_mtime_ns for p in dst.rglob("*") if p.is_file()}
+    assert upstream_build.prepare_sources(src, dst)[0] == 0
+    assert stamps == {p: p.stat().st_mtime_ns for p in dst.rglob("*") if p.is_file()}
+    # a changed source is rewritten, alone
+    (src / "megalodon/csrc/blas.cc").write_text("int f() { return 1; }\n")
+    assert upstream_build.prepare_sources(src, dst)[0] == 1
+
+
+def test_build_refuses_an_edit_whose_target_moved(tmp_path):
+    src = _fake_checkout(tmp_path / "src")
+    (src / "megalodon/csrc/ops/attention_kernel.cu").write_text("auto c = alertCuBLASConfigNotDeterministic;\n")
+    with pytest.raises(RuntimeError, match="source changed"):
+        upstream_build.prepare_sources(src, tmp_path / "build")
 
 
 def test_build_refuses_a_checkout_that_is_not_megalodon(tmp_path, capsys):
