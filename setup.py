@@ -35,7 +35,7 @@ setup(
     package_dir={"megalodon_kernels": "."},
     package_data={
         # Autotune tables are data files of the autotune package (one JSON per measured device).
-        "megalodon_kernels.autotune": ["tables/*.json"],
+        "megalodon_kernels.autotune": ["tables/*.json", "gpu_defaults.json"],
         # Kernel sources ship with the package: NVRTC compiles them at run time, the CPU emulator
         # extension builds from them on demand.
         "megalodon_kernels.cuda": ["*.cuh", "*.cpp", "*.md", "emu/*", "cute_host/*"],

@@ -14,6 +14,7 @@ import importlib
 #: op -> (module, backend class): each op's launch description (ops/<op>/cuda_impl.py) runs over
 #: the emulator by name
 CLASSES = {
+    "cema": ("megalodon_kernels.ops.cema.cuda_impl", "CemaBackend"),
     "cema_kernel": ("megalodon_kernels.ops.cema_kernel.cuda_impl", "CemaKernelBackend"),
     "ema_hidden": ("megalodon_kernels.ops.ema_hidden.cuda_impl", "EmaHiddenBackend"),
     "fftconv": ("megalodon_kernels.ops.fftconv.cuda_impl", "FftconvBackend"),

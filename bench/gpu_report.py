@@ -151,6 +151,27 @@ def _fmt_ms(s):
     return "-" if s is None else f"{s * 1e3:.3f}"
 
 
+def _cema_section(cema: dict) -> list[str]:
+    """cema per provider (``auto`` with the backend it resolved to) at the probe shape and the 7B shapes
+    (bench/gpu_steps.py ``_cema_points``)."""
+    if not cema.get("points"):
+        return []
+    L = ["## CEMA", "",
+         "cema (training call: hx None, no state) at the H100 probe's shape (B2 D256 N16 L4096, fp32) and the "
+         "paper-7B shapes. x torch = the torch backend's time / this one; floor x = this time / (ideal bytes at "
+         "the measured copy bandwidth), 1 = at the bandwidth floor.", "",
+         "| shape | dtype | backend | mode | median ms | x torch | floor x |", "|---|---|---|---|---|---|---|"]
+    for p in cema["points"]:
+        who = p["provider"] + (f" ({p['chosen']})" if p.get("chosen") else "")
+        ratio = "-" if p.get("vs_torch") is None else f"{p['vs_torch']:.2f}"
+        floor = "-" if p.get("floor_multiple") is None else f"{p['floor_multiple']:.1f}"
+        L.append(f"| {p['shape_name']} | {p['dtype']} | {who} | {p['mode']} | {_fmt_ms(p['median'])} | {ratio} | "
+                 f"{floor} |")
+    if cema.get("skipped"):
+        L += ["", "Not timed:", ""] + [f"- {k}: {v}" for k, v in cema["skipped"].items()]
+    return L + [""]
+
+
 def markdown(report: dict, plot_note: str | None) -> str:
     d = report["data"]
     env = d.get("env") or {}
@@ -197,6 +218,7 @@ def markdown(report: dict, plot_note: str | None) -> str:
         if ops.get("not_reached"):
             L += ["", "Not reached within the step's time: " + ", ".join(ops["not_reached"])]
         L.append("")
+        L += _cema_section(ops.get("cema") or {})
     model = d.get("model")
     if model:
         L += ["## Megalodon vs the matched Transformer", "",

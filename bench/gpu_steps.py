@@ -75,11 +75,18 @@ def run_cmd(run: Run, cmd: list[str], log: str, limit_s: float, **env) -> tuple[
         f.flush()
         p = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, cwd=cwd, env=child_env(run, **env),
                              start_new_session=True)
+        # At the limit, SIGINT first: pytest then prints its failures so far and the self-check its
+        # table, which a SIGKILL loses; what does not stop within the grace is killed.
+        grace = min(5.0, 0.1 * limit_s)
         try:
-            rc = p.wait(timeout=max(1.0, limit_s))
+            rc = p.wait(timeout=max(1.0, limit_s - grace))
         except subprocess.TimeoutExpired:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait()
+            os.killpg(p.pid, signal.SIGINT)
+            try:
+                p.wait(timeout=grace)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)
+                p.wait()
             rc = None
     text = path.read_text(errors="replace")
     if rc is None:
@@ -216,7 +223,7 @@ def step_tests(run: Run, limit_s: float) -> dict:
         return dict(summary=[f"not run: {tests} is not there (run from a checkout)"], files=[], skipped=True)
     # with the documentation's GPU blocks (tests/test_docs.py, mark "gpu": docs/ci.md)
     docs = PACKAGE_DIR / "tests" / "test_docs.py"
-    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-s", "-m", "gpu", "-p", "no:cacheprovider",
+    cmd = [sys.executable, "-m", "pytest", "-v", "-rs", "-s", "--tb=short", "-m", "gpu", "-p", "no:cacheprovider",
            "--rootdir", str(PACKAGE_DIR), "-c", str(PACKAGE_DIR / "pyproject.toml"), str(tests),
            *([str(docs)] if docs.exists() else []), "--junitxml", str(run.out / "gpu_tests.xml")]
     # the gpu tests need compiled Triton: never the interpreter, not even in the dry run
@@ -225,14 +232,16 @@ def step_tests(run: Run, limit_s: float) -> dict:
     counts = {k: int(v) for v, k in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", " ".join(tail))}
     if not counts:
         # killed at the limit (no summary line): count the verbose per-test results printed so far
-        for outcome in re.findall(r"^tests/test_gpu\.py::\S+ .*?(PASSED|FAILED|SKIPPED|ERROR)", text, re.M):
+        # (pytest names the files relative to its working folder, ``../../<checkout>/tests/...``; with
+        # -s a test's prints sit between its name and its outcome)
+        for outcome in re.findall(r"^\S*tests/test_\w+\.py::\S+ .*?(PASSED|FAILED|SKIPPED|ERROR)", text, re.M | re.S):
             counts[outcome.lower()] = counts.get(outcome.lower(), 0) + 1
     if not counts:
         raise RuntimeError(f"pytest printed no result (rc {rc}; gpu_tests.txt)")
     failed = [line for line in text.splitlines() if line.startswith(("FAILED", "ERROR"))]
     if rc is None:
         failed += [line.split(" ", 1)[0] for line in text.splitlines()
-                   if line.startswith("tests/test_gpu.py::") and line.rstrip().endswith(("FAILED", "ERROR"))]
+                   if re.match(r"\S*tests/test_\w+\.py::", line) and line.rstrip().endswith(("FAILED", "ERROR"))]
     summary = [", ".join(f"{v} {k}" for k, v in counts.items()) + ("" if rc is not None else " (stopped at its limit)")]
     if run.device.type != "cuda":
         summary[0] += " (no CUDA device: the gpu tests skip; on a GPU they run)"
@@ -325,6 +334,8 @@ def step_ops(run: Run, limit_s: float) -> dict:
     peak = run.results.get("env", {}).get("data", {}).get("d2d_bytes_per_s")
     budget, min_reps, max_reps = (0.05, 3, 50) if dev.type == "cuda" else (0.0, 1, 1)
     rows, skipped, not_reached = [], {}, []
+    # cema at the probe shape first (issue 40's figure), the 7B shapes after the op rows (it reuses them)
+    cema = _cema_points(run, s, rows, end, peak, (budget, min_reps, max_reps), probe=True)
     # every op at the shortest length first: when the time runs out, the longer lengths are what is missing
     for L in s.lengths:
         for op in OPS:
@@ -363,8 +374,10 @@ def step_ops(run: Run, limit_s: float) -> dict:
                                      p20=q(0.2), p80=q(0.8), reps=len(ts), first_call_s=t["first_call_s"],
                                      ideal_bytes=nb, ideal_flops=fl, bytes_per_s=nb / med,
                                      of_peak=(nb / med / peak) if peak else None))
+    seven_b = _cema_points(run, s, rows, end, peak, (budget, min_reps, max_reps), probe=False)
+    cema = {key: (cema[key] + seven_b[key]) if key == "points" else {**cema[key], **seven_b[key]} for key in cema}
     data = dict(shape_set=set_name, dtype=dtype_name, rows=rows, skipped=skipped, not_reached=not_reached,
-                peak_bytes_per_s=peak)
+                peak_bytes_per_s=peak, cema=cema)
     (run.out / "ops.json").write_text(json.dumps(data, indent=1))
     summary = [f"shape set {set_name} ({dtype_name}): {len(rows) // 3} op x L x backend points timed, "
                f"{len(skipped)} refused or failed, {len(not_reached)} not reached in the step's time"]
@@ -377,9 +390,94 @@ def step_ops(run: Run, limit_s: float) -> dict:
         frac = f", {r['of_peak'] * 100:.0f}% of the copy peak" if r["of_peak"] else ""
         summary.append(f"  {op:<15} fwd+bwd L={r['L']}: best {r['provider']:<6} {r['median'] * 1e3:8.3f} ms, "
                        f"{r['bytes_per_s'] / 1e9:7.3g} GB/s ideal bytes{frac}")
+    summary += cema_summary(cema)
     errors = [k for k, v in skipped.items() if v.startswith("ERROR")]
     summary += [f"  ERROR {k}: {skipped[k][6:120]}" for k in errors[:3]]
     return dict(summary=summary, files=["ops.json"], data=data, failed=bool(errors))
+
+
+#: cema's own rows (issue 40): the H100 probe's shape (bench/results/gpu/h100_run1_probe.txt, fp32:
+#: torch 3.35 / 11.0 ms there) and the set's paper-7B shapes, each backend and ``auto``
+CEMA_PROBE = {"B": 2, "D": 256, "N": 16, "L": 4096}
+CEMA_PROVIDERS = ("auto", "cuda", "triton", "torch")
+
+
+def _cema_points(run: Run, s, rows: list, end: float, peak, reps, probe: bool) -> dict:
+    """{"points": [...], "skipped": {...}}: cema forward, backward and forward+backward per provider at the
+    probe shape (fp32; ``probe``) or at the set's shapes (its dtype; the backends' times there are the op
+    rows, only ``auto`` is timed again), each with ``auto``'s resolved backend, the ratio to the torch
+    backend and the multiple of the bandwidth floor (ideal bytes at the measured copy bandwidth)."""
+    from megalodon_kernels.autotune.shapes import OP_SHAPES
+    from megalodon_kernels.bench import roofline
+    from megalodon_kernels.bench.test_cema import make
+    from megalodon_kernels.ops.cema import BACKENDS as cema_backends
+
+    dev = run.device
+    probe_shape = CEMA_PROBE if dev.type == "cuda" else {"B": 1, "D": 8, "N": 4, "L": 64}
+    shapes = [("probe", probe_shape, "float32")] if probe else [
+        (f"7B L={L}", dict(OP_SHAPES["cema"](s, L)), s.dtypes[0]) for L in s.lengths]
+    points, skipped = [], {}
+    for name, shp, dtype_name in shapes:
+        dtype = getattr(torch, dtype_name)
+        ideal = roofline.ideal("cema", shp, dtype_name)
+        times = {}
+        for provider in CEMA_PROVIDERS:
+            timed = [r for r in rows if name != "probe" and r["op"] == "cema" and r["provider"] == provider
+                     and r["shape"] == shp]
+            if timed:
+                times[provider] = {r["mode"]: r["median"] for r in timed}
+                continue
+            if time.perf_counter() > end:
+                skipped[f"{name} {provider}"] = "not reached in the step's time"
+                continue
+            torch.manual_seed(0)
+            try:
+                case = make(shp, dtype, dev)
+                if provider != "auto":
+                    why = cema_backends.reasons(provider, case.inputs)
+                    if why:
+                        skipped[f"{name} {provider}"] = "; ".join(why)
+                        continue
+                else:
+                    chosen = cema_backends.select("auto", case.inputs, device=dev, dtype=dtype).name
+                t = _time_case(case.call[provider], case.leaves, dev, reps[0], reps[1], reps[2])
+                times[provider] = {mode: statistics.median(t[mode]) for mode in MODES}
+            except Exception as exc:
+                skipped[f"{name} {provider}"] = f"ERROR {type(exc).__name__}: {str(exc)[:300]}"
+            finally:
+                case = None
+                if dev.type == "cuda":
+                    torch.cuda.empty_cache()
+            if provider == "auto" and "auto" in times:
+                times["auto"]["chosen"] = chosen
+        for provider, t in times.items():
+            for mode in MODES:
+                nb = ideal["fwd"][0] if mode == "fwd" else ideal["bwd"][0] + (ideal["fwd"][0] if mode == "fwd+bwd" else 0)
+                torch_t = times.get("torch", {}).get(mode)
+                floor = nb / peak if peak else None
+                points.append(dict(shape_name=name, shape=shp, dtype=dtype_name, provider=provider,
+                                   chosen=t.get("chosen"), mode=mode, median=t[mode], ideal_bytes=nb,
+                                   vs_torch=(torch_t / t[mode]) if torch_t else None,
+                                   of_peak=(floor / t[mode]) if floor else None,
+                                   floor_multiple=(t[mode] / floor) if floor else None))
+    return dict(points=points, skipped=skipped)
+
+
+def cema_summary(cema: dict) -> list[str]:
+    """One line per (shape, provider): fwd / bwd / fwd+bwd ms, x torch, multiple of the bandwidth floor."""
+    lines = []
+    by = {}
+    for p in cema.get("points", []):
+        by.setdefault((p["shape_name"], p["provider"]), {})[p["mode"]] = p
+    for (name, provider), m in by.items():
+        f, b, fb = (m.get(k) for k in MODES)
+        chosen = f" ({f['chosen']})" if f and f.get("chosen") else ""
+        cols = " / ".join(f"{x['median'] * 1e3:.3f}" if x else "-" for x in (f, b, fb))
+        ratio = f", {fb['vs_torch']:.1f}x torch" if fb and fb.get("vs_torch") else ""
+        floors = ", floor x " + "/".join(f"{x['floor_multiple']:.0f}" if x and x.get("floor_multiple") else "-"
+                                         for x in (f, b))
+        lines.append(f"  cema {name:<10} {provider + chosen:<13} fwd/bwd/both {cols} ms{ratio}{floors}")
+    return lines
 
 
 # ------------------------------------------------------------------------------------ 6. model
@@ -504,7 +602,11 @@ def step_model(run: Run, limit_s: float) -> dict:
 def step_autotune(run: Run, limit_s: float) -> dict:
     set_name = shape_set(run)[0] if run.device.type == "cuda" else "cpu"
     folder = run.out / "autotune"
-    args = ["--shapes", set_name, "--dtypes", "bfloat16", "--budget", "0.02", "--out", str(folder)]
+    # The table is written after every op, so the ops go in the order a short budget should keep them:
+    # the slowest to tune (attention: seconds per candidate at the paper shape) last.
+    order = ["cema", "fftconv", "cema_kernel", "ema_hidden", "timestep_norm", "dropkey_softmax", "rotary",
+             "attention"]
+    args = ["--shapes", set_name, "--ops", *order, "--dtypes", "bfloat16", "--budget", "0.02", "--out", str(folder)]
     if run.device.type != "cuda":
         args = ["--shapes", "cpu", "--ops", "rotary", "--dtypes", "float32", "--budget", "0.002", "--out", str(folder)]
     rc, text = run_cmd(run, [sys.executable, "-m", "megalodon_kernels.autotune", "regenerate", *args],

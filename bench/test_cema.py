@@ -14,7 +14,7 @@ def make(s, dtype, device):
     p, log_q, gamma = coefficients(s["D"], s["N"], device)
     omega = torch.randn(s["D"], device=device, requires_grad=True)
     x = torch.randn(s["B"], s["D"], s["L"], device=device, dtype=dtype, requires_grad=True)
-    call = {b: (lambda b=b: ops.cema(x, p, log_q, gamma, omega, None, backend=b)) for b in ("torch", "triton", "cuda", "cpu")}
+    call = {b: (lambda b=b: ops.cema(x, p, log_q, gamma, omega, None, backend=b)) for b in ("torch", "triton", "cuda", "cpu", "auto")}
     call["cema_composed"] = lambda: baselines.cema_composed(x, p, log_q, gamma, omega)
     inputs = {"x": x, "p": p, "log_q": log_q, "gamma": gamma, "omega": omega, "hx": None}
     return Case(inputs, call, [x, p, log_q, gamma, omega])

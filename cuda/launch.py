@@ -70,13 +70,14 @@ class Launch:
 
 def c_value(tag: str, value):
     """The argument as its C type: a scalar or pointer by tag, or a struct (``struct_arg``) as is."""
+    ctype = ARG_TYPES.get(tag)  # the scalar tags first: every launch packs a dozen of them
+    if ctype is not None:
+        return ctype(value)
     if tag.startswith("struct"):
         if not isinstance(value, ctypes.Structure) or tag != f"struct{ctypes.sizeof(value)}":
             raise TypeError(f"a {tag} argument must be a ctypes.Structure of that size, got {value!r}")
         return value
-    if tag not in ARG_TYPES:
-        raise TypeError(f"unknown kernel argument type {tag!r}")
-    return ARG_TYPES[tag](value)
+    raise TypeError(f"unknown kernel argument type {tag!r}")
 
 
 def struct_arg(value: ctypes.Structure) -> tuple[str, ctypes.Structure]:

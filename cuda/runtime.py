@@ -27,6 +27,8 @@ from .launch import DEFAULT_MAX_DYNAMIC_SMEM, Launch, c_value, check_fits
 
 #: CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES
 _MAX_DYNAMIC_SHARED = 8
+#: checked launches a GpuLauncher remembers (all forgotten beyond: a model launches a few hundred shapes)
+_MAX_CHECKED = 4096
 
 
 class CupyDriver:
@@ -62,7 +64,7 @@ class CupyDriver:
 
     def launch(self, function, grid, block, smem: int, stream: int, values: list) -> None:
         self._make_context_current()
-        params = (ctypes.c_void_p * len(values))(*(ctypes.addressof(v) for v in values))
+        params = (ctypes.c_void_p * len(values))(*map(ctypes.addressof, values))
         self._driver.launchKernel(function, *grid, *block, smem, stream, ctypes.addressof(params), 0)
 
 
@@ -80,6 +82,10 @@ class GpuLauncher:
         self._arch_of = arch_of or (lambda device: self._caps_of(device).arch)
         self._stream_of = stream_of or _current_stream
         self._functions: dict = {}
+        #: launches already checked against the device (check_fits) -> their function entry: a
+        #: repeated launch (the same kernel, grid, block and smem on the same device and profile)
+        #: skips the two checks and the lookup, about a third of this launcher's Python per launch
+        self._checked: dict = {}
         self._lock = threading.Lock()
 
     def function(self, kernel, device: torch.device):
@@ -98,10 +104,16 @@ class GpuLauncher:
     def __call__(self, launch: Launch) -> None:
         if launch.device.type != self.device_type:
             raise ValueError(f"the CUDA runtime needs {self.device_type} tensors, got a launch on {launch.device}")
-        caps = self._caps_of(launch.device)
-        check_fits(launch, caps)  # before compiling: an arch the kernel cannot target fails here, not in NVRTC
-        entry = self.function(launch.kernel, launch.device)
-        check_fits(launch, caps, static_smem=entry[3])
+        key = (launch.device, _device.generation(), launch.kernel, launch.grid, launch.block, launch.smem)
+        entry = self._checked.get(key)
+        if entry is None:
+            caps = self._caps_of(launch.device)
+            check_fits(launch, caps)  # before compiling: an arch the kernel cannot target fails here, not in NVRTC
+            entry = self.function(launch.kernel, launch.device)
+            check_fits(launch, caps, static_smem=entry[3])
+            if len(self._checked) >= _MAX_CHECKED:
+                self._checked.clear()
+            self._checked[key] = entry
         values = [c_value(tag, value) for tag, value in launch.args]
         with _on_device(launch.device):
             if launch.smem > entry[2]:

@@ -11,7 +11,10 @@ module provides, with the same names and signatures in every backend of the op:
 * ``forward(...)`` and ``backward(...)``, which take the knobs as keyword arguments.
 
 ``backend="auto"`` resolves as: explicit argument > ``MEGALODON_KERNELS_BACKEND`` > autotune
-table entry for (op, device, dtype, key) > first supported backend in :data:`PRIORITY`. ``auto``
+table entry for (op, device, dtype, key) > on a CUDA device, the supported backend the GPU runs
+measured fastest nearest these inputs (autotune/gpu_defaults.py, from the committed
+autotune/gpu_defaults.json; nothing for a device class or op never measured) > first supported
+backend in :data:`PRIORITY`. ``auto``
 never picks Triton for CPU tensors: that is the interpreter (``TRITON_INTERPRET=1``), which runs
 only when asked for by name. The choice is logged once per (op, backend, device type, dtype, key)
 at INFO level on the ``megalodon_kernels`` logger.
@@ -45,6 +48,7 @@ from types import ModuleType
 import torch
 
 from ..autotune import cache as autotune_cache
+from ..autotune import gpu_defaults
 from ..autotune import registry as autotune_registry
 from ..cuda import device as cuda_device
 
@@ -89,6 +93,11 @@ def signature(inputs: dict) -> tuple:
         else (name, type(value), value)
         for name, value in inputs.items()
     ])
+
+
+def _device_class(device: torch.device) -> str:
+    """``sm_<major><minor>`` of a CUDA device (its capability profile: faked in tests)."""
+    return f"sm_{cuda_device.caps(device).arch}"
 
 
 def _default_config(module) -> dict:
@@ -136,13 +145,14 @@ class OpBackends:
         its calls. Cached choices made with the previous module are not used meanwhile, nor after."""
         if name not in PRIORITY:
             raise ValueError(f"unknown backend name {name!r}; one of {list(PRIORITY)}")
-        saved = {d: d.get(name, _MISSING) for d in (self._modules, self._loaded)}
+        # (dict, its previous entry) pairs: a dict is not hashable, so not a key of another dict
+        saved = [(d, d.get(name, _MISSING)) for d in (self._modules, self._loaded)]
         self._modules[name] = description or f"(swapped in) {getattr(module, '__name__', type(module).__name__)}"
         self._loaded[name] = module
         try:
             yield module
         finally:
-            for d, value in saved.items():
+            for d, value in saved:
                 if value is _MISSING:
                     d.pop(name, None)
                 else:
@@ -227,6 +237,12 @@ class OpBackends:
             hit = autotune_cache.lookup(self.op, device, dtype, key)
             if hit is not None and not self.reasons(hit[0], inputs):
                 return self._finish(hit[0], "autotune table", device, dtype, hit[1], key)
+        if device.type == "cuda":  # no table entry: the order the GPU runs measured, where they did
+            able = [name for name in PRIORITY if not self.reasons(name, inputs)]
+            ranked = gpu_defaults.rank(self.op, _device_class(device), autotune_cache.dtype_name(dtype), inputs, able)
+            if ranked:
+                return self._finish(ranked[0], "measured GPU defaults (autotune/gpu_defaults.json)", device, dtype,
+                                    None, key)
         for name in PRIORITY:
             if name == "triton" and device.type == "cpu":
                 continue  # the Triton interpreter is a test vehicle, never a performance choice

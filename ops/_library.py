@@ -20,16 +20,26 @@ Rules the ops follow (so that a fake implementation can describe the real one ex
   ``return_state``, a gradient nobody asked for) is an empty placeholder (:func:`absent`),
   decided by the arguments alone; the public function turns it back into None.
 
-Calls go through the dispatcher (torch.library's own autograd and backend kernels), with one
-exception, :class:`Op`: a plain eager call that autograd will not record (``torch.no_grad()``,
-inference mode, or no input that requires grad; decoding, evaluation) runs the same wrapper the
-dispatcher's backend kernel runs, directly. The dispatcher's road costs tens of microseconds per
-call more (bench/results/library_fast_path.md), a large part of a small op's time and of a
-decoded token's. Whether a call is plain eager is :func:`plain_eager`, which reads private
-torch names; :func:`direct_calls_ok` checks once, on the running torch, that it still sees each
-thing it must (a function mode, a dispatch mode, a vmap level, a forward-AD level) and otherwise
-turns the exception off: every call then takes the dispatcher's road (same results, slower).
-Every call autograd records goes through torch.library, so no part of the autograd node is ours.
+Calls go through the dispatcher (torch.library's own autograd and backend kernels), with two
+exceptions, both in :class:`Op` and both for a plain eager call (no tracer, mode or transform;
+plain tensors; decoding, evaluation, an eager training step):
+
+* a call autograd will not record (``torch.no_grad()``, inference mode, or no input that requires
+  grad) runs the same wrapper the dispatcher's backend kernel runs, directly;
+* a call autograd records runs that wrapper inside the op's own ``torch.autograd.Function`` with
+  the op's registered ``setup_context`` and ``backward`` (:meth:`Op.register_autograd`): what
+  torch.library's autograd kernel runs (its generated autograd.Function), without the
+  dispatcher's trips from Python to C++ and back around it.
+
+The dispatcher's road costs tens of microseconds per no-grad call and about a hundred more per
+recorded forward + backward (bench/results/library_fast_path.md, bench/results/host_cost.md), a
+large part of a small op's time and of a decoded token's. Whether a call is plain eager is
+:func:`plain_eager`, which reads private torch names; :func:`direct_calls_ok` checks once, on
+the running torch, that it still sees each thing it must (a function mode, a dispatch mode, a
+vmap level, a forward-AD level) and otherwise turns both exceptions off: every call then takes
+the dispatcher's road (same results, slower). torch.compile, torch.export, opcheck, functorch
+transforms, forward AD, tensor subclasses (DTensor, fake and functional tensors) and the profiler
+always see torch.library's op.
 
 The other private ``torch._C`` names this module reads: :func:`_fresh` (torch.library's own
 alias check) has a Python fallback where a torch release drops it; :func:`_lazy_views_resolved`
@@ -129,6 +139,22 @@ def _autocast_off():
     return stack
 
 
+def _guards(device: torch.device | None):
+    """What a backend runs inside (the device made current, lazy views on, autocast off), as one
+    context manager; None when none of them applies (a CPU call with no autocast and no excluded
+    view keys: most calls)."""
+    views = any(map(torch._C._dispatch_tls_is_dispatch_key_excluded, _VIEW_KEYS))
+    autocast = torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
+    if device is None and not views and not autocast:
+        return None
+    stack = contextlib.ExitStack()
+    if device is not None:
+        stack.enter_context(_on_device(device))
+    stack.enter_context(_lazy_views_resolved())
+    stack.enter_context(_autocast_off())
+    return stack
+
+
 #: Whether this torch build can hold CUDA (or ROCm) tensors at all: on a CPU-only build no call
 #: looks for a device (the CPU path's cost stays zero; tests set it to fake a second GPU).
 CUDA_BUILD = torch.version.cuda is not None or getattr(torch.version, "hip", None) is not None
@@ -163,14 +189,17 @@ def custom_op(name: str, fake, *, tags=()):
 
         @functools.wraps(fn)
         def real(*args, **kwargs):
-            t = None
+            device = None
             if CUDA_BUILD and lead is not None:
                 t = kwargs.get(lead[0]) if lead[0] in kwargs else args[lead[1]] if lead[1] < len(args) else None
-            device = cuda_device(t) if isinstance(t, torch.Tensor) else None
-            with (_on_device(device) if device is not None else contextlib.nullcontext()), \
-                    _lazy_views_resolved(), _autocast_off():
+                device = cuda_device(t) if isinstance(t, torch.Tensor) else None
+            guards = _guards(device)
+            if guards is None:  # the common case: nothing to enter (a with block costs ~1 us here)
                 out = fn(*args, **kwargs)
-            return _fresh(out, list(args) + list(kwargs.values()))
+            else:
+                with guards:
+                    out = fn(*args, **kwargs)
+            return _fresh(out, (*args, *kwargs.values()) if kwargs else args)
 
         # the schema comes from the annotations, evaluated in fn's module (they may be strings)
         real.__signature__ = inspect.signature(fn, eval_str=True)
@@ -269,36 +298,88 @@ def direct_calls_ok() -> bool:
     return _SELF_CHECK[0]
 
 
+_DISPATCHER, _DIRECT, _RECORDED = 0, 1, 2  # the roads of an eager call (Op._road)
+
+
 class Op:
     """A registered custom op: calling it runs torch.library's op (the dispatcher), or for a plain
-    eager call autograd will not record, the op's implementation directly (module docstring).
-    Every other attribute is the ``CustomOpDef``'s."""
+    eager call (:func:`plain_eager`, plain tensors, no container argument) one of two shortcuts:
+    a call autograd will not record runs the op's implementation directly; a call it records runs
+    the same implementation inside the op's own ``torch.autograd.Function``, with the op's
+    registered ``setup_context`` and ``backward`` (:meth:`register_autograd`), as torch.library's
+    autograd kernel does. Every other attribute is the ``CustomOpDef``'s."""
 
     def __init__(self, op, real):
         self._op = op
         self._real = real  # what the dispatcher's backend kernel runs: lazy views on, autocast off, fresh outputs
+        self._eager_autograd = None  # the autograd.Function of recorded eager calls (register_autograd)
+        params = list(real.__signature__.parameters.values())
+        self._arity = len(params)
+        #: the schema's defaults, filled in for a recorded call that leaves them out (torch.library's
+        #: autograd kernel hands setup_context every input, defaults included)
+        self._defaults = tuple(p.default for p in params)
 
     def __getattr__(self, name):
         return getattr(self._op, name)
 
+    def register_autograd(self, backward, *, setup_context=None):
+        """torch.library's ``register_autograd``, and the same two functions for recorded eager calls."""
+        self._op.register_autograd(backward, setup_context=setup_context)
+        self._eager_autograd = _eager_autograd(self._op._name, self._real, backward, setup_context)
+
     def __call__(self, *args, **kwargs):
         # plain_eager first: under torch.compile it is False at once, and nothing after it is traced
-        if plain_eager() and direct_calls_ok() and self._direct(args) and self._direct(kwargs.values()):
-            return self._real(*args, **kwargs)
+        if plain_eager() and direct_calls_ok():
+            road = self._road(args if not kwargs else (*args, *kwargs.values()))
+            if road == _DIRECT:
+                return self._real(*args, **kwargs)
+            if road == _RECORDED and not kwargs and self._eager_autograd is not None:
+                if len(args) < self._arity:
+                    args = (*args, *self._defaults[len(args):])
+                    missing = [i for i, a in enumerate(args) if a is inspect.Parameter.empty]
+                    if missing:  # a required argument left out: the dispatcher says which
+                        return self._op(*args[:missing[0]])
+                return self._eager_autograd.apply(*args)
         return self._op(*args, **kwargs)
 
     @staticmethod
-    def _direct(values) -> bool:
-        """No value autograd would record, every tensor a plain one, no container (whose
-        conversion the dispatcher's schema does)."""
+    def _road(values) -> int:
+        """_DIRECT: no value autograd would record and every tensor a plain one; _RECORDED: the
+        same but some tensor requires grad (with grad mode on); _DISPATCHER: a tensor that is not
+        a plain one, or a container other than a list or tuple of plain scalars (a ``bool[]``
+        argument such as cema_kernel's ``needs``: the implementation reads it as it is)."""
         grad = torch.is_grad_enabled()
+        road = _DIRECT
         for v in values:
             if isinstance(v, torch.Tensor):
-                if not plain_tensor(v) or (grad and v.requires_grad):
-                    return False
-            elif isinstance(v, (list, tuple, dict)):
-                return False
-        return True
+                if not plain_tensor(v):
+                    return _DISPATCHER
+                if grad and v.requires_grad:
+                    road = _RECORDED
+            elif isinstance(v, (list, tuple, dict)) and (type(v) is dict or not all(map(_is_scalar, v))):
+                return _DISPATCHER
+        return road
+
+
+def _is_scalar(v) -> bool:
+    return v is None or type(v) in (bool, int, float)
+
+
+def _eager_autograd(name: str, real, backward, setup_context):
+    """The autograd.Function a recorded plain eager call of op ``name`` runs: what torch.library's
+    autograd kernel runs (its generated autograd.Function: the op's implementation, then
+    ``setup_context(ctx, inputs, output)``; ``backward(ctx, *grads)``) minus the dispatcher's
+    trips into and out of Python around it (bench/results/host_cost.md). Its backward calls the
+    backward op, which takes the direct road (grad mode is off in a backward) or, when the
+    gradient itself is recorded (create_graph), the dispatcher."""
+    def forward(ctx, *args):
+        out = real(*args)
+        if setup_context is not None:
+            setup_context(ctx=ctx, inputs=args, output=out)
+        return out
+
+    return type(f"EagerAutogradFor_{NAMESPACE}_{name.split('::')[-1]}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
 def grad_or_none(g: torch.Tensor | None, needed: bool):

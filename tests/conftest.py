@@ -131,6 +131,7 @@ def emulated():
     from megalodon_kernels.cuda import build
     from megalodon_kernels.cuda.launch import EmulatorLauncher
     from megalodon_kernels.ops.attention import cuda_impl as attention_cuda
+    from megalodon_kernels.ops.cema import cuda_impl as cema_layer_cuda
     from megalodon_kernels.ops.cema_kernel import cuda_impl as cema_cuda
     from megalodon_kernels.ops.dropkey_softmax import cuda_impl as dropkey_cuda
     from megalodon_kernels.ops.ema_hidden import cuda_impl as hidden_cuda
@@ -144,6 +145,7 @@ def emulated():
     by_name = lambda: launcher  # noqa: E731  (each op's launch description runs in the emulator)
     return {
         "attention": attention_cuda.AttentionBackend(by_name, "cpu"),
+        "cema": cema_layer_cuda.CemaBackend(by_name, "cpu"),
         "cema_kernel": cema_cuda.CemaKernelBackend(by_name, "cpu"),
         "dropkey_softmax": dropkey_cuda.DropKeySoftmaxBackend(by_name, "cpu"),
         "ema_hidden": hidden_cuda.EmaHiddenBackend(by_name, "cpu"),
@@ -158,6 +160,8 @@ def _cuda_backend_runs_in_the_emulator(request):
     """A test parametrised with ``backend="cuda"`` runs the CUDA backend in the emulator
     (:func:`use_emulated_cuda`); skipped only where the emulator cannot be built."""
     callspec = getattr(request.node, "callspec", None)
+    if request.node.get_closest_marker("gpu") is not None:
+        return  # tests/test_gpu.py: "cuda" is the real backend on a real device, never the emulator
     if callspec is not None and callspec.params.get("backend") == "cuda":
         if NO_EMULATOR:
             pytest.skip(NO_EMULATOR)

@@ -53,6 +53,8 @@ MEASURED: dict[tuple, tuple[float, float]] = {
     ("attention", "triton", F32): (9.52e-07, 2.76e-06),
     ("cema", "cpu", F32): (2.44e-07, 1.54e-06),  # as torch
     ("cema", "cpu", F64): (9.65e-15, 1.40e-14),
+    ("cema", "cuda", F32): (4.87e-07, 8.96e-08),  # y 4.9e-7: test_streaming's split after 1 step
+    ("cema", "cuda", F64): (1.27e-15, 2.74e-15),
     ("cema", "torch", F32): (4.05e-07, 1.54e-06),  # domega 1.5e-6 at L = 2049
     ("cema", "torch", F64): (2.02e-14, 2.24e-14),
     ("cema", "triton", F32): (3.41e-07, 6.77e-07),
@@ -118,6 +120,8 @@ MEASURED_TERMS: dict[tuple, tuple[float, float]] = {
     ("attention", "triton", F32): (4.22e-08, 6.21e-08),
     ("cema", "cpu", F32): (6.59e-08, 8.96e-08),
     ("cema", "cpu", F64): (8.25e-16, 7.36e-15),
+    ("cema", "cuda", F32): (6.59e-08, 8.96e-08),
+    ("cema", "cuda", F64): (4.41e-16, 2.74e-15),
     ("cema", "torch", F32): (6.59e-08, 9.65e-08),
     ("cema", "torch", F64): (1.54e-15, 7.36e-15),
     ("cema", "triton", F32): (1.03e-07, 8.96e-08),

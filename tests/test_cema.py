@@ -1,6 +1,7 @@
 """cema (the composed CEMA layer) on every backend against the float64 reference recurrence.
 
-* One table of cases run on each backend that implements it (torch; Triton in the interpreter:
+* One table of cases run on each backend that implements it (torch, cpu; CUDA in the emulator: the
+  CUDA stage kernels composed; Triton in the interpreter:
   the stage kernels with the bias and skip fused into the convolution, x fp32/bf16, float32
   coefficients): y, h and every gradient (through y and the state h), with and without hx, state
   returned or not, one output used, the direct / FFT (register tile and workspace) convolution
@@ -10,6 +11,8 @@
   the recurrence.
 * Argument validation and what each backend refuses.
 """
+import contextlib
+import importlib
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,7 +45,7 @@ NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 # with chunks small enough that the cases below span several of them. The cpu backend runs its
 # defaults: the FFT form with the compiled convolution, the recurrence up to RECURRENCE_MAX_LEN steps.
 PATHS = {"direct": {"torch": dict(chunk=0, direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
-         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0), "cpu": {}},
+         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0), "cpu": {}, "cuda": {}},
          "chunked": {"torch": dict(chunk=8, chunk_min_len=0)}}
 
 
@@ -122,7 +125,7 @@ def runs_on(backend, c: Case) -> bool:
         return False
     if backend == "triton":
         return c.xdtype in (F32, BF16) and c.cdtype == F32
-    return backend in ("torch", "cpu")   # no CUDA backend of the composed op: it runs as the CUDA stage ops
+    return backend in ("torch", "cpu", "cuda")   # cuda: the CUDA stage kernels composed, in the emulator
 
 
 def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=True, contiguous=True, seed=0,
@@ -165,7 +168,7 @@ def check_cema(backend, B, D, N, L, xdtype, cdtype, with_hx=True, return_state=T
         assert_close("d" + name, got, want[name], tol(backend, dt, "bwd"), terms[name])
 
 
-@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton")))
+@pytest.mark.parametrize("backend, c", on_backends(CASES, runs_on, ("torch", "cpu", "triton", "cuda")))
 def test_matches_reference(backend, c):
     config = {**PATHS[c.path][backend], **c.knobs.get(backend, {})}
     check_cema(backend, c.B, c.D, c.N, c.L, c.xdtype, c.cdtype, c.with_hx, c.return_state, c.contiguous, c.seed,
@@ -181,6 +184,19 @@ def test_property_torch(B, D, N, L, dtypes, with_hx, return_state, contiguous, c
     check_cema("torch", B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed,
                config={"chunk": chunk, "chunk_min_len": 0, "power_block": power_block,
                        "direct_max_len": direct_max_len})
+
+
+@given(B=st.integers(1, 3), D=st.integers(1, 4), N=st.integers(1, 6), L=st.integers(1, 140),
+       dtypes=st.sampled_from(DTYPES), with_hx=st.booleans(), return_state=st.booleans(), contiguous=st.booleans(),
+       seed=st.integers(0, 2**31))
+def test_property_cuda(emulated, B, D, N, L, dtypes, with_hx, return_state, contiguous, seed):
+    # the CUDA cema and its three CUDA stages in the emulator (a module-scoped fixture: hypothesis
+    # runs every example in one test call)
+    with contextlib.ExitStack() as stack:
+        for op in ("cema", "cema_kernel", "fftconv", "ema_hidden"):
+            backends = importlib.import_module(f"megalodon_kernels.ops.{op}").BACKENDS
+            stack.enter_context(backends.use("cuda", emulated[op], f"(emulated) {op}"))
+        check_cema("cuda", B, D, N, L, *dtypes, with_hx, return_state, contiguous, seed)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -199,8 +215,10 @@ def test_equals_stage_ops():
 
 
 @pytest.mark.parametrize("backend, xdtype, cdtype", [("torch", F32, F32), ("torch", F64, F64), ("triton", F32, F32),
-                                                    ("cpu", F32, F32), ("cpu", F64, F64)],
-                         ids=["torch-fp32", "torch-fp64", "triton-fp32", "cpu-fp32", "cpu-fp64"])
+                                                    ("cpu", F32, F32), ("cpu", F64, F64), ("cuda", F32, F32),
+                                                    ("cuda", F64, F64)],
+                         ids=["torch-fp32", "torch-fp64", "triton-fp32", "cpu-fp32", "cpu-fp64", "cuda-fp32",
+                              "cuda-fp64"])
 def test_streaming(backend, xdtype, cdtype):
     # two parts with the state carried == the whole sequence, for y and the final state
     gen = torch.Generator().manual_seed(13)
@@ -387,3 +405,21 @@ def test_triton_refuses_what_it_cannot_run():
     p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F32)
     with pytest.raises(ValueError, match="omega"):
         cema(torch.randn(1, 2, 8), p, log_q, gamma, torch.zeros(3), backend="triton")
+
+
+def test_cuda_refuses_what_it_cannot_run(use_emulated_cuda):
+    # the CUDA cema takes what its three stages take (in the emulator here): not float16 x (its
+    # ema_hidden stage), not N above the CUDA n tile, and says so by name
+    gen = torch.Generator().manual_seed(0)
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 65, None, F32)          # N = 65 > 64
+    with pytest.raises(Exception, match="N = 65 > 64"):
+        cema(torch.randn(1, 2, 8), p, log_q, gamma, torch.zeros(2), backend="cuda")
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F32)
+    with pytest.raises(Exception, match="float16"):
+        cema(torch.randn(1, 2, 8, dtype=torch.float16), p, log_q, gamma, torch.zeros(2), backend="cuda")
+    # what it takes: float32 x with float64 coefficients runs in float64 (as the torch backend)
+    p, log_q, gamma, _ = cema_coefficients(gen, 2, 3, None, F64)
+    x, omega = torch.randn(1, 2, 8), torch.randn(2, dtype=F64)
+    y, _ = cema(x, p, log_q, gamma, omega, backend="cuda")
+    y_ref, _ = ref.cema(*(to_np(t) for t in (x, p, log_q, gamma, omega)), None)
+    assert_close("y (float32 x, float64 coefficients)", y, y_ref, tol("cuda", F32, "fwd"))

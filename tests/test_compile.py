@@ -207,17 +207,15 @@ def _backend_cases(backend):
         lambda out: (out[0], out[1], p, lq, gm, L, hx, [True] * 4, backend)
     yield "ema_hidden", OPS.ema_hidden, (x, p, lq, hx, True, backend), OPS.ema_hidden_bwd, \
         lambda out: (out[0], x, p, lq, hx, out[1], out[2], True, [True] * 4, backend)
-    if backend != "cuda":  # cema has no CUDA implementation
-        yield "cema", OPS.cema, (x, p, lq, gm, om, hx, True, True, backend), OPS.cema_bwd, \
-            lambda out: (out[0], out[1], x, p, lq, gm, om, hx, *out[2:], True, [True] * 6, backend)
+    yield "cema", OPS.cema, (x, p, lq, gm, om, hx, True, True, backend), OPS.cema_bwd, \
+        lambda out: (out[0], out[1], x, p, lq, gm, om, hx, *out[2:], True, [True] * 6, backend)
     cu_ema, x1, hx3 = torch.tensor([0, 4, 4, 9]), x[:1], hx[[0, 1, 1]]  # 3 documents, one empty
     yield "fftconv-packed", OPS.fftconv, (x1, k, backend, cu_ema), OPS.fftconv_bwd, \
         lambda y: (y, x1, k, True, True, backend, cu_ema)
     yield "ema_hidden-packed", OPS.ema_hidden, (x1, p, lq, hx3, True, backend, cu_ema), OPS.ema_hidden_bwd, \
         lambda out: (out[0], x1, p, lq, hx3, out[1], out[2], True, [True] * 4, backend, cu_ema)
-    if backend != "cuda":
-        yield "cema-packed", OPS.cema, (x1, p, lq, gm, om, hx3, True, True, backend, cu_ema), OPS.cema_bwd, \
-            lambda out: (out[0], out[1], x1, p, lq, gm, om, hx3, *out[2:], True, [True] * 6, backend, cu_ema)
+    yield "cema-packed", OPS.cema, (x1, p, lq, gm, om, hx3, True, True, backend, cu_ema), OPS.cema_bwd, \
+        lambda out: (out[0], out[1], x1, p, lq, gm, om, hx3, *out[2:], True, [True] * 6, backend, cu_ema)
     xt, sc, bi = torch.randn(2, 7, 8, generator=g), torch.randn(8, generator=g), torch.randn(8, generator=g)
     pc, pm, pv = torch.tensor([0, 3]), torch.randn(2, 2, generator=g), torch.rand(2, 2, generator=g) + 0.5
     pad = torch.zeros(2, 7, dtype=torch.bool)

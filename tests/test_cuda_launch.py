@@ -295,6 +295,24 @@ def test_gpu_launcher_opts_in_to_large_dynamic_smem_once(tee):
     assert len(tee.driver.launches) == 4 and len(tee.driver.loaded) == 1
 
 
+def test_gpu_launcher_checks_a_repeated_launch_again_under_another_device_profile(tee):
+    """A launch that fit is not checked again (GpuLauncher remembers it), but under a faked
+    profile it is: 100 KB of shared memory fits an A100 block, not a T4's 64 KB."""
+    from megalodon_kernels.cuda import device
+    from megalodon_kernels.cuda.launch import Launch, LaunchDoesNotFit
+
+    k = rotary_cuda.KERNELS[0]
+    launch_ = Launch(k, (1, 1, 1), (32, 1, 1), 100 * 1024, tuple([("ptr", 0)] * 4 + [("i64", 0)] * 4 + [("bool", False)]),
+                     torch.device("cpu"))
+    tee.gpu(launch_)
+    tee.gpu(launch_)
+    assert len(tee.driver.launches) == 2
+    with device.faked(device.with_smem(device.PROFILES["A100"], 64 * 1024)):
+        with pytest.raises(LaunchDoesNotFit, match="shared memory"):
+            tee.gpu(launch_)
+    assert len(tee.driver.launches) == 2
+
+
 # --- availability: why the GPU runtime cannot run, reported and never raised at import -------------
 
 @pytest.fixture

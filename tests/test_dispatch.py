@@ -289,3 +289,17 @@ def test_the_cache_is_bounded(fakes, monkeypatch):
         _select(backends, torch.zeros(1, L, 4))
     assert len(backends._choices) == 3
     assert _select(backends, torch.zeros(1, 9, 4)) is _select(backends, torch.zeros(1, 9, 4))
+
+
+def test_use_swaps_a_backend_module_in_and_back_out(fakes):
+    backends, cuda, torch_ = fakes
+    x = torch.zeros(2, 8, 4)
+    other = FakeBackend("mk_demo_swapped")
+    assert _select(backends, x, "cuda").module is cuda
+    with backends.use("cuda", other, "(swapped in) demo"):
+        assert _select(backends, x, "cuda").module is other
+        assert backends._modules["cuda"] == "(swapped in) demo"
+    assert _select(backends, x, "cuda").module is cuda and backends._modules["cuda"] == cuda.__name__
+    with backends.use("triton", other):   # a backend the op did not have is removed again afterwards
+        assert _select(backends, x, "triton").module is other
+    assert "triton" not in backends._modules and "triton" not in backends._loaded

@@ -25,7 +25,7 @@ HELP = [
     ["-m", "megalodon_kernels.bench.cuda_resources"],
     ["-m", "megalodon_kernels.bench.triton_bytes"],
     *[[f"bench/{name}.py"] for name in ("op_times", "packed", "accuracy_cema", "accuracy_timestep_norm", "accuracy_fp32",
-                                         "cema_forms", "cpu_step", "decode", "compile_step", "vs_transformer")],
+                                         "cema_forms", "cpu_step", "decode", "compile_step", "vs_transformer", "host_cost")],
     *[[str(p.relative_to(ROOT))] for p in sorted((ROOT / "examples").glob("*.py"))],
 ]
 

@@ -13,13 +13,13 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import textwrap
 
 import pytest
 import torch
 
 from megalodon_kernels import ops
 from megalodon_kernels.bench import gpu_cases
+from megalodon_kernels.ops._dispatch import NoBackendError
 
 pytestmark = [
     pytest.mark.gpu,
@@ -38,24 +38,27 @@ def _compiled_triton():
 _rel = gpu_cases.rel
 
 
+#: The script of the fresh-process test (tests/test_gpu_offline.py checks on the CPU that it parses).
+FRESH_PROCESS_SCRIPT = """\
+import torch
+from megalodon_kernels import ops
+d = torch.device("cuda")
+p = torch.rand(8, 4, device=d, requires_grad=True)
+log_q = torch.complex(-0.1 * torch.rand(8, 4, device=d), torch.rand(8, 4, device=d)).requires_grad_()
+gamma = torch.randn(8, 4, device=d, dtype=torch.complex64, requires_grad=True)
+k, _ = ops.cema_kernel(p, log_q, gamma, 100, backend="cuda")
+k.square().sum().backward()
+torch.cuda.synchronize()
+assert torch.isfinite(p.grad).all() and torch.isfinite(gamma.grad).all()
+print("ok")
+"""
+
+
 def test_backward_runs_on_autograd_device_thread_in_a_fresh_process():
     """The first CUDA-backend launch of a process can be a backward, on autograd's device thread,
     where torch has not made the driver context current (seen on an H100: cema_kernel's backward
     failed with CUDA_ERROR_INVALID_CONTEXT). A fresh process makes that launch the first one."""
-    code = textwrap.dedent("""
-        import torch
-        from megalodon_kernels import ops
-from megalodon_kernels.bench import gpu_cases
-        d = torch.device("cuda")
-        p = torch.rand(8, 4, device=d, requires_grad=True)
-        log_q = torch.complex(-0.1 * torch.rand(8, 4, device=d), torch.rand(8, 4, device=d)).requires_grad_()
-        gamma = torch.randn(8, 4, device=d, dtype=torch.complex64, requires_grad=True)
-        k, _ = ops.cema_kernel(p, log_q, gamma, 100, backend="cuda")
-        k.square().sum().backward()
-        torch.cuda.synchronize()
-        assert torch.isfinite(p.grad).all() and torch.isfinite(gamma.grad).all()
-        print("ok")
-    """)
+    code = FRESH_PROCESS_SCRIPT
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
                          cwd="/tmp", env={**os.environ, "TRITON_INTERPRET": "0"})
     print(out.stdout, out.stderr[-3000:])
@@ -68,7 +71,10 @@ def test_matches_torch_float64_at_model_shapes(name, backend):
     case = gpu_cases.CASES[name]
     if backend not in case.tols:
         pytest.skip(f"{name} has no {backend} backend on a GPU (bench/gpu_cases.py)")
-    fwd, bwd, out, _ = gpu_cases.errors(case, backend, torch.float32, torch.device("cuda"))
+    try:
+        fwd, bwd, out, _ = gpu_cases.errors(case, backend, torch.float32, torch.device("cuda"))
+    except NoBackendError as e:  # a refusal with its reason (e.g. a Triton release it cannot serve)
+        pytest.skip(str(e))
     ftol, btol = case.tols[backend]
     print(f"{name} {backend}: fwd {fwd:.2e} (tol {ftol:.1e}), bwd {bwd:.2e} (tol {btol:.1e})")
     assert all(o.device.type == "cuda" for o in out)

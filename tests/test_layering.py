@@ -103,7 +103,7 @@ def _inside(name: str, *prefixes: str) -> bool:
 
 OPS = f"{PKG}.ops"
 TUNING = f"{PKG}.autotune.tuning"
-AUTOTUNE_RUNTIME = [f"{PKG}.autotune.{m}" for m in ("registry", "cache", "device", "shapes")]
+AUTOTUNE_RUNTIME = [f"{PKG}.autotune.{m}" for m in ("registry", "cache", "device", "shapes", "gpu_defaults")]
 
 
 def _violations(sources, forbidden, allow=()):

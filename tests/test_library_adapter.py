@@ -1,7 +1,9 @@
-"""ops/_library.py (issue 28 item 2): every op is a plain torch.library custom op, plus one adapter,
-``Op``: a plain eager call that autograd will not record runs the implementation directly, where
-the adapter's self-check passes on the running torch. Forced off (as on a torch where the
-self-check fails) every call goes through the dispatcher with the same results and gradients.
+"""ops/_library.py (issue 28 item 2, issue 41): every op is a plain torch.library custom op, plus one
+adapter, ``Op``: a plain eager call that autograd will not record runs the implementation
+directly, and one it records runs the same implementation inside the op's own autograd.Function
+(the op's registered setup_context and backward), where the adapter's self-check passes on the
+running torch. Forced off (as on a torch where the self-check fails) every call goes through the
+dispatcher with the same results and gradients.
 Where a torch release drops one of the private names the module reads, the fallback keeps results
 right (checked here by removing them)."""
 import importlib
@@ -57,18 +59,40 @@ def _outputs(no_grad: bool):
     return (y.detach(), yn.detach(), *torch.autograd.grad(loss, (x, xn, w, b)))
 
 
-def test_the_self_check_passes_here_and_no_grad_calls_skip_the_dispatcher(dispatched):
+def test_the_self_check_passes_here_and_eager_calls_skip_the_dispatcher(dispatched):
     assert _library._self_check()
     _outputs(no_grad=True)
+    _outputs(no_grad=False)  # recorded calls: the op's own autograd.Function
     assert dispatched["rotary"].calls == 0 and dispatched["timestep_norm"].calls == 0
-    _outputs(no_grad=False)  # recorded calls: torch.library's autograd kernel
-    assert dispatched["rotary"].calls == 1 and dispatched["timestep_norm"].calls == 1
 
 
-def test_an_eager_call_autograd_records_gets_torch_librarys_own_node():
+def test_an_eager_call_autograd_records_gets_the_ops_own_node(monkeypatch):
     x = _inputs()[0]
     y = ops.rotary(x, torch.arange(6), backend="torch")
-    assert "megalodon_kernels_rotary" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+    assert type(y.grad_fn).__name__ == "EagerAutogradFor_megalodon_kernels_rotaryBackward", type(y.grad_fn).__name__
+    monkeypatch.setattr(_library, "_SELF_CHECK", [False])  # the dispatcher: torch.library's generated node
+    y = ops.rotary(x, torch.arange(6), backend="torch")
+    assert "GeneratedBackwardFor_megalodon_kernels_rotary" in type(y.grad_fn).__name__, type(y.grad_fn).__name__
+
+
+def test_recorded_calls_with_defaults_left_out_or_keywords_match_the_dispatcher():
+    """A recorded eager call that leaves a schema default out gets it filled in (setup_context
+    sees every input, as torch.library's kernel gives it); one with keyword arguments takes the
+    dispatcher. Both give the dispatcher's results and gradients, bit for bit."""
+    fftconv = importlib.import_module("megalodon_kernels.ops.fftconv")
+    g = torch.Generator().manual_seed(1)
+    x, k = torch.randn(2, 3, 9, generator=g).requires_grad_(), torch.randn(3, 9, generator=g).requires_grad_()
+    w = torch.randn(2, 3, 9, generator=g)
+    results = []
+    for call in (lambda: fftconv.fftconv_op(x, k, "torch"), lambda: fftconv.fftconv_op(x, k, backend="torch"),
+                 lambda: fftconv.fftconv_op._op(x, k, "torch", None)):
+        y = call()
+        results.append((y.detach(), *torch.autograd.grad((y * w).sum(), (x, k))))
+    assert "EagerAutogradFor" in type(fftconv.fftconv_op(x, k, "torch").grad_fn).__name__
+    assert "GeneratedBackwardFor" in type(fftconv.fftconv_op(x, k, backend="torch").grad_fn).__name__
+    for got in results[:2]:
+        for g_, e in zip(got, results[2]):
+            torch.testing.assert_close(g_, e, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("no_grad", [True, False], ids=["no_grad", "autograd"])
@@ -76,7 +100,7 @@ def test_forced_fallback_gives_the_same_results_and_gradients(dispatched, monkey
     direct = _outputs(no_grad)
     monkeypatch.setattr(_library, "_SELF_CHECK", [False])  # as where the self-check failed
     fallback = _outputs(no_grad)
-    assert dispatched["rotary"].calls == 1 + (not no_grad) and dispatched["timestep_norm"].calls == 1 + (not no_grad)
+    assert dispatched["rotary"].calls == 1 and dispatched["timestep_norm"].calls == 1
     assert len(direct) == len(fallback) == (2 if no_grad else 6)
     for d, f in zip(direct, fallback):  # the same implementation either way: bit for bit
         torch.testing.assert_close(f, d, rtol=0, atol=0)
@@ -126,3 +150,18 @@ def test_without_the_alias_check_outputs_are_still_fresh(monkeypatch):
     monkeypatch.undo()
     for e, g in zip(expected, _rotary_result()):
         torch.testing.assert_close(g, e, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("road", ["eager", "dispatcher"])
+def test_a_recorded_gradient_goes_through_the_backward_ops_dispatcher_on_both_roads(monkeypatch, road):
+    """create_graph: the backward op is called with grad mode on and inputs that require grad,
+    which no eager shortcut takes (it has no autograd formula): on both roads the gradient is
+    recorded by torch.library's node of the backward op, whose own backward raises the same error."""
+    if road == "dispatcher":
+        monkeypatch.setattr(_library, "_SELF_CHECK", [False])
+    g = torch.Generator().manual_seed(2)
+    x, k = torch.randn(2, 3, 8, generator=g).requires_grad_(), torch.randn(3, 8, generator=g).requires_grad_()
+    (gx,) = torch.autograd.grad(ops.fftconv(x, k, backend="torch").sum(), x, create_graph=True)
+    assert "GeneratedBackwardFor_megalodon_kernels_fftconv_bwd" in type(gx.grad_fn).__name__
+    with pytest.raises(RuntimeError, match="no autograd formula was registered"):
+        gx.sum().backward()

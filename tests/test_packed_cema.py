@@ -1,4 +1,5 @@
-"""cema with cu_seqlens (packed documents) on its backends (torch; Triton in the interpreter): y, the
+"""cema with cu_seqlens (packed documents) on its backends (torch, cpu; Triton in the interpreter, CUDA
+in the emulator): y, the
 returned per-document state h and every gradient (x, p, log_q, gamma, omega, hx) equal separate
 calls on each document from its own hx, for documents of length 1, rows on the direct and the FFT
 convolution paths, empty documents (h = hx) and one document; every combination of inputs needing
@@ -149,10 +150,11 @@ def check(backend, args, dy, dh, cu, return_state, needs=NAMES, use=("y", "h")):
 #: (backend, x dtype, coefficient dtype, with hx, return_state)
 CASES = [(b, x, c, hx, rs) for b, x, c in [("torch", F32, F32), ("torch", BF16, F32), ("torch", F64, F64),
                                            ("triton", F32, F32), ("triton", BF16, F32),
-                                           ("cpu", F32, F32), ("cpu", F64, F64)]
+                                           ("cpu", F32, F32), ("cpu", F64, F64),
+                                           ("cuda", F32, F32), ("cuda", BF16, F32), ("cuda", F64, F64)]
          for hx, rs in [(True, True), (False, False), (True, False), (False, True)]
-         # the interpreter is slow: bf16 Triton takes the full mode only
-         if not (b == "triton" and x == BF16 and not (hx and rs))]
+         # the interpreter and the emulator are slow: their bf16 (and CUDA's fp64) take the full mode only
+         if not ((b, x) in (("triton", BF16), ("cuda", BF16), ("cuda", F64)) and not (hx and rs))]
 
 
 @pytest.mark.parametrize("backend, xdtype, cdtype, with_hx, return_state", CASES)
@@ -189,7 +191,7 @@ def test_random_documents_torch_float64(lengths, with_hx, return_state, long_mem
     check("torch", args, dy, dh, cu, return_state)
 
 
-@pytest.mark.parametrize("backend", ["torch", "triton", "cpu"])
+@pytest.mark.parametrize("backend", ["torch", "triton", "cpu", "cuda"])
 def test_nothing_crosses_a_document_boundary(backend):
     """With long memory, document 1's outputs and state are the same bit for bit whatever document
     0 holds, and their gradients reach no step of document 0; the unpacked row (document 0's
@@ -210,7 +212,7 @@ def test_nothing_crosses_a_document_boundary(backend):
     assert (h_row[0] - h[1]).abs().max() > 0.5 * h[1].abs().max()
 
 
-@pytest.mark.parametrize("backend, dtype", [("torch", F64), ("triton", F32), ("cpu", F64)])
+@pytest.mark.parametrize("backend, dtype", [("torch", F64), ("triton", F32), ("cpu", F64), ("cuda", F64)])
 def test_one_document_is_the_unpacked_call(backend, dtype):
     args, dy, dh, _ = packed_inputs([37], dtype, dtype)
     args = leaves(args, NAMES)

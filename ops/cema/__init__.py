@@ -38,6 +38,7 @@ BACKENDS = OpBackends("cema", {
     "torch": "megalodon_kernels.ops.cema.torch_impl",
     "cpu": "megalodon_kernels.ops.cema.cpu_impl",
     "triton": "megalodon_kernels.ops.cema.triton_impl",
+    "cuda": "megalodon_kernels.ops.cema.cuda_impl",
 })
 
 autotune.register(
