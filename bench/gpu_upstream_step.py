@@ -73,7 +73,10 @@ def step_upstream(run, limit_s: float) -> dict:
         note = ("upstream: " if ext is not None else "upstream rows skipped: ") + note
         sets, dtypes, providers, reps = ["7b", "probe"], ["bfloat16", "float32"], list(vu.PROVIDERS), 3
     notes.append(note)
-    res = vu.run(sets, dtypes, providers, ext, dev, reps, t0 + OPS_SHARE * limit_s, log=lambda s: None,
+    print(f"  {note}", flush=True)
+    # a line per case as it ends, so the run's log shows progress (and where a case hangs)
+    res = vu.run(sets, dtypes, providers, ext, dev, reps, t0 + OPS_SHARE * limit_s,
+                 log=lambda line: print(f"  {time.perf_counter() - t0:5.0f} s  {line[:160]}", flush=True),
                  ext_note=note)
     # 2. the training step at the 7B width
     if run.dry:
@@ -81,6 +84,8 @@ def step_upstream(run, limit_s: float) -> dict:
     else:
         points, layers, steps, width, chunk = (4096, 32768), 2, 2, 4096, 4096
     rows, mnotes = [], []
+    print(f"  {time.perf_counter() - t0:5.0f} s  training steps at width {width}, {layers} layer(s): {points} tokens",
+          flush=True)
     if time.perf_counter() < end:
         try:
             rows = vt.measure_paper(vt.KINDS, points, layers, steps, dev, max(1.0, end - time.perf_counter()),

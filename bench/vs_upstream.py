@@ -612,7 +612,7 @@ def summary_line(r: dict) -> str:
             parts.append(f"{p} {rec['fwd+bwd'] * 1e3:.2f} ms{ratio}")
         else:
             parts.append(f"{p} -")
-    return f"{r['set']:<5} {r['case']:<17} {r['dtype']:<8} L={r['shape'].get('L', '')}: fwd+bwd " + ", ".join(parts)
+    return f"{r['set']:<5} {r['case']:<17} {r['dtype']:<8} L={r['shape'].get('L', r['shape'].get('L2', ''))}: fwd+bwd " + ", ".join(parts)
 
 
 def markdown(res: dict, header: list) -> str:
