@@ -158,7 +158,8 @@ def build(dst: Path, arch: str, jobs: int, verbose: bool) -> tuple[bool, str]:
     inc = library_include_dir()
     if inc:
         env["CPATH"] = os.pathsep.join(p for p in (inc, os.environ.get("CPATH")) if p)
-        log(f"CUDA_HOME lacks cusparse.h (torch's headers include it): CPATH += {inc} (the nvidia pip packages' headers)")
+        log(f"CUDA_HOME lacks cusparse.h (torch's headers include it): CPATH += {inc} "
+            "(the nvidia pip packages' headers)")
     cmd = [sys.executable, "setup.py", "build_ext", "--inplace"]
     log(f"running {' '.join(cmd)} in {dst} (TORCH_CUDA_ARCH_LIST={arch} MAX_JOBS={jobs})")
     t0 = time.time()

@@ -172,13 +172,15 @@ def build_paper(kind: str, layers: int, device="cpu", width: int = 4096, chunk: 
     """The 7B layer width with ``layers`` layers: Megalodon as upstream's ``mega7.1B`` (D 4096, 4 heads, z 1024,
     v 8192, FFN 11264, G 64) at chunk ``chunk``; the Transformer as a Llama2-7B layer (32 heads of 128) with
     the SwiGLU width that matches Megalodon's parameter count at that depth (11972 at 2 layers: Llama2-7B's
-    own 11008 gives 202.4M parameters a layer against Megalodon's 214.2M, on the meta device). ``width`` < 4096 scales every width
-    down by the same factor (the dry run's tiny models). Seeded, train mode, float32 parameters."""
+    own 11008 gives 202.4M parameters a layer against Megalodon's 214.2M, on the meta device).
+    ``width`` < 4096 scales every width down by the same factor (the dry run's tiny models). Seeded,
+    train mode, float32 parameters."""
     from megalodon_kernels.model.config import get_config
 
     f = width / 4096
     cfg = get_config("mega7.1B", vocab_size=PAPER_VOCAB if width == 4096 else 256, num_layers=layers, model_dim=width,
-                     z_dim=max(8, int(1024 * f)), value_dim=max(8, int(8192 * f)), ffn_hidden_dim=max(8, int(11264 * f)),
+                     z_dim=max(8, int(1024 * f)), value_dim=max(8, int(8192 * f)),
+                     ffn_hidden_dim=max(8, int(11264 * f)),
                      norm_num_groups=max(1, int(64 * f)) if width >= 64 else 2, chunk_size=chunk,
                      num_heads=4 if width >= 256 else 1)
     torch.manual_seed(0)

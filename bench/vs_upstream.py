@@ -328,7 +328,8 @@ def _timestep_norm_case(B, L, D, G, ref_rows=None):
 
     return Case("timestep_norm", dict(B=B, L=L, D=D, G=G), make, 1, ("bfloat16", "float32"), ours, up,
                 (2, 0, 0), (2,), ref_rows, side_in_dtype=True,
-                note="scale and bias drawn exactly representable in the tested dtype (upstream reads them in x's dtype)")
+                note="scale and bias drawn exactly representable in the tested dtype "
+                     "(upstream reads them in x's dtype)")
 
 
 def _attention_case(B, L, H, dz, dv, chunk, dropkey, ref_rows=None):
@@ -379,7 +380,8 @@ def cases(set_name: str) -> list:
         for L in (4096, 32768):
             out += [_cema_kernel_case(D, N, L, None, ref_rows=256), _cema_kernel_case(D, N, L, 1, ref_rows=256),
                     _ema_hidden_case(1, D, N, L, ref_rows=256), _fftconv_case(1, D, L, ref_rows=256),
-                    _timestep_norm_case(1, L, D, G, ref_rows=256), _attention_case(1, L, H, dz, dv, C, False, ref_rows=1),
+                    _timestep_norm_case(1, L, D, G, ref_rows=256),
+                    _attention_case(1, L, H, dz, dv, C, False, ref_rows=1),
                     _attention_case(1, L, H, dz, dv, C, True), _softmax_case(L // C, H, C)]
         return out
     if set_name == "probe":  # bench/gpu_cases.py's model-sized shapes
@@ -612,11 +614,13 @@ def summary_line(r: dict) -> str:
             parts.append(f"{p} {rec['fwd+bwd'] * 1e3:.2f} ms{ratio}")
         else:
             parts.append(f"{p} -")
-    return f"{r['set']:<5} {r['case']:<17} {r['dtype']:<8} L={r['shape'].get('L', r['shape'].get('L2', ''))}: fwd+bwd " + ", ".join(parts)
+    length = r["shape"].get("L", r["shape"].get("L2", ""))
+    return f"{r['set']:<5} {r['case']:<17} {r['dtype']:<8} L={length}: fwd+bwd " + ", ".join(parts)
 
 
 def markdown(res: dict, header: list) -> str:
-    L = header + ["", "Times are medians of timed calls after a warm-up (ms; CUDA events on a GPU, wall clock on the CPU; "
+    L = header + ["", "Times are medians of timed calls after a warm-up (ms; CUDA events on a GPU, wall clock on "
+                  "the CPU; "
                   f"one call per mode where a forward + backward takes over {SLOW_S} s); ratio = time / upstream's "
                   "(< 1: faster than upstream); err = max|out - ref| / max|ref| against the float64 torch "
                   "reference (fwd: outputs, bwd: input gradients), '-' where not compared.", "",
