@@ -12,6 +12,10 @@ reported and the run goes on):
              device's paper-7B shapes: time, achieved bandwidth of the ideal bytes vs the measured copy peak
   model      training step (tokens/s, peak memory, non-GEMM share) and decode tokens/s of the bench
              Megalodon and of the matched Transformer (bench/vs_transformer.py) at 4K / 16K / 64K tokens
+  upstream   upstream Megalodon's CUDA extension vs the cuda / triton / torch backends at the 7B and
+             probe shapes (bench/vs_upstream.py), and the 7B-width training step of Megalodon vs the
+             matched Transformer at 4K / 32K tokens beside the paper's ratios (bench/gpu_upstream_step.py;
+             upstream rows skipped with the reason when $MEGALODON_UPSTREAM / .upstream has no loadable module)
   autotune   ``autotune regenerate`` with a reduced budget, the table written into DIR/autotune/
 
 then writes DIR/gpu_run.json, DIR/gpu_run.md, the PNG plots (matplotlib: the ``bench`` extra) and
@@ -22,6 +26,7 @@ emulator, tiny shapes, a few kernels compiled for sm_90) so that CI keeps it wor
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import sys
@@ -30,7 +35,8 @@ import time
 import traceback
 from pathlib import Path
 
-#: (name, function name in gpu_steps, share of the budget it may take, minimum seconds to start it)
+#: (name, function name in gpu_steps or "module:function" of a bench module, share of the budget it may
+#: take, minimum seconds to start it)
 STEPS = (
     ("env", "step_env", 0.05, 5),
     ("nvrtc", "step_nvrtc", 0.10, 10),
@@ -38,6 +44,7 @@ STEPS = (
     ("tests", "step_tests", 0.30, 20),
     ("ops", "step_ops", 0.20, 15),
     ("model", "step_model", 0.15, 15),
+    ("upstream", "gpu_upstream_step:step_upstream", 0.20, 20),
     ("autotune", "step_autotune", 0.15, 15),
 )
 STEP_NAMES = tuple(s[0] for s in STEPS)
@@ -88,7 +95,9 @@ def run_steps(out: Path, budget_s: float, dry: bool, only=None) -> dict:
         print(f"[{name}] running (limit {limit:.0f} s)", flush=True)
         t0 = time.perf_counter()
         try:
-            res = getattr(gpu_steps, fn_name)(run, limit)
+            mod_name, _, func = fn_name.rpartition(":")
+            module = importlib.import_module(f"{__package__}.{mod_name}") if mod_name else gpu_steps
+            res = getattr(module, func)(run, limit)
             rec.update({k: v for k, v in res.items() if k not in ("failed", "skipped")})
             rec["status"] = "failed" if res.get("failed") else ("skipped" if res.get("skipped") else "ok")
         except Exception as exc:
@@ -109,7 +118,9 @@ def run_steps(out: Path, budget_s: float, dry: bool, only=None) -> dict:
     report["plots"], plot_note = gpu_report.plots(report, out)
     report["total_s"] = time.perf_counter() - t_start
     (out / "gpu_run.json").write_text(json.dumps(report, indent=1, default=str))
-    (out / "gpu_run.md").write_text(gpu_report.markdown(report, plot_note))
+    # a step may bring its own report section (data["markdown"]), appended after the common ones
+    sections = [d["markdown"] for d in report["data"].values() if isinstance(d, dict) and d.get("markdown")]
+    (out / "gpu_run.md").write_text("\n".join([gpu_report.markdown(report, plot_note)] + sections))
     print("\n".join(gpu_report.summary(report, plot_note)))
     return report
 

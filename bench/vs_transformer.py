@@ -160,6 +160,122 @@ def step(model: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return loss.detach()
 
 
+# ------------------------------------------------------------------------------------ the paper's setting
+#: Megalodon / Llama2 training throughput per device in the paper (section 4.1, Fig. 4: Llama2 32K 1.00,
+#: Megalodon 32K 1.32, Megalodon 4K 1.40, Llama2 4K 1.48 relative to Llama2-7B at 32K)
+PAPER_THROUGHPUT_RATIO = {4096: 1.40 / 1.48, 32768: 1.32 / 1.00}
+PAPER_VOCAB = 32000
+PAPER_HEAD_DIM = 128  # Llama2-7B: 32 heads of 128
+
+
+def build_paper(kind: str, layers: int, device="cpu", width: int = 4096, chunk: int = 4096) -> nn.Module:
+    """The 7B layer width with ``layers`` layers: Megalodon as upstream's ``mega7.1B`` (D 4096, 4 heads, z 1024,
+    v 8192, FFN 11264, G 64) at chunk ``chunk``; the Transformer as a Llama2-7B layer (32 heads of 128) with
+    the SwiGLU width that matches Megalodon's parameter count at that depth (11972 at 2 layers: Llama2-7B's
+    own 11008 gives 202.4M parameters a layer against Megalodon's 214.2M, on the meta device).
+    ``width`` < 4096 scales every width down by the same factor (the dry run's tiny models). Seeded,
+    train mode, float32 parameters."""
+    from megalodon_kernels.model.config import get_config
+
+    f = width / 4096
+    cfg = get_config("mega7.1B", vocab_size=PAPER_VOCAB if width == 4096 else 256, num_layers=layers, model_dim=width,
+                     z_dim=max(8, int(1024 * f)), value_dim=max(8, int(8192 * f)),
+                     ffn_hidden_dim=max(8, int(11264 * f)),
+                     norm_num_groups=max(1, int(64 * f)) if width >= 64 else 2, chunk_size=chunk,
+                     num_heads=4 if width >= 256 else 1)
+    torch.manual_seed(0)
+    if kind == "megalodon":
+        return Megalodon(cfg).to(device).train()
+    if kind != "transformer":
+        raise ValueError(f"kind must be 'megalodon' or 'transformer', got {kind!r}")
+    with torch.device("meta"):
+        target = n_params(Megalodon(cfg))
+    ffn = matched_ffn(width, layers, cfg.vocab_size, target)
+    torch.manual_seed(0)
+    heads = max(1, width // PAPER_HEAD_DIM)
+    return Llama(cfg.vocab_size, width, layers, heads, ffn).to(device).train()
+
+
+def measure_paper(kinds, tokens, layers: int, steps: int, device="cpu", max_step_s: float = float("inf"),
+                  width: int = 4096, chunk: int = 4096, deadline: float = float("inf")) -> list[dict]:
+    """Training steps as the paper trains: bf16 autocast over float32 parameters, forward + fused loss,
+    backward, AdamW (fused on CUDA), batch 1. Every model of ``kinds`` is built once on the device, then
+    each length of ``tokens`` runs on all of them in turn (so that a ``deadline`` (perf_counter) that
+    cuts the run leaves whole pairs). Per (length, kind): {kind, tokens, layers, params, warmup_s,
+    step_s (median of ``steps``), steps_s, tokens_per_s, peak_bytes, peak_kind, loss}."""
+    device = torch.device(device)
+    kinds = [kinds] if isinstance(kinds, str) else list(kinds)
+    models, opts = {}, {}
+    for kind in kinds:
+        with torch.device(device):
+            models[kind] = build_paper(kind, layers, device, width, chunk)
+        opts[kind] = torch.optim.AdamW(models[kind].parameters(), lr=1e-5, fused=device.type == "cuda")
+    rows = []
+    for n in ([tokens] if isinstance(tokens, int) else tokens):
+        for kind in kinds:
+            if time.perf_counter() > deadline:
+                return rows
+            model, opt = models[kind], opts[kind]
+            vocab = model.embed.weight.shape[0]
+            tok = torch.randint(0, vocab, (1, n + 1), generator=torch.Generator().manual_seed(1)).to(device)
+
+            def one():
+                opt.zero_grad(set_to_none=True)
+                with torch.autocast(device.type, dtype=torch.bfloat16):
+                    loss = model(tok[:, :-1], labels=tok[:, 1:])
+                loss.backward()
+                opt.step()
+                return loss.detach()
+
+            row = dict(kind=kind, tokens=n, layers=layers, width=width, chunk=chunk, params=n_params(model),
+                       device=str(device), precision="bf16 autocast, float32 parameters, AdamW")
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+                row["peak_kind"] = ("torch.cuda.max_memory_allocated over the first step at this length (both "
+                                    "models' parameters and AdamW state included)")
+            else:
+                row["peak_kind"] = "not measured on the CPU"
+            try:
+                t0 = time.perf_counter()
+                loss = one()  # the first length's also allocates AdamW's state
+                _sync(device)
+                row["warmup_s"] = time.perf_counter() - t0
+                row["peak_bytes"] = torch.cuda.max_memory_allocated(device) if device.type == "cuda" else 0
+                row["loss"] = float(loss)
+                times = []
+                if row["warmup_s"] <= max_step_s:
+                    for _ in range(steps):
+                        t0 = time.perf_counter()
+                        one()
+                        _sync(device)
+                        times.append(time.perf_counter() - t0)
+            except Exception as exc:  # out of memory at one length: the point, not the others
+                row.update(error=f"{type(exc).__name__}: {str(exc)[:200]}", peak_bytes=0, steps_s=[], step_s=None,
+                           tokens_per_s=None)
+                opt.zero_grad(set_to_none=True)
+                rows.append(row)
+                continue
+            row["steps_s"] = times
+            row["step_s"] = statistics.median(times) if times else None
+            row["tokens_per_s"] = n / row["step_s"] if row["step_s"] else None
+            rows.append(row)
+    return rows
+
+
+def paper_ratios(rows: list[dict]) -> list[dict]:
+    """Per length: Megalodon tokens/s / Transformer tokens/s beside the paper's ratio, and the memory ratio."""
+    by = {(r["kind"], r["tokens"]): r for r in rows}
+    out = []
+    for tokens in sorted({r["tokens"] for r in rows}):
+        m, t = by.get(("megalodon", tokens)), by.get(("transformer", tokens))
+        if m and t and m.get("tokens_per_s") and t.get("tokens_per_s"):
+            out.append(dict(tokens=tokens, throughput=m["tokens_per_s"] / t["tokens_per_s"],
+                            paper=PAPER_THROUGHPUT_RATIO.get(tokens),
+                            memory=(m["peak_bytes"] / t["peak_bytes"]) if t["peak_bytes"] else None))
+    return out
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
