@@ -29,4 +29,17 @@ def check_on_device(ok: torch.Tensor, message: str) -> None:
         if not bool(ok.all()):
             raise ValueError(message)
     else:
-        torch._assert_async(ok.all(), message)
+        torch._assert_async(ok.all(), device_message(message))
+
+
+#: torch._assert_async refuses a message of this many characters or more on CUDA ("Message length
+#: must be smaller than 255"), which failed every xPos rotary call on an H200.
+DEVICE_MESSAGE_LIMIT = 255
+
+
+def device_message(message: str) -> str:
+    """``message`` cut to what the device assertion carries; its start (the op and the argument)
+    is kept."""
+    if len(message) < DEVICE_MESSAGE_LIMIT:
+        return message
+    return message[:DEVICE_MESSAGE_LIMIT - 4] + "..."

@@ -26,6 +26,7 @@ bfloat16, its output rounding), on every backend; float64 tables are within 3e-1
 """
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -85,6 +86,34 @@ def _xpos_offsets(pos: torch.Tensor, reference) -> torch.Tensor:
     return pos - int(reference)
 
 
+def _theta_split(dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """The frequencies theta_j = base^(-2j/dim) split as hi + lo (hi with few mantissa bits, so that
+    position * hi is exact), as float64 tensors on ``device``.
+
+    theta_j comes from Python's (C library) pow, so the NumPy reference has the same float64 values.
+    The tensors are built from host lists, a host-to-device copy. In plain eager mode on a CUDA device
+    they are kept per (dim, base, device), so that a call inside CUDA-graph capture (where such a copy
+    is refused) finds them made by its eager warm-up call; traced, faked or CPU calls build them anew
+    (a cached tensor must never be a fake or traced one)."""
+    if device.type == "cuda" and plain_eager(profiler_ok=True):
+        return _theta_split_cached(dim, base, device)
+    return _theta_split_tensors(dim, base, device)
+
+
+def _theta_split_tensors(dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    theta = [base ** (-2.0 * j / dim) for j in range(dim // 2)]
+    theta_hi = [math.floor(t * _THETA_SPLIT) / _THETA_SPLIT for t in theta]
+    hi = torch.tensor(theta_hi, dtype=torch.float64, device=device)
+    lo = torch.tensor([t - h for t, h in zip(theta, theta_hi)], dtype=torch.float64, device=device)
+    return hi, lo
+
+
+@functools.lru_cache(maxsize=64)  # a few hundred bytes each; covers any model's (dim, base) pairs
+def _theta_split_cached(dim: int, base: float, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    with torch.inference_mode(False):  # normal tensors even when first made under inference_mode
+        return _theta_split_tensors(dim, base, device)
+
+
 def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_base, xpos_downscale: bool,
                     dtype: torch.dtype, reference=None, limit_dtype: torch.dtype | None = None):
     """(cos, sin) of shape (P, L, 1, dim/2) with the xPos scale folded in; P = 1 or B.
@@ -96,11 +125,7 @@ def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_b
     if pos_i.dim() == 1:
         pos_i = pos_i.unsqueeze(0)
     pos = pos_i.to(torch.float64)  # exact: |t| < 2^53
-    # theta_j computed with Python's (C library) pow, so the NumPy reference has the same float64 values
-    theta = [float(base) ** (-2.0 * j / dim) for j in range(dim // 2)]
-    theta_hi = [math.floor(t * _THETA_SPLIT) / _THETA_SPLIT for t in theta]
-    hi = torch.tensor(theta_hi, dtype=torch.float64, device=positions.device)
-    lo = torch.tensor([t - h for t, h in zip(theta, theta_hi)], dtype=torch.float64, device=positions.device)
+    hi, lo = _theta_split(dim, float(base), positions.device)
     a_hi = pos[..., None] * hi  # [P, L, d/2], exact for |t| < 2^31
     a_lo = pos[..., None] * lo  # |a_lo| < 2^9 rad: rounding below 6e-14 rad
     c_hi, s_hi, c_lo, s_lo = torch.cos(a_hi), torch.sin(a_hi), torch.cos(a_lo), torch.sin(a_lo)
