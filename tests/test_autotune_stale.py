@@ -237,8 +237,14 @@ def test_the_tuner_records_todays_candidate_set_and_the_writer_keeps_it(fake_op,
 
 
 #: Shipped entries allowed to be stale, entry id -> why (a table of another machine that cannot be
-#: re-measured where the space changed). Empty: every shipped entry was measured over today's candidates.
-KNOWN_STALE: dict = {}
+#: re-measured where the space changed).
+_H200_TRITON36 = ("measured on an H200 under the GPU image's Triton 3.6 (bench/results/gpu/h200_run2): fresh "
+                  "there (checked with the old pair's Triton 3.6), stale under Triton 3.9, whose fftconv "
+                  "candidate space adds direct_max_len 64, so auto ignores them there until a 3.9 GPU run")
+KNOWN_STALE: dict = {
+    "fftconv/bfloat16/D=4096,L=4096,k=float32": _H200_TRITON36,
+    "fftconv/bfloat16/D=4096,L=32768,k=float32": _H200_TRITON36,
+}
 
 
 def test_shipped_tables_are_measured_over_todays_candidates():
