@@ -64,7 +64,8 @@ from typing import Callable, Optional
 import torch
 
 from megalodon_kernels import ops
-from megalodon_kernels.bench.gpu_cases import as_dtype, cema_coeffs, outputs, rel
+from megalodon_kernels.bench.gpu_cases import _randn, as_dtype, cema_coeffs, outputs, rel
+from megalodon_kernels.bench.gpu_steps import sync as _sync
 
 ROOT = Path(__file__).resolve().parent.parent
 ENV_VAR = "MEGALODON_UPSTREAM"
@@ -267,10 +268,6 @@ class Case:
     extra: dict = dataclasses.field(default_factory=dict)
 
 
-def _randn(*shape, device):
-    return torch.randn(*shape, device=device, dtype=torch.float64)
-
-
 def _cema_kernel_case(D, N, L, B_hx, ref_rows=None):
     hx = B_hx is not None
 
@@ -398,11 +395,6 @@ def cases(set_name: str) -> list:
 
 
 # ------------------------------------------------------------------------------------ measuring
-def _sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize(dev)
-
-
 class _Clock:
     """Seconds of the work between start() and stop(): CUDA events on a GPU, perf_counter on the CPU."""
 
