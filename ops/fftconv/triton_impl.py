@@ -56,10 +56,9 @@ MIN_CHUNK_PAIRS = 4
 #: test's few features split a batch of >= 2 MIN_CHUNK_PAIRS pairs (tests lower that minimum);
 #: chunks <= 4 x SMs stays far below the grid's y limit
 INTERPRETER_SMS = 1
-#: column-pass dot tile BR of the workspace path (R = N / 4096 <= 64, rows >= R masked)
-WORK_ROWS = (64,)
-#: row length C of the workspace path (one 16 x 16 x 16 tile transform per row)
-WORK_C = 4096
+#: tile size C of the slice path (N = R C > MAX_TILE_FFT, R = N / C slices of C-point tile
+#: transforms): 2048, the largest tile whose transform fits 4 warps (two programs per SM)
+SLICE_C = 2048
 #: software-pipelining depth of the FFT kernels: 1 (no prefetch buffers: the column passes' chunk
 #: loads feed dots, and a second stage holds the next chunk in registers next to the accumulators)
 FFT_STAGES = 1
@@ -81,7 +80,7 @@ def launch_path(L: int) -> dict:
     the transform; work: the workspace passes beyond MAX_TILE_FFT) and its FFT size N (the
     direct path's short lengths have a small N)."""
     N = fft_size(L)
-    return {"path": "work" if N > MAX_TILE_FFT else "tile", "N": N}
+    return {"path": "slice" if N > MAX_TILE_FFT else "tile", "N": N}
 
 
 def fft_size(L: int) -> int:
@@ -453,7 +452,12 @@ if HAVE_TRITON:
         if HAS_SKIP != 0:
             tl.store(dom_ptr + c * D + d, dom)
 
-    # ------------------------------------------------------------------ workspace path (N >= 8192)
+    # ------------------------------------------------------------------ slice path (N >= 8192)
+    # N = R C, C = SLICE_C: X[R f + s] is the C-point DFT of the slice s's fold
+    # u_s[m] = W_N^(m s) sum_j x[m + C j] W_R^(j s) (a decimation in frequency; j < R / 2, as
+    # x is zero past L <= N / 2), so each (feature, slice, chunk of row pairs) program runs only
+    # C-point tile transforms. The slices' inverse transforms v_s go through an fp32 workspace to
+    # the combine kernel: y[m + C j] = sum_s W_R^(-j s) W_N^(-m s) v_s[m] (K carries the 1 / N).
 
     @triton.jit
     def table_root(tw_ptr, e, mask, R, LOG_R):
@@ -463,240 +467,175 @@ if HAVE_TRITON:
         return tl.load(tw_ptr + idx, mask=mask, other=0.0), tl.load(tw_ptr + 4096 + idx, mask=mask, other=0.0)
 
     @triton.jit
-    def col_fwd(tw_ptr, src_ptr, s_b, s_t, HAS_IM, dst_ptr, L, R, LOG_N,
-                BR: tl.constexpr, BC: tl.constexpr, C: tl.constexpr):
-        """Column pass: for n = C r + c, A[f, c] = W_N^(f c) sum_r W_R^(f r) src[n] (src row pair:
-        re at src_ptr, im at src_ptr + s_b when the 0/1 flag HAS_IM), written to dst planes (re at dst, im at
-        dst + R C) at f C + c. The R-point DFT runs in K = 16 chunks of r (rows >= R zero): [BR, 16] @
-        [16, BC] dots accumulated in the [BR, BC] tile, each chunk loaded from memory when it is used."""
-        for c0 in range(0, C, BC):
-            o_f = tl.arange(0, BR) + opaque_zero(tw_ptr)      # per tile: nothing [BR, BC] held across tiles
-            o_j = tl.arange(0, 16)
-            o_c = tl.arange(0, BC)
-            m_f = o_f < R
-            accr = tl.zeros([BR, BC], dtype=tl.float32)
-            acci = tl.zeros([BR, BC], dtype=tl.float32)
-            for r0 in range(0, R, 16):
-                o_r = r0 + o_j
-                m_fr = m_f[:, None] & (o_r[None, :] < R)
-                fr, fs = table_root(tw_ptr, o_f[:, None] * o_r[None, :], m_fr, R, LOG_N - 12)   # W_R^(f r)
-                o_n = o_r[:, None] * C + c0 + o_c[None, :]                     # [16, BC]
-                m_n = (o_r[:, None] < R) & (o_n < L)
-                b_r = tl.load(src_ptr + o_n * s_t, mask=m_n, other=0.0).to(tl.float32)
-                b_i = tl.load(src_ptr + s_b + o_n * s_t, mask=m_n & (o_n < L * HAS_IM), other=0.0).to(tl.float32)
-                accr, acci = mm_left(fr, -fs, fs, b_r, b_i, accr, acci)
-            tc, ts = twiddle(o_f[:, None] * (c0 + o_c[None, :]), LOG_N)
-            ar, ai = cmul(accr, acci, tc, -ts)
-            o_s = o_f[:, None] * C + c0 + o_c[None, :]
-            m_s = m_f[:, None] & (o_c[None, :] < BC)
-            tl.store(dst_ptr + o_s, ar, mask=m_s)
-            tl.store(dst_ptr + R * C + o_s, ai, mask=m_s)
+    def fold_pair(tw_ptr, ptr, b0, d, B, L, s_b, s_d, s_t, s, R, LOG_N, LOG_R, A: tl.constexpr):
+        """Slice s's fold of rows b0 (re) and b0 + 1 (im; zero when b0 + 1 = B) of feature d as the
+        [256, A] tile of ``fftn``: one table root W_R^(j s) per block j of C positions, then the
+        per-position W_N^(m s) (``twiddle``: N > 4096 is past the table)."""
+        C: tl.constexpr = 256 * A
+        o_n = tile_offsets(tw_ptr, A)
+        ur = tl.zeros([256, A], dtype=tl.float32)
+        ui = tl.zeros([256, A], dtype=tl.float32)
+        p = ptr + (d.to(tl.int64) * 0 + b0) * s_b + d.to(tl.int64) * s_d
+        m_1 = L * tl.minimum(B - 1 - b0, 1)                                  # row b0 + 1 exists
+        for j in range(0, (L + C - 1) // C):
+            idx = ((j * s) & (R - 1)) << (12 - LOG_R)
+            cj = tl.load(tw_ptr + idx)
+            sj = tl.load(tw_ptr + 4096 + idx)
+            o_j = o_n + j * C
+            br = tl.load(p + o_j * s_t, mask=o_j < L, other=0.0).to(tl.float32)
+            bi = tl.load(p + s_b + o_j * s_t, mask=o_j < m_1, other=0.0).to(tl.float32)
+            ur += br * cj + bi * sj                                         # (br + i bi) W_R^(-j s)
+            ui += bi * cj - br * sj
+        tc, ts = twiddle(o_n * s, LOG_N)
+        return cmul(ur, ui, tc, -ts)
 
     @triton.jit
-    def col_inv_tile(tw_ptr, src_ptr, c0, R, LOG_N, BR: tl.constexpr, BC: tl.constexpr, C: tl.constexpr):
-        """Inverse column pass on columns c0..c0+BC of the planes at src: out[r, c] =
-        sum_f W_R^(-f r) W_N^(-f c) A[f, c] for the positions n = C r + c (unnormalised), in K = 16
-        chunks of f as ``col_fwd``."""
-        o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
-        o_j = tl.arange(0, 16)
-        o_c = tl.arange(0, BC)
-        m_r = o_r < R
-        accr = tl.zeros([BR, BC], dtype=tl.float32)
-        acci = tl.zeros([BR, BC], dtype=tl.float32)
-        for f0 in range(0, R, 16):
-            o_f = f0 + o_j
-            o_n = o_f[:, None] * C + c0 + o_c[None, :]                         # [16, BC]
-            m_a = (o_f[:, None] < R) & (o_c[None, :] < BC)
-            ar = tl.load(src_ptr + o_n, mask=m_a, other=0.0)
-            ai = tl.load(src_ptr + R * C + o_n, mask=m_a, other=0.0)
-            tc, ts = twiddle(o_f[:, None] * (c0 + o_c[None, :]), LOG_N)
-            ar, ai = cmul(ar, ai, tc, ts)
-            m_rf = m_r[:, None] & (o_f[None, :] < R)
-            fr, fs = table_root(tw_ptr, o_r[:, None] * o_f[None, :], m_rf, R, LOG_N - 12)   # conj W_R: +sin
-            accr, acci = mm_left(fr, fs, -fs, ar, ai, accr, acci)
-        return accr, acci
+    def slice_offsets(tw_ptr, A: tl.constexpr):
+        """[16 A, 16] row-major positions of ``fftn``'s spectrum tile (rooted in ``opaque_zero``)."""
+        return (tl.arange(0, 16 * A)[:, None] + opaque_zero(tw_ptr)) * 16 + tl.arange(0, 16)[None, :]
 
     @triton.jit
-    def row_load(tw_ptr, src_ptr, f, R, C: tl.constexpr):
-        """Row f (length C = 4096) of the planes at src in natural order, as the [256, 16] tile of fftn."""
-        o_c = f * C + tile_offsets(tw_ptr, 16)
-        return tl.load(src_ptr + o_c), tl.load(src_ptr + R * C + o_c), o_c
-
-    @triton.jit
-    def spec_offsets(tw_ptr):
-        """[256, 16] row-major positions of a row spectrum (rooted in ``opaque_zero``, see tile_offsets)."""
-        return (tl.arange(0, 256)[:, None] + opaque_zero(tw_ptr)) * 16 + tl.arange(0, 16)[None, :]
-
-    @triton.jit
-    def spec_load(tw_ptr, src_ptr, f, R, C: tl.constexpr):
-        """Row f's spectrum, stored as fftn's [256, 16] tile (row-major)."""
-        o_s = f * C + spec_offsets(tw_ptr)
-        return tl.load(src_ptr + o_s), tl.load(src_ptr + R * C + o_s), o_s
-
-    @triton.jit
-    def _work_fwd_kernel(
-        x_ptr, k_ptr, tw_ptr, b_ptr, om_ptr, y_ptr, ws_ptr,
-        B, D, L, sxb, sxd, sxt, HAS_BIAS, HAS_SKIP, R, LOG_N,
-        BR: tl.constexpr, BC: tl.constexpr, OUT_BF16: tl.constexpr,
-    ):
-        C: tl.constexpr = 4096
+    def _slice_spec_kernel(k_ptr, tw_ptr, ks_ptr, D, L, R, LOG_N, LOG_R, A: tl.constexpr, LOG_A: tl.constexpr):
+        """Program (d, s): K[R f + s] / N of row d of k, stored as the [16 A, 16] spectrum tile (re,
+        im planes) at ks[d, s] of [D, R, 2, C]: once per call, shared by every row pair."""
+        C: tl.constexpr = 256 * A
         d = tl.program_id(0)
-        N = R * C
-        w_k = ws_ptr + d.to(tl.int64) * (4 * N)                   # k spectrum planes (re, im)
-        w_x = w_k + 2 * N                                         # row-pair planes
-        inv_n = 1.0 / N.to(tl.float32)
-        # k's spectrum, once per d: column pass, then the row FFTs in place (scaled by 1/N)
-        col_fwd(tw_ptr, k_ptr + d.to(tl.int64) * L, 0, 1, 0, w_k, L, R, LOG_N, BR, BC, C)
-        tl.debug_barrier()
-        for f in range(R):
-            sr, si, _ = row_load(tw_ptr, w_k, f, R, C)
-            sr, si = fftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
-            o_s = f * C + spec_offsets(tw_ptr)
-            tl.store(w_k + o_s, sr * inv_n)
-            tl.store(w_k + N + o_s, si * inv_n)
-        tl.debug_barrier()
-        om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
-        o_r = tl.arange(0, BR)
-        o_c = tl.arange(0, BC)
-        for b0 in range(0, B, 2):
-            p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd
-            col_fwd(tw_ptr, p_x, sxb, sxt, tl.minimum(B - 1 - b0, 1), w_x, L, R, LOG_N, BR, BC, C)
-            tl.debug_barrier()
-            for f in range(R):
-                sr, si, _ = row_load(tw_ptr, w_x, f, R, C)
-                sr, si = fftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
-                kr, ki, _ = spec_load(tw_ptr, w_k, f, R, C)
-                sr, si = cmul(sr, si, kr, ki)
-                sr, si = ifftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
-                o_f = f * C + tile_offsets(tw_ptr, 16)
-                tl.store(w_x + o_f, sr)
-                tl.store(w_x + N + o_f, si)
-            tl.debug_barrier()
-            row = (b0 * D + d).to(tl.int64) * L
-            for c0 in range(0, C, BC):
-                yr, yi = col_inv_tile(tw_ptr, w_x, c0, R, LOG_N, BR, BC, C)
-                o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
-                o_n = o_r[:, None] * C + c0 + o_c[None, :]
-                m_n = (o_r[:, None] < R) & (o_n < L)
-                m_1 = o_n < L * tl.minimum(B - 1 - b0, 1)                        # row b0+1 exists
-                # fused epilogue (cema): omega x (x re-read from L2: the tile left registers two
-                # passes ago) and the bias rows
-                yr += om * tl.load(p_x + o_n * sxt, mask=m_n & (o_n < L * HAS_SKIP), other=0.0).to(tl.float32)
-                yi += om * tl.load(p_x + sxb + o_n * sxt, mask=m_1 & (o_n < L * HAS_SKIP), other=0.0).to(tl.float32)
-                yr += tl.load(b_ptr + row + o_n, mask=m_n & (o_n < L * HAS_BIAS), other=0.0)
-                yi += tl.load(b_ptr + row + D * L + o_n, mask=m_1 & (o_n < L * HAS_BIAS), other=0.0)
-                store_rounded(y_ptr + row + o_n, yr, m_n, OUT_BF16)
-                store_rounded(y_ptr + row + D * L + o_n, yi, m_1, OUT_BF16)
-            tl.debug_barrier()
+        s = tl.program_id(1)
+        ur, ui = fold_pair(tw_ptr, k_ptr, 0, d, 1, L, 0, L, 1, s, R, LOG_N, LOG_R, A)
+        kr, ki = fftn(tw_ptr, ur, ui, A, LOG_A, DOT_PRECISION)
+        inv_n = 1.0 / (R * C).to(tl.float32)                               # exact: a power of two
+        o_s = slice_offsets(tw_ptr, A)
+        base = ks_ptr + (d * R + s).to(tl.int64) * (2 * C)
+        tl.store(base + o_s, kr * inv_n)
+        tl.store(base + C + o_s, ki * inv_n)
 
     @triton.jit
-    def _work_bwd_kernel(
-        dy_ptr, x_ptr, k_ptr, tw_ptr, om_ptr, dx_ptr, dk_ptr, dom_ptr, ws_ptr,
-        B, D, L, syb, syd, syt, sxb, sxd, sxt, HAS_SKIP, DO_DOM, R, LOG_N,
-        NEED_X: tl.constexpr, NEED_K: tl.constexpr, BR: tl.constexpr, BC: tl.constexpr,
+    def _slice_conv_kernel(
+        x_ptr, ks_ptr, tw_ptr, v_ptr,
+        B, D, L, sxb, sxd, sxt, CONJ, R, LOG_N, LOG_R, PAIRS,
+        A: tl.constexpr, LOG_A: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
-        """One backward pass of the workspace path: dx (NEED_X; + omega dy when HAS_SKIP) or dk
-        (NEED_K); the launcher runs one launch per needed output, never both in one program (with
-        both, the live state of the two row loops spilled on sm_90). DO_DOM: this launch also
-        sums domega = sum dy x (exactly one launch does)."""
-        C: tl.constexpr = 4096
+        """Program (d, s, c): slice s of feature d for the row pairs of chunk c: v_s = IFFT_C(U_s K_s)
+        (conj(K_s) when CONJ: dx) into v[pair, d, s] of [pairs, D, R, 2, C], K_s loaded once."""
+        PF: tl.constexpr = BF16_OUT_DOT if OUT_BF16 else DOT_PRECISION
+        C: tl.constexpr = 256 * A
         d = tl.program_id(0)
-        N = R * C
-        w_k = ws_ptr + d.to(tl.int64) * (8 * N)                   # conj(K)/N planes
-        w_z = w_k + 2 * N                                         # dy pair spectrum, then dx
-        w_p = w_k + 4 * N                                         # x pair spectrum
-        w_s = w_k + 6 * N                                         # sum_pairs Z conj(P)
-        inv_n = 1.0 / N.to(tl.float32)
-        o_r = tl.arange(0, BR)
-        o_c = tl.arange(0, BC)
-        if NEED_X != 0:
-            col_fwd(tw_ptr, k_ptr + d.to(tl.int64) * L, 0, 1, 0, w_k, L, R, LOG_N, BR, BC, C)
-            tl.debug_barrier()
-            for f in range(R):
-                sr, si, _ = row_load(tw_ptr, w_k, f, R, C)
-                sr, si = fftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
-                o_s = f * C + spec_offsets(tw_ptr)
-                tl.store(w_k + o_s, sr * inv_n)
-                tl.store(w_k + N + o_s, -si * inv_n)
-        om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
-        dom = tl.sum(tl.zeros([BR], dtype=tl.float32), 0)
-        for b0 in range(0, B, 2):
-            tl.debug_barrier()
-            p_dy = dy_ptr + (d.to(tl.int64) * 0 + b0) * syb + d.to(tl.int64) * syd
-            p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd
-            has_1 = tl.minimum(B - 1 - b0, 1)                       # 1: row b0+1 exists
-            col_fwd(tw_ptr, p_dy, syb, syt, has_1, w_z, L, R, LOG_N, BR, BC, C)
+        s = tl.program_id(1)
+        b_lo = tl.program_id(2) * (2 * PAIRS)
+        b_hi = tl.minimum(B, b_lo + 2 * PAIRS)
+        o_s = slice_offsets(tw_ptr, A)
+        base = ks_ptr + (d * R + s).to(tl.int64) * (2 * C)
+        kr = tl.load(base + o_s)
+        ki = tl.load(base + C + o_s) * (1 - 2 * CONJ)
+        for b0 in range(b_lo, b_hi, 2):
+            ur, ui = fold_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, s, R, LOG_N, LOG_R, A)
+            zr, zi = fftn(tw_ptr, ur, ui, A, LOG_A, PF)
+            zr, zi = cmul(zr, zi, kr, ki)
+            vr, vi = ifftn(tw_ptr, zr, zi, A, LOG_A, PF)
+            o_n = tile_offsets(tw_ptr, A)
+            out = v_ptr + (((b0 // 2) * D + d) * R + s).to(tl.int64) * (2 * C)
+            tl.store(out + o_n, vr)
+            tl.store(out + C + o_n, vi)
+
+    @triton.jit
+    def _slice_dk_kernel(
+        dy_ptr, x_ptr, tw_ptr, v_ptr, acc_ptr, dom_ptr,
+        B, D, L, syb, syd, syt, sxb, sxd, sxt, NEED_K, HAS_SKIP, R, LOG_N, LOG_R, PAIRS,
+        A: tl.constexpr, LOG_A: tl.constexpr,
+    ):
+        """Program (d, s, c): slice s of sum over chunk c's pairs of Z conj(P) / N (Z, P: dy's and x's
+        pair spectra), inverse-transformed into acc[c, d, s] of [chunks, D, R, 2, C] (the combine
+        kernel turns it into chunk c's partial dk); P is parked in v[pair, d, s] while Z is
+        transformed, so two transforms are never live at once. Slice 0 also sums domega's
+        dy x of the chunk (dom[c, d])."""
+        C: tl.constexpr = 256 * A
+        d = tl.program_id(0)
+        s = tl.program_id(1)
+        c = tl.program_id(2)
+        b_lo = c * (2 * PAIRS)
+        b_hi = tl.minimum(B, b_lo + 2 * PAIRS)
+        acc_r = tl.zeros([16 * A, 16], dtype=tl.float32)
+        acc_i = acc_r
+        dom = tl.sum(tl.sum(acc_r, 1), 0)
+        l_dom = L * HAS_SKIP * (s == 0).to(tl.int32)                         # slice 0 sums domega
+        for b0 in range(b_lo, b_hi, 2):
             if NEED_K != 0:
-                col_fwd(tw_ptr, p_x, sxb, sxt, has_1, w_p, L, R, LOG_N, BR, BC, C)
-            if DO_DOM != 0:                                       # domega = sum dy x
-                for c0 in range(0, C, BC):
-                    o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
-                    o_n = o_r[:, None] * C + c0 + o_c[None, :]
-                    m_n = (o_r[:, None] < R) & (o_n < L)
-                    m_1 = m_n & (o_n < L * has_1)
-                    g0 = tl.load(p_dy + o_n * syt, mask=m_n, other=0.0).to(tl.float32)
-                    g1 = tl.load(p_dy + syb + o_n * syt, mask=m_1, other=0.0).to(tl.float32)
-                    x0 = tl.load(p_x + o_n * sxt, mask=m_n, other=0.0).to(tl.float32)
-                    x1 = tl.load(p_x + sxb + o_n * sxt, mask=m_1, other=0.0).to(tl.float32)
-                    dom += tl.sum(tl.sum(g0 * x0 + g1 * x1, 1), 0)
-            tl.debug_barrier()
-            for f in range(R):
-                if NEED_K != 0:
-                    # x's row spectrum first, parked in place in its workspace row, so that the two
-                    # transforms of the product are never live at once (that spilled on sm_90)
-                    pr, pi, _ = row_load(tw_ptr, w_p, f, R, C)
-                    pr, pi = fftn(tw_ptr, pr, pi, 16, 4, DOT_PRECISION)
-                    o_s = f * C + spec_offsets(tw_ptr)
-                    tl.store(w_p + o_s, pr)
-                    tl.store(w_p + N + o_s, pi)
-                    tl.debug_barrier()
-                zr, zi, _ = row_load(tw_ptr, w_z, f, R, C)
-                zr, zi = fftn(tw_ptr, zr, zi, 16, 4, DOT_PRECISION)
-                if NEED_K != 0:
-                    pr, pi, o_s = spec_load(tw_ptr, w_p, f, R, C)
-                    sr, si = cmul(zr, zi, pr, -pi)
-                    m_acc = tl.full([256, 16], b0, tl.int32) > 0        # first pair: overwrite
-                    sr += tl.load(w_s + o_s, mask=m_acc, other=0.0)
-                    si += tl.load(w_s + N + o_s, mask=m_acc, other=0.0)
-                    tl.store(w_s + o_s, sr)
-                    tl.store(w_s + N + o_s, si)
-                if NEED_X != 0:
-                    kr, ki, _ = spec_load(tw_ptr, w_k, f, R, C)
-                    sr, si = cmul(zr, zi, kr, ki)
-                    sr, si = ifftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
-                    o_f = f * C + tile_offsets(tw_ptr, 16)
-                    tl.store(w_z + o_f, sr)
-                    tl.store(w_z + N + o_f, si)
-            tl.debug_barrier()
-            if NEED_X != 0:
-                row = (b0 * D + d).to(tl.int64) * L
-                for c0 in range(0, C, BC):
-                    gr, gi = col_inv_tile(tw_ptr, w_z, c0, R, LOG_N, BR, BC, C)
-                    o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
-                    o_n = o_r[:, None] * C + c0 + o_c[None, :]
-                    m_n = (o_r[:, None] < R) & (o_n < L)
-                    m_1 = m_n & (o_n < L * has_1)
-                    gr += om * tl.load(p_dy + o_n * syt, mask=m_n & (o_n < L * HAS_SKIP), other=0.0).to(tl.float32)
-                    gi += om * tl.load(p_dy + syb + o_n * syt, mask=m_1 & (o_n < L * HAS_SKIP), other=0.0).to(tl.float32)
-                    tl.store(dx_ptr + row + o_n, gr, mask=m_n)
-                    tl.store(dx_ptr + row + D * L + o_n, gi, mask=m_1)
+                o_s = slice_offsets(tw_ptr, A)
+                park = v_ptr + (((b0 // 2) * D + d) * R + s).to(tl.int64) * (2 * C)
+                ur, ui = fold_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, s, R, LOG_N, LOG_R, A)
+                pr, pi = fftn(tw_ptr, ur, ui, A, LOG_A, DOT_PRECISION)
+                tl.store(park + o_s, pr)
+                tl.store(park + C + o_s, pi)
+                tl.debug_barrier()
+                ur, ui = fold_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, s, R, LOG_N, LOG_R, A)
+                zr, zi = fftn(tw_ptr, ur, ui, A, LOG_A, DOT_PRECISION)
+                o_s = slice_offsets(tw_ptr, A)
+                pr = tl.load(park + o_s)
+                pi = tl.load(park + C + o_s)
+                sr, si = cmul(zr, zi, pr, -pi)
+                acc_r += sr
+                acc_i += si
+                tl.debug_barrier()
+            for j in range(0, (l_dom + C - 1) // C):                          # blocks of C positions
+                b_gr, b_gi = tile_pair(tw_ptr, dy_ptr + j * (C) * syt, b0, d, B, l_dom - j * C,
+                                       syb, syd, syt, A)
+                b_xr, b_xi = tile_pair(tw_ptr, x_ptr + j * (C) * sxt, b0, d, B, l_dom - j * C,
+                                       sxb, sxd, sxt, A)
+                dom += tl.sum(tl.sum(b_gr * b_xr + b_gi * b_xi, 1), 0)
         if NEED_K != 0:
-            tl.debug_barrier()
-            for f in range(R):
-                sr, si, _ = spec_load(tw_ptr, w_s, f, R, C)
-                sr, si = ifftn(tw_ptr, sr, si, 16, 4, DOT_PRECISION)
-                o_f = f * C + tile_offsets(tw_ptr, 16)
-                tl.store(w_s + o_f, sr)
-                tl.store(w_s + N + o_f, si)
-            tl.debug_barrier()
-            for c0 in range(0, C, BC):
-                gr, gi = col_inv_tile(tw_ptr, w_s, c0, R, LOG_N, BR, BC, C)
-                o_r = tl.arange(0, BR) + opaque_zero(tw_ptr)
-                o_n = o_r[:, None] * C + c0 + o_c[None, :]
-                m_n = (o_r[:, None] < R) & (o_n < L)
-                tl.store(dk_ptr + d.to(tl.int64) * L + o_n, gr * inv_n, mask=m_n)
-        if DO_DOM != 0:
-            tl.store(dom_ptr + d, dom)
+            inv_n = 1.0 / (R * C).to(tl.float32)
+            gr, gi = ifftn(tw_ptr, acc_r * inv_n, acc_i * inv_n, A, LOG_A, DOT_PRECISION)
+            o_n = tile_offsets(tw_ptr, A)
+            out = acc_ptr + ((c * D + d) * R + s).to(tl.int64) * (2 * C)
+            tl.store(out + o_n, gr)
+            tl.store(out + C + o_n, gi)
+        if HAS_SKIP != 0:
+            tl.store(dom_ptr + c * D + d, dom, mask=s == 0)
+
+    @triton.jit
+    def _slice_out_kernel(
+        v_ptr, tw_ptr, x_ptr, b_ptr, om_ptr, y_ptr,
+        B, D, L, sxb, sxd, sxt, HAS_BIAS, HAS_SKIP, HAS_IM, R, LOG_N, LOG_R,
+        C: tl.constexpr, BJ: tl.constexpr, BC: tl.constexpr, OUT_BF16: tl.constexpr,
+    ):
+        """Program (d, p, q): columns [q BC, (q + 1) BC) of pair p's rows 2p, 2p + 1 (the second only
+        when HAS_IM): y[m + C j] = sum_s W_R^(-j s) W_N^(-m s) v_s[m] for the blocks j < BJ, as
+        [BJ, 16] @ [16, BC] dots over 16 slices at a time (slices >= R masked), then the epilogue
+        (cema): + omega x + bias, rounded once into y's dtype."""
+        d = tl.program_id(0)
+        p = tl.program_id(1)
+        b0 = p * (1 + HAS_IM)                      # dk's partials: one real row per "pair" (chunk)
+        c0 = tl.program_id(2) * BC
+        o_j = tl.arange(0, BJ) + opaque_zero(tw_ptr)
+        o_f = tl.arange(0, 16)
+        o_c = c0 + tl.arange(0, BC)
+        src = v_ptr + (p * D + d).to(tl.int64) * R * (2 * C)
+        accr = tl.zeros([BJ, BC], dtype=tl.float32)
+        acci = tl.zeros([BJ, BC], dtype=tl.float32)
+        for f0 in range(0, R, 16):
+            o_s = f0 + o_f
+            m_a = (o_s[:, None] < R) & (o_c[None, :] < C)
+            p_a = src + o_s[:, None] * (2 * C) + o_c[None, :]
+            ar = tl.load(p_a, mask=m_a, other=0.0)
+            ai = tl.load(p_a + C, mask=m_a, other=0.0)
+            tc, ts = twiddle(o_s[:, None] * o_c[None, :], LOG_N)           # W_N^(-m s): conj
+            ar, ai = cmul(ar, ai, tc, ts)
+            fr, fs = table_root(tw_ptr, o_j[:, None] * o_s[None, :], o_s[None, :] < R, R, LOG_R)
+            accr, acci = mm_left(fr, fs, -fs, ar, ai, accr, acci)
+        o_n = o_j[:, None] * C + o_c[None, :]
+        m_n = (o_n < L) & (o_c[None, :] < C)
+        m_1 = m_n & (o_n < L * tl.minimum(B - 1 - b0, 1) * HAS_IM)            # row b0 + 1 exists
+        p_x = x_ptr + (d.to(tl.int64) * 0 + b0) * sxb + d.to(tl.int64) * sxd + o_n * sxt
+        om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
+        m_om = o_n < L * HAS_SKIP
+        accr += om * tl.load(p_x, mask=m_n & m_om, other=0.0).to(tl.float32)
+        acci += om * tl.load(p_x + sxb, mask=m_1 & m_om, other=0.0).to(tl.float32)
+        row = (b0 * D + d).to(tl.int64) * L
+        m_b = o_n < L * HAS_BIAS
+        accr += tl.load(b_ptr + row + o_n, mask=m_n & m_b, other=0.0)
+        acci += tl.load(b_ptr + row + D * L + o_n, mask=m_1 & m_b, other=0.0)
+        store_rounded(y_ptr + row + o_n, accr, m_n, OUT_BF16)
+        store_rounded(y_ptr + row + D * L + o_n, acci, m_1, OUT_BF16)
 
     # ------------------------------------------------------------------ direct path (L <= 64)
 
@@ -757,14 +696,15 @@ if HAVE_TRITON:
 # ---------------------------------------------------------------------- launchers
 
 def _plan(L: int, direct_max_len: int):
-    """("direct", BL) | ("tile", A) | ("work", R, BR)."""
+    """("direct", BL) | ("tile", A) | ("slice", A, R, BJ): the slice path's C = 256 A point tiles,
+    R = N / C slices and BJ >= R / 2 output blocks per combine program."""
     if L <= min(direct_max_len, DIRECT_MAX):
         return ("direct", max(16, triton.next_power_of_2(L)))
     N = fft_size(L)
     if N <= MAX_TILE_FFT:
         return ("tile", tile_factor(N))
-    R = N // WORK_C
-    return ("work", R, WORK_ROWS[-1])
+    R = N // SLICE_C
+    return ("slice", tile_factor(SLICE_C), R, max(16, R // 2))
 
 
 _SMS: dict = {}
@@ -818,12 +758,18 @@ def conv_fwd(x, k, bias=None, omega=None, out_dtype=None, *, direct_max_len, num
                                       A=a, LOG_A=_log2(a), OUT_BF16=out_bf16, num_warps=tile_warps(256 * a, num_warps),
                                       num_stages=FFT_STAGES)
     else:
-        R, BR = plan[1:]
-        N = R * WORK_C
-        ws = torch.empty(D, 4 * N, dtype=torch.float32, device=x.device)
-        _work_fwd_kernel[(D,)](x, k, twiddle_table(x.device), bias_t, om, y, ws, B, D, L, *strides, *flags, R, _log2(N),
-                               BR=BR, BC=work_bc, OUT_BF16=out_bf16, num_warps=work_warps,
-                               num_stages=FFT_STAGES)
+        a, R, bj = plan[1:]
+        C, dev = 256 * a, x.device
+        tw, w, logs = twiddle_table(dev), tile_warps(256 * a, num_warps), (_log2(R * C), _log2(R))
+        ks = slice_spectrum(k, a, R, w)
+        pairs = (B + 1) // 2
+        chunks, per = row_chunks(B, D * R, sm_count(dev))
+        v = torch.empty(pairs, D, R, 2, C, dtype=torch.float32, device=dev)
+        _slice_conv_kernel[(D, R, chunks)](x, ks, tw, v, B, D, L, *strides, 0, R, *logs, per, A=a, LOG_A=_log2(a),
+                                           OUT_BF16=out_bf16, num_warps=w, num_stages=FFT_STAGES)
+        bc = min(work_bc, C)
+        _slice_out_kernel[(D, pairs, C // bc)](v, tw, x, bias_t, om, y, B, D, L, *strides, *flags, 1, R, *logs,
+                                               C=C, BJ=bj, BC=bc, OUT_BF16=out_bf16, num_warps=work_warps)
     return y
 
 
@@ -861,18 +807,46 @@ def conv_bwd(dy, x, k, need_x=True, need_k=True, omega=None, *, direct_max_len, 
             if omega is not None:
                 torch.sum(dom_c, 0, out=dom)
     else:
-        R, BR = plan[1:]
-        N = R * WORK_C
-        ws = torch.empty(D, 8 * N, dtype=torch.float32, device=dev)
-        skip = int(omega is not None)
-        # one launch per output (they share the workspace, in stream order); domega rides on the dk
-        # launch, else on the dx launch, else on a launch that computes only domega
-        passes = [p for p, need in (((True, False), need_x), ((False, True), need_k)) if need] or [(False, False)]
-        for i, (px, pk) in enumerate(passes):
-            do_dom = int(skip and i == len(passes) - 1)
-            _work_bwd_kernel[(D,)](*targs, ws, *shape, skip, do_dom, R, _log2(N), NEED_X=px, NEED_K=pk, BR=BR,
-                                   BC=work_bc, num_warps=work_warps, num_stages=FFT_STAGES)
+        a, R, bj = plan[1:]
+        C, tw, w = 256 * a, twiddle_table(dev), tile_warps(256 * a, num_warps)
+        logs = (_log2(R * C), _log2(R))
+        pairs = (B + 1) // 2
+        chunks, per = row_chunks(B, D * R, sm_count(dev))
+        bc = min(work_bc, C)
+        v = torch.empty(pairs, D, R, 2, C, dtype=torch.float32, device=dev)   # parked P, then dx's slices
+        if need_k or omega is not None:
+            acc = torch.empty(chunks, D, R, 2, C, dtype=torch.float32, device=dev) if need_k else k
+            dom_c = torch.empty(chunks, D, dtype=torch.float32, device=dev) if omega is not None and chunks > 1 else dom
+            _slice_dk_kernel[(D, R, chunks)](dy, x, tw, v, acc, dom_c, *shape, *flags[1:], R, *logs, per, A=a,
+                                             LOG_A=_log2(a), num_warps=w, num_stages=FFT_STAGES)
+            if need_k:
+                # chunk c's partial dk (one real row per chunk), added below in a fixed order
+                dk_c = torch.empty(chunks, D, L, dtype=torch.float32, device=dev) if chunks > 1 else dk
+                _slice_out_kernel[(D, chunks, C // bc)](acc, tw, k, k, k, dk_c, chunks, D, L, 0, 0, 0, 0, 0, 0, R,
+                                                        *logs, C=C, BJ=bj, BC=bc, OUT_BF16=False,
+                                                        num_warps=work_warps)
+                if chunks > 1:
+                    torch.sum(dk_c, 0, out=dk)
+            if omega is not None and chunks > 1:
+                torch.sum(dom_c, 0, out=dom)
+        if need_x:
+            ks = slice_spectrum(k, a, R, w)
+            strides = dy.stride()
+            _slice_conv_kernel[(D, R, chunks)](dy, ks, tw, v, B, D, L, *strides, 1, R, *logs, per, A=a,
+                                               LOG_A=_log2(a), OUT_BF16=False, num_warps=w, num_stages=FFT_STAGES)
+            _slice_out_kernel[(D, pairs, C // bc)](v, tw, dy, k, om, dx, B, D, L, *strides, 0, flags[2], 1, R, *logs,
+                                                   C=C, BJ=bj, BC=bc, OUT_BF16=False, num_warps=work_warps)
     return (dx if need_x else None, dk if need_k else None, dom if omega is not None else None)
+
+
+def slice_spectrum(k, a: int, R: int, warps: int) -> torch.Tensor:
+    """[D, R, 2, C] fp32: slice s of k's N = R C point spectrum / N (``_slice_spec_kernel``), once per call."""
+    D, L = k.shape
+    C = 256 * a
+    ks = torch.empty(D, R, 2, C, dtype=torch.float32, device=k.device)
+    _slice_spec_kernel[(D, R)](k, twiddle_table(k.device), ks, D, L, R, _log2(R * C), _log2(R), A=a, LOG_A=_log2(a),
+                               num_warps=warps, num_stages=FFT_STAGES)
+    return ks
 
 
 def forward(x, k, out_dtype=None, **config):
