@@ -383,23 +383,45 @@ def _fftconv_config_variants(cfg, direct_tiles):
                 arg_types=bwd_ptrs_t + bwd_ints + (("PAIRS", "i32"),),
                 constexprs=tile, div16=div16, num_warps=w, num_stages=impl.FFT_STAGES,
                 label=f"tile bwd x={dt} N={256 * a} warps={w}"))
-        for br in impl.WORK_ROWS:
-            work = (("R", "i32"), ("LOG_N", "i32"))
+        # the slice path (N > MAX_TILE_FFT): C = SLICE_C point tiles, R and N runtime; the combine
+        # kernel's BJ output blocks per program for each R = N / C up to MAX_LENGTH's FFT size
+        a = impl.tile_factor(impl.SLICE_C)
+        tile = (("A", a), ("LOG_A", impl._log2(a)))
+        w = impl.tile_warps(impl.SLICE_C, cfg["num_warps"])
+        logs = (("R", "i32"), ("LOG_N", "i32"), ("LOG_R", "i32"))
+        n = f"C={impl.SLICE_C} warps={w}"
+        if dt == "fp32":
             variants.append(Variant(
-                op="fftconv", kernel="_work_fwd_kernel", fn=impl._work_fwd_kernel,
-                arg_types=fwd_ptrs_t + (("ws_ptr", "*fp32"),) + fwd_ints + work,
-                constexprs=(("BR", br), ("BC", cfg["work_bc"]), ("OUT_BF16", out_bf16)), div16=div16,
-                num_warps=cfg["work_warps"], num_stages=impl.FFT_STAGES,
-                label=f"work fwd x={dt} BR={br} warps={cfg['work_warps']}"))
-            work_bwd_ints = bwd_ints[:-3] + (("HAS_SKIP", "i32"), ("DO_DOM", "i32"))
-            for px, pk in ((True, False), (False, True), (False, False)):  # dx, dk, domega-only launches
+                op="fftconv", kernel="_slice_spec_kernel", fn=impl._slice_spec_kernel,
+                arg_types=(("k_ptr", "*fp32"), ("tw_ptr", "*fp32"), ("ks_ptr", "*fp32"), ("D", "i32"), ("L", "i32"))
+                + logs, constexprs=tile, div16=div16, num_warps=w, num_stages=impl.FFT_STAGES,
+                label=f"slice spectrum {n}"))
+        conv_args = (("x_ptr", f"*{dt}"), ("ks_ptr", "*fp32"), ("tw_ptr", "*fp32"), ("v_ptr", "*fp32")) \
+            + fwd_ints[:6] + (("CONJ", "i32"),) + logs + (("PAIRS", "i32"),)
+        for ob in sorted({out_bf16, False}):
+            variants.append(Variant(
+                op="fftconv", kernel="_slice_conv_kernel", fn=impl._slice_conv_kernel, arg_types=conv_args,
+                constexprs=tile + (("OUT_BF16", ob),), div16=div16, num_warps=w, num_stages=impl.FFT_STAGES,
+                label=f"slice conv x={dt}{' bf16-out' if ob else ''} {n}"))
+        variants.append(Variant(
+            op="fftconv", kernel="_slice_dk_kernel", fn=impl._slice_dk_kernel,
+            arg_types=(("dy_ptr", f"*{dt}"), ("x_ptr", f"*{dt}"), ("tw_ptr", "*fp32"), ("v_ptr", "*fp32"),
+                       ("acc_ptr", "*fp32"), ("dom_ptr", "*fp32")) + bwd_ints[:9]
+            + (("NEED_K", "i32"), ("HAS_SKIP", "i32")) + logs + (("PAIRS", "i32"),),
+            constexprs=tile, div16=div16, num_warps=w, num_stages=impl.FFT_STAGES, label=f"slice dk x={dt} {n}"))
+        bjs = sorted({impl._plan(L, 0)[3] for L in (2 * impl.SLICE_C << i for i in range(12)) if L <= impl.MAX_LENGTH})
+        def bc(bj):
+            return impl.combine_cols(bj, cfg["work_bc"], impl.SLICE_C)
+
+        for y_dt in sorted({dt, "fp32"}):
+            for bj in bjs:
                 variants.append(Variant(
-                    op="fftconv", kernel="_work_bwd_kernel", fn=impl._work_bwd_kernel,
-                    arg_types=bwd_ptrs_t + (("ws_ptr", "*fp32"),) + work_bwd_ints + work,
-                    constexprs=(("NEED_X", px), ("NEED_K", pk), ("BR", br), ("BC", cfg["work_bc"])), div16=div16,
-                    num_warps=cfg["work_warps"], num_stages=impl.FFT_STAGES,
-                    label=f"work bwd {'dx' if px else 'dk' if pk else 'domega'} x={dt} BR={br} "
-                          f"warps={cfg['work_warps']}"))
+                    op="fftconv", kernel="_slice_out_kernel", fn=impl._slice_out_kernel,
+                    arg_types=(("v_ptr", "*fp32"), ("tw_ptr", "*fp32"), ("x_ptr", f"*{dt}"), ("b_ptr", "*fp32"),
+                               ("om_ptr", "*fp32"), ("y_ptr", f"*{y_dt}")) + fwd_ints + (("HAS_IM", "i32"),) + logs,
+                    constexprs=(("C", impl.SLICE_C), ("BJ", bj), ("BC", bc(bj)), ("OUT_BF16", y_dt == "bf16")),
+                    div16=div16, num_warps=cfg["work_warps"],
+                    label=f"slice combine x={dt} y={y_dt} BJ={bj} BC={bc(bj)} warps={cfg['work_warps']}"))
     return variants
 
 

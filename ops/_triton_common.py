@@ -128,12 +128,6 @@ RELEASE_PRUNES: tuple = (
                            ("_direct_bwd_kernel", "direct bwd x=bf16 L<=64")),
                  why=f"the direct path's backward for 32 < L <= 64 {_SPILL_36} (128 B per thread); those "
                      "lengths take the FFT path instead"),
-    ReleasePrune("fftconv", (3, 7), launch={"path": "work"}, families=(90,),
-                 variants=(("_work_fwd_kernel", "work fwd x=fp32 BR=64 warps=8"),
-                           ("_work_fwd_kernel", "work fwd x=bf16 BR=64 warps=8"),
-                           ("_work_bwd_kernel", "work bwd dx x=fp32 BR=64 warps=8"),
-                           ("_work_bwd_kernel", "work bwd dx x=bf16 BR=64 warps=8")),
-                 why=f"the workspace path (L > 2048) {_SPILL_36} (24 B per thread)"),
     ReleasePrune("timestep_norm", (3, 7), launch={"dtype": "bf16", "BLOCK_D": 256, "packed": True}, families=(90,),
                  variants=(("_timestep_norm_fwd_kernel", "fwd bf16 T=16 D=256 warps=8 packed"),),
                  why=f"the packed (cu_seqlens) bf16 forward for group sizes 65-256 {_SPILL_36} (8 B per thread)"),

@@ -56,8 +56,8 @@ def _dt(d):
 
 
 # direct_max_len forcing each path of the torch and Triton backends (CUDA has one FFT path). Triton's
-# workspace path needs L > 2048 (N >= 8192) whatever the knob; work_bc = 4096 (one column tile per
-# pass) keeps the interpreter fast, the shipped column tile runs in its own case.
+# slice path needs L > 2048 (N >= 8192) whatever the knob (test_triton_slice_path lowers it);
+# work_bc = 4096 (the widest combine tile) keeps the interpreter fast, the shipped one runs in its own case.
 PATHS = {"direct": {"torch": dict(direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
          "fft": {"torch": dict(direct_max_len=0), "triton": dict(direct_max_len=0)}}
 FAST_WORK = dict(direct_max_len=0, work_bc=4096)
@@ -106,10 +106,10 @@ CASES = [
     # Triton: N = 1024 (radix-4 first level) and N = 2048 (block-diagonal 8-point dot)
     case(3, 2, 300, F32, F32, "L300-N1024", seed=5, only=("torch", "triton")),
     case(3, 2, 700, BF16, F32, "L700-N2048-x_bfloat16", seed=6, only=("torch", "triton")),
-    # Triton: the workspace path, N = 8192 = R C with R = 2 (padded column tile), one unpaired row
+    # Triton: the slice path, N = 8192 = R C with R = 4 slices of C = 2048 (padded combine dots), one unpaired row
     case(3, 1, 2049, BF16, F32, "L2049-strided-x_bfloat16", contiguous=False, seed=3,
          knobs={"triton": FAST_WORK}),
-    # Triton's shipped column tiles (the loop over column tiles of every pass), forward only
+    # Triton's shipped combine tile (several column tiles per row pair), forward only
     case(1, 1, 2049, F32, F32, "L2049-shipped-work_bc-fwd_only", seed=4, grads=False, only=("triton",)),
     # CUDA's first multi-pass length; the O(L^2) reference and the interpreter take too long for more
     case(1, 2, 16385, BF16, F32, "L16385-x_bfloat16", seed=7, only=("torch", "cpu", "cuda")),
@@ -157,7 +157,7 @@ def test_matches_reference(backend, c):
     if backend == "triton" and c.path == "fft" and c.L <= 2048:
         assert conv_triton._plan(c.L, 0)[0] == "tile"
     if backend == "triton" and c.L > 2048:
-        assert conv_triton._plan(c.L, 0)[0] == "work"
+        assert conv_triton._plan(c.L, 0)[0] == "slice"
     config = {**PATHS[c.path].get(backend, {}), **c.knobs.get(backend, {})}
     check_fftconv(backend, c.B, c.D, c.L, c.xdtype, c.kdtype, c.contiguous, c.seed, c.grads, **config)
 
@@ -272,10 +272,11 @@ def test_triton_default_path_choice():
     limit = conv_triton.DEFAULT_CONFIG["direct_max_len"]
     assert conv_triton._plan(limit, limit)[0] == "direct"
     assert conv_triton._plan(limit + 1, limit)[0] == "tile"
-    assert conv_triton._plan(2048, limit)[0] == "tile" and conv_triton._plan(2049, limit)[0] == "work"
-    assert conv_triton._plan(conv_triton.MAX_LENGTH, limit) == ("work", 64, 64)
-    # the shipped column tile loops over several column tiles per pass (the case "L2049-shipped-work_bc")
-    assert conv_triton.DEFAULT_CONFIG["work_bc"] < 4096
+    assert conv_triton._plan(2048, limit)[0] == "tile" and conv_triton._plan(2049, limit) == ("slice", 8, 4, 16)
+    # N = 2**18: 128 slices of C = 2048, 64 output blocks per combine program
+    assert conv_triton._plan(conv_triton.MAX_LENGTH, limit) == ("slice", 8, 128, 64)
+    # the shipped combine tile loops over several column tiles per row pair (the case "L2049-shipped-work_bc")
+    assert conv_triton.combine_cols(16, conv_triton.DEFAULT_CONFIG["work_bc"], conv_triton.SLICE_C) < 2048
 
 
 # ------------------------------------------------------------------------------------------------
@@ -349,6 +350,45 @@ def test_triton_batch_split_over_programs(monkeypatch, xdtype, L):
     assert_close("domega", dom, to_np(dom_ref), tol("triton", F32, "bwd"))
     dx_ref = torch.from_numpy(ref.fftconv_bwd(to_np(dys), to_np(xs), to_np(k))[0]) + om.double()[:, None] * dys
     assert_close("dx fused", dx, to_np(dx_ref), tol("triton", xdtype, "bwd"))
+
+
+@pytest.mark.parametrize("xdtype, L", [(F32, 200), (BF16, 500)], ids=["float32-R2", "bfloat16-R4"])
+def test_triton_slice_path(monkeypatch, xdtype, L):
+    """The slice path (N > MAX_TILE_FFT) at small sizes: the threshold and the slice tile lowered to
+    256 points, so N = 512 / 1024 run R = 2 / 4 slices (R = 4 ... 128 at the shipped sizes: the
+    L2049 cases and test_triton_long_length); the batch split over 3 chunks of
+    one pair (the unpaired last row in the last), the fused bias and skip terms, domega, and each
+    gradient alone."""
+    monkeypatch.setattr(conv_triton, "MAX_TILE_FFT", 256)
+    monkeypatch.setattr(conv_triton, "SLICE_C", 256)
+    monkeypatch.setattr(conv_triton, "MIN_CHUNK_PAIRS", 1)
+    monkeypatch.setattr(conv_triton, "INTERPRETER_SMS", 16)
+    plan = conv_triton._plan(L, 0)
+    assert plan[0] == "slice" and plan[2] == conv_triton.fft_size(L) // 256
+    assert conv_triton.row_chunks(5, 2 * plan[2], conv_triton.INTERPRETER_SMS)[0] == 3
+    check_fftconv("triton", 5, 2, L, xdtype, F32, seed=10, **PATHS["fft"]["triton"])
+    gen = torch.Generator().manual_seed(11)
+    x, dy, bias = (torch.randn(5, 2, L, generator=gen) for _ in range(3))
+    k, om = torch.randn(2, L, generator=gen) / math.sqrt(L), torch.randn(2, generator=gen)
+    cfg = dict(conv_triton.DEFAULT_CONFIG, **PATHS["fft"]["triton"])
+    xs, dys = x.to(xdtype).double(), dy.to(xdtype).double()
+    y = conv_triton.conv_fwd(x.to(xdtype), k, bias=bias, omega=om, **cfg)
+    y_ref = torch.from_numpy(ref.fftconv(to_np(xs), to_np(k))) + bias.double() + om.double()[:, None] * xs
+    y_terms = _fft_terms(xs, k.double(), dys)[0] + to_np(bias.double().abs() + om.double().abs()[:, None] * xs.abs())
+    assert_close("y fused", y, to_np(y_ref), tol("triton", xdtype, "fwd"), y_terms)
+    dx, dk, dom = conv_triton.conv_bwd(dy.to(xdtype), x.to(xdtype), k, True, True, om, **cfg)
+    dx_ref, dk_ref = ref.fftconv_bwd(to_np(dys), to_np(xs), to_np(k))
+    _, dx_terms, dk_terms = _fft_terms(xs, k.double(), dys)
+    assert_close("dx fused", dx, to_np(torch.from_numpy(dx_ref) + om.double()[:, None] * dys),
+                 tol("triton", F32, "bwd"), dx_terms + to_np(om.double().abs()[:, None] * dys.abs()))
+    assert_close("dk", dk, dk_ref, tol("triton", F32, "bwd"), dk_terms)
+    assert_close("domega", dom, to_np((dys * xs).sum((0, 2))), tol("triton", F32, "bwd"),
+                 to_np((dys * xs).abs().sum((0, 2))))
+    # each output alone runs its own launches (same arithmetic: identical results)
+    dx1, dk1, dom1 = conv_triton.conv_bwd(dy.to(xdtype), x.to(xdtype), k, True, False, om, **cfg)
+    dx2, dk2, dom2 = conv_triton.conv_bwd(dy.to(xdtype), x.to(xdtype), k, False, True, None, **cfg)
+    assert dk1 is None and dx2 is None and dom2 is None
+    assert torch.equal(dx1, dx) and torch.equal(dom1, dom) and torch.equal(dk2, dk)
 
 
 @pytest.mark.parametrize("need", ["x", "k"])

@@ -258,13 +258,15 @@ RUNS = {name: {op: caps.arch >= 80 or not _triton_common.TRITON_NEEDS[op][0] for
 
 def _release_pruned_here(op: str, caps) -> bool:
     """Whether the installed Triton refuses ``op`` on ``caps`` for _inputs' shapes (fftconv and
-    cema at L = 4096: the workspace path) by _triton_common.RELEASE_PRUNES, once the op's
+    cema at L = 4096: the slice path) by _triton_common.RELEASE_PRUNES, once the op's
     not_supported_reasons asks release_reasons (its module then has CONFIG_SPACE_ALL_RELEASES)."""
     conv = importlib.import_module("megalodon_kernels.ops.fftconv.triton_impl")
     release = _triton_common.triton_release()
     if op not in ("fftconv", "cema") or not hasattr(conv, "CONFIG_SPACE_ALL_RELEASES") or release is None:
         return False
-    return any(p.op == "fftconv" and p.launch == {"path": "work"} and release < p.below
+    launch = conv.launch_path(4096)
+    return any(p.op == "fftconv" and p.launch and all(launch.get(k) == v for k, v in p.launch.items())
+               and release < p.below
                and _triton_common.TRITON_FAMILY.get(caps.arch) in p.families for p in _triton_common.RELEASE_PRUNES)
 
 

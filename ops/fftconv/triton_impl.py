@@ -27,8 +27,8 @@ from .._triton_common import (HAVE_TRITON, device_reasons, dtype_reasons, releas
 #: first values are the default.
 #: direct path up to direct_max_len (0: always the FFT); warps of the tile, workspace and direct
 #: kernels; work_bc columns per workspace-pass program
-CONFIG_SPACE_ALL_RELEASES: dict = {"direct_max_len": (64, 32, 0), "num_warps": (8,), "work_warps": (8,),
-                                   "work_bc": (16,), "direct_warps": (4,)}
+CONFIG_SPACE_ALL_RELEASES: dict = {"direct_max_len": (64, 32, 0), "num_warps": (8,), "work_warps": (4,),
+                                   "work_bc": (64,), "direct_warps": (4,)}
 #: what the installed Triton may launch: CONFIG_SPACE_ALL_RELEASES less the values an older release
 #: compiles to spilling code (_triton_common.RELEASE_PRUNES; the AOT report compiles all of them)
 CONFIG_SPACE: dict = release_config_space("fftconv", CONFIG_SPACE_ALL_RELEASES)
@@ -59,6 +59,8 @@ INTERPRETER_SMS = 1
 #: tile size C of the slice path (N = R C > MAX_TILE_FFT, R = N / C slices of C-point tile
 #: transforms): 2048, the largest tile whose transform fits 4 warps (two programs per SM)
 SLICE_C = 2048
+#: the most outputs (BJ blocks x BC columns) per combine program (``combine_cols``)
+COMBINE_TILE = 2048
 #: software-pipelining depth of the FFT kernels: 1 (no prefetch buffers: the column passes' chunk
 #: loads feed dots, and a second stage holds the next chunk in registers next to the accumulators)
 FFT_STAGES = 1
@@ -496,11 +498,11 @@ if HAVE_TRITON:
 
     @triton.jit
     def _slice_spec_kernel(k_ptr, tw_ptr, ks_ptr, D, L, R, LOG_N, LOG_R, A: tl.constexpr, LOG_A: tl.constexpr):
-        """Program (d, s): K[R f + s] / N of row d of k, stored as the [16 A, 16] spectrum tile (re,
+        """Program (s, d): K[R f + s] / N of row d of k, stored as the [16 A, 16] spectrum tile (re,
         im planes) at ks[d, s] of [D, R, 2, C]: once per call, shared by every row pair."""
         C: tl.constexpr = 256 * A
-        d = tl.program_id(0)
-        s = tl.program_id(1)
+        s = tl.program_id(0)                       # slices of one feature adjacent: x stays in L2
+        d = tl.program_id(1)
         ur, ui = fold_pair(tw_ptr, k_ptr, 0, d, 1, L, 0, L, 1, s, R, LOG_N, LOG_R, A)
         kr, ki = fftn(tw_ptr, ur, ui, A, LOG_A, DOT_PRECISION)
         inv_n = 1.0 / (R * C).to(tl.float32)                               # exact: a power of two
@@ -515,12 +517,12 @@ if HAVE_TRITON:
         B, D, L, sxb, sxd, sxt, CONJ, R, LOG_N, LOG_R, PAIRS,
         A: tl.constexpr, LOG_A: tl.constexpr, OUT_BF16: tl.constexpr,
     ):
-        """Program (d, s, c): slice s of feature d for the row pairs of chunk c: v_s = IFFT_C(U_s K_s)
+        """Program (s, d, c): slice s of feature d for the row pairs of chunk c: v_s = IFFT_C(U_s K_s)
         (conj(K_s) when CONJ: dx) into v[pair, d, s] of [pairs, D, R, 2, C], K_s loaded once."""
         PF: tl.constexpr = BF16_OUT_DOT if OUT_BF16 else DOT_PRECISION
         C: tl.constexpr = 256 * A
-        d = tl.program_id(0)
-        s = tl.program_id(1)
+        s = tl.program_id(0)                       # slices of one feature adjacent: x stays in L2
+        d = tl.program_id(1)
         b_lo = tl.program_id(2) * (2 * PAIRS)
         b_hi = tl.minimum(B, b_lo + 2 * PAIRS)
         o_s = slice_offsets(tw_ptr, A)
@@ -543,14 +545,14 @@ if HAVE_TRITON:
         B, D, L, syb, syd, syt, sxb, sxd, sxt, NEED_K, HAS_SKIP, R, LOG_N, LOG_R, PAIRS,
         A: tl.constexpr, LOG_A: tl.constexpr,
     ):
-        """Program (d, s, c): slice s of sum over chunk c's pairs of Z conj(P) / N (Z, P: dy's and x's
+        """Program (s, d, c): slice s of sum over chunk c's pairs of Z conj(P) / N (Z, P: dy's and x's
         pair spectra), inverse-transformed into acc[c, d, s] of [chunks, D, R, 2, C] (the combine
         kernel turns it into chunk c's partial dk); P is parked in v[pair, d, s] while Z is
         transformed, so two transforms are never live at once. Slice 0 also sums domega's
         dy x of the chunk (dom[c, d])."""
         C: tl.constexpr = 256 * A
-        d = tl.program_id(0)
-        s = tl.program_id(1)
+        s = tl.program_id(0)                       # slices of one feature adjacent: x stays in L2
+        d = tl.program_id(1)
         c = tl.program_id(2)
         b_lo = c * (2 * PAIRS)
         b_hi = tl.minimum(B, b_lo + 2 * PAIRS)
@@ -765,9 +767,9 @@ def conv_fwd(x, k, bias=None, omega=None, out_dtype=None, *, direct_max_len, num
         pairs = (B + 1) // 2
         chunks, per = row_chunks(B, D * R, sm_count(dev))
         v = torch.empty(pairs, D, R, 2, C, dtype=torch.float32, device=dev)
-        _slice_conv_kernel[(D, R, chunks)](x, ks, tw, v, B, D, L, *strides, 0, R, *logs, per, A=a, LOG_A=_log2(a),
+        _slice_conv_kernel[(R, D, chunks)](x, ks, tw, v, B, D, L, *strides, 0, R, *logs, per, A=a, LOG_A=_log2(a),
                                            OUT_BF16=out_bf16, num_warps=w, num_stages=FFT_STAGES)
-        bc = min(work_bc, C)
+        bc = combine_cols(bj, work_bc, C)
         _slice_out_kernel[(D, pairs, C // bc)](v, tw, x, bias_t, om, y, B, D, L, *strides, *flags, 1, R, *logs,
                                                C=C, BJ=bj, BC=bc, OUT_BF16=out_bf16, num_warps=work_warps)
     return y
@@ -812,12 +814,12 @@ def conv_bwd(dy, x, k, need_x=True, need_k=True, omega=None, *, direct_max_len, 
         logs = (_log2(R * C), _log2(R))
         pairs = (B + 1) // 2
         chunks, per = row_chunks(B, D * R, sm_count(dev))
-        bc = min(work_bc, C)
+        bc = combine_cols(bj, work_bc, C)
         v = torch.empty(pairs, D, R, 2, C, dtype=torch.float32, device=dev)   # parked P, then dx's slices
         if need_k or omega is not None:
             acc = torch.empty(chunks, D, R, 2, C, dtype=torch.float32, device=dev) if need_k else k
             dom_c = torch.empty(chunks, D, dtype=torch.float32, device=dev) if omega is not None and chunks > 1 else dom
-            _slice_dk_kernel[(D, R, chunks)](dy, x, tw, v, acc, dom_c, *shape, *flags[1:], R, *logs, per, A=a,
+            _slice_dk_kernel[(R, D, chunks)](dy, x, tw, v, acc, dom_c, *shape, *flags[1:], R, *logs, per, A=a,
                                              LOG_A=_log2(a), num_warps=w, num_stages=FFT_STAGES)
             if need_k:
                 # chunk c's partial dk (one real row per chunk), added below in a fixed order
@@ -832,11 +834,17 @@ def conv_bwd(dy, x, k, need_x=True, need_k=True, omega=None, *, direct_max_len, 
         if need_x:
             ks = slice_spectrum(k, a, R, w)
             strides = dy.stride()
-            _slice_conv_kernel[(D, R, chunks)](dy, ks, tw, v, B, D, L, *strides, 1, R, *logs, per, A=a,
+            _slice_conv_kernel[(R, D, chunks)](dy, ks, tw, v, B, D, L, *strides, 1, R, *logs, per, A=a,
                                                LOG_A=_log2(a), OUT_BF16=False, num_warps=w, num_stages=FFT_STAGES)
             _slice_out_kernel[(D, pairs, C // bc)](v, tw, dy, k, om, dx, B, D, L, *strides, 0, flags[2], 1, R, *logs,
                                                    C=C, BJ=bj, BC=bc, OUT_BF16=False, num_warps=work_warps)
     return (dx if need_x else None, dk if need_k else None, dom if omega is not None else None)
+
+
+def combine_cols(bj: int, work_bc: int, C: int) -> int:
+    """Columns per combine program: ``work_bc``, at most C, and at most COMBINE_TILE / BJ (the
+    [BJ, BC] accumulators: BJ = 64 with 64 columns spilled 24-96 B with Triton 3.9)."""
+    return max(16, min(work_bc, C, COMBINE_TILE // bj))
 
 
 def slice_spectrum(k, a: int, R: int, warps: int) -> torch.Tensor:
@@ -844,7 +852,7 @@ def slice_spectrum(k, a: int, R: int, warps: int) -> torch.Tensor:
     D, L = k.shape
     C = 256 * a
     ks = torch.empty(D, R, 2, C, dtype=torch.float32, device=k.device)
-    _slice_spec_kernel[(D, R)](k, twiddle_table(k.device), ks, D, L, R, _log2(R * C), _log2(R), A=a, LOG_A=_log2(a),
+    _slice_spec_kernel[(R, D)](k, twiddle_table(k.device), ks, D, L, R, _log2(R * C), _log2(R), A=a, LOG_A=_log2(a),
                                num_warps=warps, num_stages=FFT_STAGES)
     return ks
 
