@@ -1,11 +1,12 @@
-"""Data traffic of the Triton fftconv tile path against the ideal bytes, the twiddle table left out.
+"""Data traffic of the Triton fftconv tile and slice paths against the ideal bytes, the twiddle table left out.
 
     TRITON_INTERPRET=1 python -m megalodon_kernels.bench.fftconv_data_bytes
 
 The interpreter's byte counter (bench/triton_bytes.py) counts every load and store; this report
 drops the accesses that fall in the twiddle table (the DFT matrices and twiddles are gathered from
 it per level: 32 KB that stays in L1/L2 on a GPU, excepted by issue 39's criterion), so what is
-left is the traffic of x, k, dy, y, dx, dk and any partial sums. Ideal: forward x and k read once,
+left is the traffic of x, k, dy, y, dx, dk, any partial sums and the slice path's workspaces (k's
+slice spectra, the slices' inverse transforms, the parked spectra). Ideal: forward x and k read once,
 y written once; backward dy, x and k read once, dx and dk written once (fp32 here).
 """
 from __future__ import annotations
@@ -13,8 +14,9 @@ from __future__ import annotations
 import os
 import sys
 
-#: (B, D, L): the FFT sizes 512, 2048 (block-diagonal first level) and 4096 of the tile path
-SHAPES = ((4, 1, 256), (4, 1, 1000), (4, 1, 2048))
+#: (B, D, L): the FFT sizes 512, 2048 (block-diagonal first level) and 4096 of the tile path, and
+#: 8192 (R = 4 slices) and 32768 (R = 16) of the slice path
+SHAPES = ((4, 1, 256), (4, 1, 1000), (4, 1, 2048), (4, 1, 4096), (4, 1, 16384))
 
 
 def data_bytes(count, lo: int, hi: int) -> int:
