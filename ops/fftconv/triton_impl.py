@@ -2,11 +2,12 @@
 
 Three paths, chosen by length (``_plan``): a direct Toeplitz product for L <= ``direct_max_len``;
 the tile path for FFT sizes N <= 4096 (256 A points, A in 1/2/4/8/16, whole row pair and k's
-spectrum in registers; grid (D, chunks of batch row pairs), ``row_chunks``); the workspace path for
-8192 <= N <= 2**18 (four steps: column pass, row pass with the 4096-point tile transform, inverse
-column pass, through a per-feature fp32 workspace; one program per feature). Two real rows are
-packed into one complex row; a program builds k's spectrum once for all its pairs, and dk is summed
-over b without atomics (the tile path's per-chunk partials added in a fixed order). Dots run in
+spectrum in registers; grid (D, chunks of batch row pairs), ``row_chunks``); the slice path for
+8192 <= N <= 2**18 (N = R C: R slices of the C = 2048 point tile transform, a decimation in
+frequency; grid (slices, D, chunks); the slices' inverse transforms combined through an fp32
+workspace by the combine kernel, which also applies cema's epilogue). Two real rows are packed
+into one complex row; k's spectrum is built once per program (tile) or once per call (slice), and
+dk is summed over b without atomics (per-chunk partials added in a fixed order). Dots run in
 ``DOT_PRECISION`` ("tf32x3" unless env FFTCONV_DOT says otherwise; the bf16-output tile forward in
 ``BF16_OUT_DOT``). The algorithms, twiddles, register discipline, costs and limits are described in
 docs/fft.md.
@@ -22,11 +23,12 @@ from .._triton_common import (HAVE_TRITON, device_reasons, dtype_reasons, releas
                               triton)
 
 #: direct_max_len: the Toeplitz path for L <= it (at most DIRECT_MAX); num_warps: tile-path warps
-#: for N = 4096 (scaled down with N, see ``tile_warps``); work_warps: workspace path; direct_warps.
+#: for N = 4096 (scaled down with N, see ``tile_warps``; the slice path's 2048-point tiles take 4);
+#: work_warps: the slice path's combine kernel; direct_warps.
 #: Every config this backend may launch with (each AOT-compiled in tests for every tile size); the
 #: first values are the default.
-#: direct path up to direct_max_len (0: always the FFT); warps of the tile, workspace and direct
-#: kernels; work_bc columns per workspace-pass program
+#: direct path up to direct_max_len (0: always the FFT); warps of the tile, combine and direct
+#: kernels; work_bc columns per combine program (``combine_cols``)
 CONFIG_SPACE_ALL_RELEASES: dict = {"direct_max_len": (64, 32, 0), "num_warps": (8,), "work_warps": (4,),
                                    "work_bc": (64,), "direct_warps": (4,)}
 #: what the installed Triton may launch: CONFIG_SPACE_ALL_RELEASES less the values an older release
@@ -40,7 +42,7 @@ DIRECT_MAX = DIRECT_TILES[-1]
 #: the smallest FFT (16 x 16 tile: tl.dot needs 16-wide operands) and the largest in registers
 MIN_FFT = 256
 MAX_TILE_FFT = 4096
-#: longest supported L (N = 2**18: workspace path with R = 64)
+#: longest supported L (N = 2**18: slice path with R = 128)
 MAX_LENGTH = 1 << 17
 #: first-stage sizes A of the tile path's N = 256 A point transforms (N = 256 .. 4096: every power
 #: of two, so no length pays more than the 2x zero padding of the linear convolution itself)
