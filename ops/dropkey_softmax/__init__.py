@@ -16,7 +16,7 @@ from torch import Tensor
 from .._checks import REAL_DTYPES, _dtype_names, check_float
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import custom_op, empty_like
+from .._library import as_dtype, custom_op, empty_like
 from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
 __all__ = ["dropkey_softmax"]
@@ -54,8 +54,8 @@ def dropkey_softmax_bwd_op(dy: Tensor, y: Tensor, seed: Tensor, causal: bool, dr
                            backend: str) -> Tensor:
     """-> dscores from the saved output alone (dropped and masked entries have y = 0)."""
     impl = BACKENDS.select(backend, {"scores": y}, device=y.device, dtype=y.dtype)
-    return impl.module.backward(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed_value(seed),
-                                           **impl.config).to(y.dtype)
+    return as_dtype(impl.module.backward(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed_value(seed),
+                                         **impl.config), y.dtype)
 
 
 class _Options(NamedTuple):
