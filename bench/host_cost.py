@@ -356,8 +356,8 @@ def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
     """(empty, clones, bare): torch's own autograd cost for a call of this signature.
 
     ``empty`` calls, for each recorded forward op call, an autograd.Function with the same
-    arguments that returns as many outputs of the same shapes and dtypes (clones), saves as many
-    tensors and returns a gradient for each input that requires one (precomputed), then runs the
+    arguments that returns as many outputs of the same shapes and dtypes (clones; those the op
+    marks non-differentiable, its residuals, marked alike), saves as many tensors and returns a gradient for each input that requires one (precomputed), then runs the
     backward with the same output gradients; ``clones`` makes the same clones. ``bare`` is the
     same autograd.Function doing the op's math: the recorded backend forward calls in its
     forward, the backward calls in its backward: the math plus torch's autograd, none of our
@@ -372,6 +372,9 @@ def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
         multi = isinstance(out, tuple)
         outs = out if multi else (out,)
         templates = [t.detach().clone() for t in outs]
+        # the outputs the op's setup_context marks non-differentiable (residuals), marked alike
+        nondiff = tuple(i for i, t in enumerate(outs) if t.is_floating_point() or t.is_complex()
+                        if not t.requires_grad)
         node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
         n_saved = len(node.saved_tensors) if node is not None else 0
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -380,12 +383,14 @@ def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
         grads = tuple(torch.zeros_like(a) if isinstance(a, torch.Tensor) and a.requires_grad else None
                       for a in (*args, *kwargs.values()))
 
-        def make(math_fwd, math_bwd, templates=templates, saved=saved, multi=multi, grads=grads):
+        def make(math_fwd, math_bwd, templates=templates, saved=saved, multi=multi, grads=grads, nondiff=nondiff):
             def forward(ctx, *a):
                 for fn, fargs, fkwargs in math_fwd:
                     fn(*fargs, **fkwargs)
                 ctx.save_for_backward(*saved)
                 res = tuple(t.clone() for t in templates)
+                if nondiff:
+                    ctx.mark_non_differentiable(*(res[i] for i in nondiff))
                 return res if multi else res[0]
 
             def backward(ctx, *g):

@@ -174,6 +174,7 @@ def _setup(ctx, inputs, output):
     _, _, k, V, W = output
     ctx.save_for_backward(x, p, log_q, gamma, omega, hx, k, V, W, cu_seqlens)
     ctx.return_state, ctx.weighted, ctx.backend = return_state, return_state and weighted, backend
+    ctx.mark_non_differentiable(k, V, W)  # residuals: no gradient (fewer outputs for autograd)
 
 
 def _backward(ctx, dy, dh, _dk, _dV, _dW):

@@ -71,6 +71,7 @@ def _setup(ctx, inputs, output):
     y, seed_t = output
     ctx.save_for_backward(y, seed_t)
     ctx.options = _Options(causal, dropkey_p, backend)
+    ctx.mark_non_differentiable(seed_t)  # the seed used, for the backward
 
 
 def _backward(ctx, dy, _dseed):

@@ -166,6 +166,7 @@ def _setup(ctx, inputs, output):
     h, V, W = output
     ctx.save_for_backward(x, p, log_q, hx, V, W, cu_seqlens)
     ctx.weighted, ctx.backend = weighted, backend
+    ctx.mark_non_differentiable(V, W)  # residuals: no gradient (fewer outputs for autograd)
 
 
 def _backward(ctx, dh, _dV, _dW):

@@ -165,7 +165,8 @@ def _setup(ctx, inputs, output):
     x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend, cu_seqlens = inputs
     ctx.save_for_backward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, cu_seqlens, *output[4:])
     ctx.num_groups, ctx.backend = num_groups, backend
-    ctx.mark_non_differentiable(output[1])
+    # count is an integer; mu, rstd, gmu, K are residuals: no gradient (fewer outputs for autograd)
+    ctx.mark_non_differentiable(output[1], *output[4:])
 
 
 def _backward(ctx, dy, _dcount, dmean, dvar, *_stats):
