@@ -205,3 +205,19 @@ def test_as_dtype_and_residual_outputs():
     for op in (norm_module.timestep_norm_op, norm_module.timestep_norm_op._op):
         out = op(*args)
         assert [t.requires_grad for t in out] == [True, False, True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("road", ["eager", "dispatcher"])
+def test_timestep_norm_gradients_from_some_outputs_only(monkeypatch, road):
+    """timestep_norm's backward gets None for the outputs nobody differentiated (it turned autograd's
+    zero-filling off) and makes those zeros itself: the same gradients as zero gradients given."""
+    if road == "dispatcher":
+        monkeypatch.setattr(_library, "_SELF_CHECK", [False])
+    x, xn, w, b = _inputs()
+    for used in ((0,), (2,), (3,), (2, 3)):
+        out = ops.timestep_norm(xn, w, b, 2, backend="torch")
+        got = torch.autograd.grad(sum((out[i] * (i + 1)).sum() for i in used), (xn, w, b))
+        out = ops.timestep_norm(xn, w, b, 2, backend="torch")
+        want = torch.autograd.grad(sum((out[i] * (i + 1 if i in used else 0)).sum() for i in (0, 2, 3)), (xn, w, b))
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)

@@ -167,10 +167,16 @@ def _setup(ctx, inputs, output):
     ctx.num_groups, ctx.backend = num_groups, backend
     # count is an integer; mu, rstd, gmu, K are residuals: no gradient (fewer outputs for autograd)
     ctx.mark_non_differentiable(output[1], *output[4:])
+    ctx.set_materialize_grads(False)  # the backward makes only the zeros it reads (none for the residuals)
 
 
 def _backward(ctx, dy, _dcount, dmean, dvar, *_stats):
     x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, cu_seqlens, mu, rstd, gmu, K = ctx.saved_tensors
+    # an output whose gradient nobody gave: zeros like it (y like x; mean and var r(n G) in the
+    # accumulation dtype, like K)
+    dy = torch.zeros_like(x, memory_format=torch.contiguous_format) if dy is None else dy
+    dmean = torch.zeros_like(K) if dmean is None else dmean
+    dvar = torch.zeros_like(K) if dvar is None else dvar
     dx, dscale, dbias, dpm, dpv = timestep_norm_bwd_op(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean,
                                                        prev_var, padding_mask, mu, rstd, gmu, K, ctx.num_groups,
                                                        ctx.backend, cu_seqlens)
