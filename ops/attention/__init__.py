@@ -216,6 +216,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens, tiles if tiles.numel() else None)
     ctx.options = _Options(scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
     ctx.mark_non_differentiable(lse, seed_t, tiles)  # residuals: no gradient (fewer outputs for autograd)
+    ctx.set_materialize_grads(False)  # o is the one differentiable output: no zeros for the others
 
 
 def _backward(ctx, do, _dlse, _dseed, _dtiles):

@@ -72,6 +72,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(y, seed_t)
     ctx.options = _Options(causal, dropkey_p, backend)
     ctx.mark_non_differentiable(seed_t)  # the seed used, for the backward
+    ctx.set_materialize_grads(False)  # y is the one differentiable output: no zeros for the others
 
 
 def _backward(ctx, dy, _dseed):

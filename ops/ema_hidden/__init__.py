@@ -167,6 +167,7 @@ def _setup(ctx, inputs, output):
     ctx.save_for_backward(x, p, log_q, hx, V, W, cu_seqlens)
     ctx.weighted, ctx.backend = weighted, backend
     ctx.mark_non_differentiable(V, W)  # residuals: no gradient (fewer outputs for autograd)
+    ctx.set_materialize_grads(False)  # h is the one differentiable output: no zeros for the others
 
 
 def _backward(ctx, dh, _dV, _dW):
