@@ -75,7 +75,7 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-#: filled(): the kept CPU defaults, (shape, fill, dtype, inference mode) -> tensor, at most MAX_KEPT
+#: filled(): the kept CPU defaults, (shape, fill, dtype) -> tensor, at most MAX_KEPT
 _KEPT: dict = {}
 MAX_KEPT = 64
 #: id -> a tensor filled() made, while it lives (an op's value check may skip it: see is_filled)
@@ -85,22 +85,26 @@ _FILLED = weakref.WeakValueDictionary()
 def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A tensor of ``shape`` holding ``fill``: what a public function passes for an input the caller
     left out (timestep_norm's initial state) and the op only reads. In plain eager mode on the CPU
-    one kept tensor per (shape, fill, dtype, inference mode) serves every call, rebuilt if anything
-    wrote to it; it never reaches the caller (an op's outputs are fresh tensors, see _fresh). On
-    another device (a kept tensor would need its stream's bookkeeping) or under a tracer it is a
-    new tensor. In plain eager mode :func:`is_filled` then knows it, for as long as it is unchanged."""
+    one kept tensor per (shape, fill, dtype) serves every call, rebuilt if anything wrote to it; it
+    never reaches the caller (an op's outputs are fresh tensors, see _fresh). On another device (a
+    kept tensor would need its stream's bookkeeping) or under a tracer it is a new tensor. In plain
+    eager mode :func:`is_filled` then knows it, for as long as it is unchanged."""
     if not plain_eager(profiler_ok=True):
         return torch.full(shape, fill, dtype=dtype, device=device)
-    if device.type == "cpu":
-        key = (shape, fill, dtype, torch.is_inference_mode_enabled())
-        t = _KEPT.get(key)
+    cpu = device.type == "cpu"
+    if cpu:
+        t = _KEPT.get((shape, fill, dtype))
         if t is not None and t._version == 0:
             return t
-        if len(_KEPT) >= MAX_KEPT:
-            _KEPT.clear()
-        t = _KEPT[key] = torch.full(shape, fill, dtype=dtype)
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # a normal tensor: an inference tensor keeps no version counter
+            t = torch.full(shape, fill, dtype=dtype, device=device)
     else:
         t = torch.full(shape, fill, dtype=dtype, device=device)
+    if cpu:
+        if len(_KEPT) >= MAX_KEPT:
+            _KEPT.clear()
+        _KEPT[(shape, fill, dtype)] = t
     _FILLED[id(t)] = t
     return t
 

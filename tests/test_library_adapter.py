@@ -178,8 +178,13 @@ def test_filled_defaults_are_kept_on_the_cpu_and_rebuilt_after_a_write():
     assert not _library.is_filled(a)
     b = _library.filled((3,), 0, torch.int64, torch.device("cpu"))
     assert b is not a and _library.is_filled(b) and torch.equal(b, torch.zeros(3, dtype=torch.int64))
-    with torch.inference_mode():  # an inference tensor is kept apart (it could not be saved for backward)
-        assert _library.filled((3,), 0, torch.int64, torch.device("cpu")) is not b
+    with torch.inference_mode():  # the kept tensor is a normal one (it has a version counter) also here
+        c = _library.filled((4,), 0, torch.int64, torch.device("cpu"))
+        assert not c.is_inference() and _library.filled((4,), 0, torch.int64, torch.device("cpu")) is c
+        assert _library.is_filled(c) and not _library.is_filled(torch.zeros(4, dtype=torch.int64))
+        x = torch.randn(2, 5, 4)
+        counts = [ops.timestep_norm(x, x[0, 0], x[0, 1], 2, backend="torch")[1] for _ in range(2)]
+        assert counts[0].tolist() == counts[1].tolist() == [5, 5]
 
 
 def test_timestep_norm_defaults_skip_only_their_own_check():
