@@ -220,6 +220,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, do, _dlse, _dseed, _dtiles):
+    if do is None:  # an undefined gradient of o (grads are not zero-filled, see _setup): none for the inputs
+        return (None,) * len(ctx.needs_input_grad)
     q, k, v, o, lse, seed_t, cu_seqlens, tiles = ctx.saved_tensors
     dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.options, cu_seqlens, tiles)
     return dq, dk, dv, *(None,) * (len(ctx.needs_input_grad) - 3)  # the other inputs take no gradient

@@ -76,6 +76,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dy, _dseed):
+    if dy is None:  # an undefined gradient of y (grads are not zero-filled, see _setup): none for the inputs
+        return (None,) * len(ctx.needs_input_grad)
     y, seed_t = ctx.saved_tensors
     return dropkey_softmax_bwd_op(dy, y, seed_t, *ctx.options), *(None,) * (len(ctx.needs_input_grad) - 1)
 

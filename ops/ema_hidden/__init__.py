@@ -171,6 +171,8 @@ def _setup(ctx, inputs, output):
 
 
 def _backward(ctx, dh, _dV, _dW):
+    if dh is None:  # an undefined gradient of h (grads are not zero-filled, see _setup): none for the inputs
+        return (None,) * len(ctx.needs_input_grad)
     x, p, log_q, hx, V, W, cu_seqlens = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     dx, dp, dlq, dhx = ema_hidden_bwd_op(dh, x, p, log_q, hx, V, W, ctx.weighted, needs, ctx.backend, cu_seqlens)
