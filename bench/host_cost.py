@@ -634,6 +634,28 @@ def compare(before: dict, after: dict) -> list[str]:
     return lines
 
 
+def median_of(results: list):
+    """One result from repeated runs of the same command (--merge): the median of every number
+    (element by element in lists of numbers), the first run's text; the runs' `uptime` lines all kept."""
+    first = results[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in results if isinstance(r, dict) and k in r]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):  # counts (ints) stay ints
+        return statistics.median_low(results) if isinstance(first, int) else statistics.median(results)
+    if isinstance(first, list) and first and all(isinstance(v, (int, float)) for v in first):
+        return [statistics.median(col) for col in zip(*results)]
+    return first
+
+
+def merged(paths: list[str]) -> dict:
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    result = median_of(runs)
+    for key in ("load_before", "load_after"):
+        result[key] = " / ".join(r[key].split("load average: ")[-1] for r in runs)
+    result["runs"] = len(runs)
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -649,9 +671,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the markdown report here (else print it)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
                         help="only print the before/after table of two --json results")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge --json results of repeated runs of one command (the median of each "
+                             "number) into --json and --out")
     args = parser.parse_args(argv)
     if args.compare:
         print("\n".join(compare(*(json.loads(Path(f).read_text()) for f in args.compare))))
+        return 0
+    if args.merge:
+        result = merged(args.merge)
+        args.clock, args.rounds, args.calls = result["clock"], result["rounds"], result["calls"]
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        text = "\n".join(report(result, args)) + "\n"
+        if args.out:
+            Path(args.out).write_text(text)
+        else:
+            print(text)
         return 0
     torch.set_num_threads(1)
     clock = CLOCKS[args.clock]
@@ -702,7 +738,9 @@ def main(argv=None) -> int:
 def report(result, args) -> list[str]:
     lib = result["library_anchor"]
     lines = [f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {result['commit']}, torch "
-             f"{result['torch']}, {result['device']} tensors, 1 thread, {args.clock} clock, median of {args.rounds} "
+             f"{result['torch']}, {result['device']} tensors, 1 thread, {args.clock} clock, "
+             + (f"median of {result['runs']} runs, each " if result.get("runs") else "")
+             + f"median of {args.rounds} "
              f"rounds x {args.calls} calls per level; timer cost subtracted from the pieces: "
              f"{result['timer_us']:.2f} us per timed call", "",
              f"- `uptime` before: `{result['load_before']}`", f"- `uptime` after: `{result['load_after']}`", "",
