@@ -335,7 +335,7 @@ def _operand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     return x.to(like.dtype) if like.dtype in HALF_DTYPES else x
 
 
-def _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index):
+def _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index, index_offset=None):
     """(P (B, H, L, S), s (B, H, L, S)) of the matmul path (scores masked with -inf), both in
     acc_dtype(q): float64 q/k/v run float64 matmuls and the fp64 dropkey_softmax kernel."""
     B, L, H, _ = q.shape
@@ -348,18 +348,18 @@ def _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, s
         s.masked_fill_(~vis, float("-inf"))
     # The kernel's (flat batch, head, row, column) of a (B, H, L, S) tensor are the attention's (b, h, i, j).
     p = dropkey_cuda.softmax_fwd(launcher, s, causal=causal, dropkey_p=dropkey_p, seed=seed,
-                                  batch_index=batch_index)
+                                  batch_index=batch_index, index_offset=index_offset)
     return p, s
 
 
-def chunks_as_batch(L: int, S: int, chunk_size, block_causal: bool, dropkey_p: float) -> int:
+def chunks_as_batch(L: int, S: int, chunk_size, block_causal: bool) -> int:
     """How many chunks of ``chunk_size`` the matmul path runs as separate batch rows (1: none).
 
     Block-diagonal attention over n chunks (S == L, no block_causal) is n independent attentions of
     chunk_size rows each: as batch rows the scores are n C x C blocks, not an L x L matrix masked
-    to its diagonal (n times the work and memory). Not with DropKey: its mask is a function of the
-    call's (b, h, i, j), which the reshape would renumber."""
-    if chunk_size is None or block_causal or dropkey_p > 0 or S != L or L <= chunk_size or L % chunk_size:
+    to its diagonal (n times the work and memory). DropKey's mask stays the call's: each chunk row
+    passes its batch index and its start as the rule's index offset."""
+    if chunk_size is None or block_causal or S != L or L <= chunk_size or L % chunk_size:
         return 1
     return L // chunk_size
 
@@ -379,6 +379,13 @@ def _batch_index(batch_index, B: int, device) -> torch.Tensor:
     return torch.arange(B, device=device) if batch_index is None else batch_index
 
 
+def _chunk_rows(batch_index, B: int, n: int, C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(DropKey batch index, index offset) of the B * n chunk rows: row b * n + c is batch b's chunk c,
+    which starts at c * C."""
+    index = _batch_index(batch_index, B, device).repeat_interleave(n)
+    return index, (torch.arange(n, device=device) * C).repeat(B)
+
+
 def _split(x: torch.Tensor, n: int) -> torch.Tensor:
     B, L = x.shape[:2]
     return x.reshape(B * n, L // n, *x.shape[2:])
@@ -389,27 +396,32 @@ def _merge(x: torch.Tensor, n: int) -> torch.Tensor:
 
 
 def matmul_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-               batch_index=None):
+               batch_index=None, index_offset=None):
     """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 (fp64 for float64 q); -inf for rows with no
-    visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
+    visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row);
+    ``index_offset`` (B,): the row's DropKey (i, j) offset (None: 0)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
     if B * H * L * S == 0:
         o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
         return o, torch.full((B, H, L), float("-inf"), dtype=acc_dtype(q), device=q.device)
-    n = chunks_as_batch(L, S, chunk_size, block_causal, dropkey_p)
+    n = chunks_as_batch(L, S, chunk_size, block_causal)
     rows = _rows_per_slice(H, L // n, S // n)
     if n == 1 and B > rows:
-        index = _batch_index(batch_index, B, q.device)
+        index, offset = _batch_index(batch_index, B, q.device), index_offset
         parts = [matmul_fwd(launcher, q[i:i + rows], k[i:i + rows], v[i:i + rows], scale=scale, causal=causal,
                             chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p, seed=seed,
-                            batch_index=index[i:i + rows]) for i in range(0, B, rows)]
+                            batch_index=index[i:i + rows], index_offset=None if offset is None else offset[i:i + rows])
+                 for i in range(0, B, rows)]
         return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
     if n > 1:
+        index, offset = _chunk_rows(batch_index, B, n, L // n, q.device)
         o, lse = matmul_fwd(launcher, _split(q, n), _split(k, n), _split(v, n), scale=scale, causal=causal,
-                            chunk_size=None, block_causal=False, dropkey_p=dropkey_p, seed=seed)
+                            chunk_size=None, block_causal=False, dropkey_p=dropkey_p, seed=seed,
+                            batch_index=index, index_offset=offset)
         return _merge(o, n), lse.view(B, n, H, L // n).transpose(1, 2).reshape(B, H, L)
-    p, s = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
+    p, s = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index,
+                  index_offset)
     o = _mm(_operand(p, q), v.transpose(1, 2), p.dtype).transpose(1, 2).to(q.dtype).contiguous()
     # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
     pmax, idx = p.max(dim=-1, keepdim=True)
@@ -419,25 +431,29 @@ def matmul_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dr
 
 
 def matmul_bwd(launcher, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-               batch_index=None):
+               batch_index=None, index_offset=None):
     """(dq, dk, dv) in the input dtypes; P is recomputed by the forward kernel (same DropKey mask)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
     if B * H * L * S == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    n = chunks_as_batch(L, S, chunk_size, block_causal, dropkey_p)
+    n = chunks_as_batch(L, S, chunk_size, block_causal)
     rows = _rows_per_slice(H, L // n, S // n)
     if n == 1 and B > rows:
-        index = _batch_index(batch_index, B, q.device)
+        index, offset = _batch_index(batch_index, B, q.device), index_offset
         parts = [matmul_bwd(launcher, do[i:i + rows], q[i:i + rows], k[i:i + rows], v[i:i + rows], scale=scale,
                             causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
-                            seed=seed, batch_index=index[i:i + rows]) for i in range(0, B, rows)]
+                            seed=seed, batch_index=index[i:i + rows],
+                            index_offset=None if offset is None else offset[i:i + rows]) for i in range(0, B, rows)]
         return tuple(torch.cat(g) for g in zip(*parts))
     if n > 1:
+        index, offset = _chunk_rows(batch_index, B, n, L // n, q.device)
         grads = matmul_bwd(launcher, _split(do, n), _split(q, n), _split(k, n), _split(v, n), scale=scale,
-                           causal=causal, chunk_size=None, block_causal=False, dropkey_p=dropkey_p, seed=seed)
+                           causal=causal, chunk_size=None, block_causal=False, dropkey_p=dropkey_p, seed=seed,
+                           batch_index=index, index_offset=offset)
         return tuple(_merge(g, n) for g in grads)
-    p, _ = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
+    p, _ = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index,
+                  index_offset)
     acc = p.dtype
     # (B, H, T, d) operands: 16-bit inputs stay 16-bit (fp32 accumulation), else acc_dtype(q)
     dot, qt, kt, vt = (x.transpose(1, 2) for x in (do.to(q.dtype), q, k, v))
@@ -457,7 +473,7 @@ AUTO_MATMUL_SCORE_BYTES = 4 << 30
 
 
 def auto_prefers_matmul(device_type: str, dtype: torch.dtype, q_shape, S: int, dv: int, chunk_size,
-                        block_causal: bool, dropkey_p: float) -> bool:
+                        block_causal: bool) -> bool:
     """Whether path="auto" runs 16-bit softmax attention on the matmul path although flash could run it.
 
     The flash kernels tile v in fwd_dv_tile columns and recompute q k^T (and the softmax) once per tile,
@@ -471,7 +487,7 @@ def auto_prefers_matmul(device_type: str, dtype: torch.dtype, q_shape, S: int, d
     D = flash_head_dim(dh)
     if D is None or dv <= fwd_dv_tile(D):
         return False
-    n = chunks_as_batch(L, S, chunk_size, block_causal, dropkey_p)
+    n = chunks_as_batch(L, S, chunk_size, block_causal)
     return SCORE_BYTES * H * (L // n) * (S // n) <= AUTO_MATMUL_SCORE_BYTES
 
 
@@ -488,7 +504,7 @@ class AttentionBackend(Backend):
       kernel (cuda/dropkey_softmax.cuh; the package's DropKey rule with (b, h, i, j) = the
       score indices) and P v, with P (and the backward's dS) rounded to the 16-bit input dtype
       for the GEMM as FlashAttention does; the backward recomputes P with that kernel and uses
-      its softmax backward. Block-diagonal chunks (S == L, no block_causal, no DropKey) run as
+      its softmax backward. Block-diagonal chunks (S == L, no block_causal) run as
       batch rows of C x C scores (chunks_as_batch). It materialises the scores (fp32, fp64 for
       fp64) and has no Laplace. "auto" takes it for 16-bit softmax on a GPU where flash would
       recompute the scores per v tile (auto_prefers_matmul), and where the flash
@@ -530,14 +546,14 @@ class AttentionBackend(Backend):
         # the device's architecture, shared memory and grid (cuda/device.py): what would trap or not launch
         return flash_device_reasons(self.caps(q), q.dtype, q.shape[-1], q.shape[2])
 
-    def _path(self, q, v, attn_fn, path, k=None, chunk_size=None, block_causal=False, dropkey_p=0.0):
+    def _path(self, q, v, attn_fn, path, k=None, chunk_size=None, block_causal=False):
         path = path or self.DEFAULT_CONFIG.get("path", "auto")
         if path not in ("auto", "flash", "matmul"):
             raise ValueError(f"path must be 'auto', 'flash' or 'matmul', got {path!r}")
         if path == "auto":
             path = "matmul" if self.flash_reasons(q, v) else "flash"
             if path == "flash" and attn_fn == "softmax" and k is not None and auto_prefers_matmul(
-                    q.device.type, q.dtype, q.shape, k.shape[1], v.shape[-1], chunk_size, block_causal, dropkey_p):
+                    q.device.type, q.dtype, q.shape, k.shape[1], v.shape[-1], chunk_size, block_causal):
                 path = "matmul"
         if path == "flash" and self.flash_reasons(q, v):
             raise ValueError("; ".join(self.flash_reasons(q, v)) + " (use path='matmul' or backend='torch')")
@@ -577,7 +593,7 @@ class AttentionBackend(Backend):
                       path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                   seed=seed, batch_index=batch_index)
-        if self._path(q, v, attn_fn, path, k, chunk_size, block_causal, dropkey_p) == "flash":
+        if self._path(q, v, attn_fn, path, k, chunk_size, block_causal) == "flash":
             return flash_fwd(self.ext, q, k, v, attn_fn=attn_fn, **kw)
         return matmul_fwd(self.ext, q, k, v, **kw)
 
@@ -585,7 +601,7 @@ class AttentionBackend(Backend):
                       attn_fn, path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                   seed=seed, batch_index=batch_index)
-        if self._path(q, v, attn_fn, path, k, chunk_size, block_causal, dropkey_p) == "flash":
+        if self._path(q, v, attn_fn, path, k, chunk_size, block_causal) == "flash":
             return flash_bwd(self.ext, do, q, k, v, o, lse, attn_fn=attn_fn, **kw)
         return matmul_bwd(self.ext, do, q, k, v, **kw)
 
