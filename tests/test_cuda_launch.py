@@ -199,9 +199,10 @@ def test_dropkey_softmax_gpu_launches_equal_the_emulator_launches(tee, dtype, ba
     (name, grid, block, smem, args), = tee.emulator.records
     assert name == f"mk::dropkey_softmax_fwd_kernel<{dropkey_cuda.cuda_launch.CPP_TYPES[dtype]}, 8>"
     assert block == (64, 1, 1) and smem == 0
-    assert [a[0] for a in args] == ["ptr", "ptr", "i64", "i32", "i32", "i32", "bool", "u32", "u32", "ptr"]
+    assert [a[0] for a in args] == ["ptr", "ptr", "i64", "i32", "i32", "i32", "bool", "u32", "u32", "ptr", "ptr"]
     assert args[7][1] == seed_key(2**40 + 7).to_bytes(4, "little") and args[8][1] == threshold(0.3).to_bytes(4, "little")
     assert (args[9][1] == bytes(8)) != batch_index  # a null pointer exactly when no batch index is given
+    assert args[10][1] == bytes(8)  # no index offset: null (only chunk rows of the attention pass one)
     _reset(tee)
     dx = backend.backward(torch.randn_like(y), y, causal=True)
     assert torch.isfinite(dx.float()).all()
