@@ -81,6 +81,8 @@ def _setup(ctx, inputs, output):
     p, log_q, gamma, length, hx, backend = inputs
     ctx.save_for_backward(p, log_q, gamma, hx)
     ctx.length, ctx.backend = length, backend
+    if hx is None:  # b is a placeholder: no gradient (one output fewer for autograd)
+        ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dk, db):
