@@ -16,6 +16,13 @@ then cema_kernel's backward takes (dk, db = dy) and ema_hidden's backward adds t
     (dp, dlog_q, dgamma, dhx) = cema_kernel's backward(dk, db = dy) (+ ema_hidden's terms)
 
 Saved for the backward: the inputs, k r(D L) and ema_hidden's sums V, W (as the torch backend).
+
+The chunked form (``chunk`` = C > 0, the default; ops/cema/triton_chunked.py) replaces the
+convolution, the bias and the skip term by tensor-core dots over chunks of C steps and a scan over
+the chunk states, forward and backward, no FFT; it serves every call with N <= 16 (the other calls
+run the FFT form above, as does ``chunk`` = 0). k r(D L) is still synthesised by cema_kernel for
+the Saved/packed contract (the packed backward and the FFT form read it); the chunked backward
+does not. The state h, V, W and its gradients come from ema_hidden in both forms.
 """
 from __future__ import annotations
 
@@ -25,12 +32,18 @@ from .._triton_common import HAVE_TRITON, arch_reasons, dtype_reasons, release_r
 from ..cema_kernel import triton_impl as kernel_impl
 from ..ema_hidden import triton_impl as hidden_impl
 from ..fftconv import triton_impl as conv_impl
+from . import triton_chunked as chunked
 from .compose import Needs, Saved, add_optional
 
+#: the chunked form's knobs: ``chunk`` (C; 0: the FFT form always), ``chunk_block`` (BM chunks per
+#: block of dots) and its kernels' ``chunk_warps``. C = 64 is not offered: the backward's scan kernel
+#: needs 255 registers there and spills (bench/results/aot_sm*.json lists what is offered).
+CHUNK_SPACE: dict = {"chunk": (32, 0), "chunk_block": (16,), "chunk_warps": (4,)}
 #: the stage kernels' knobs: cema_kernel's (ema_hidden's kernels share them) and fftconv's, its
-#: num_warps as conv_warps
+#: num_warps as conv_warps; then the chunked form's
 CONFIG_SPACE: dict = {**kernel_impl.CONFIG_SPACE,
-                      **{("conv_warps" if k == "num_warps" else k): v for k, v in conv_impl.CONFIG_SPACE.items()}}
+                      **{("conv_warps" if k == "num_warps" else k): v for k, v in conv_impl.CONFIG_SPACE.items()},
+                      **CHUNK_SPACE}
 DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
 
 _STAGE = ("block_m", "block_r", "num_warps", "analysis_warps")
@@ -42,6 +55,15 @@ def _split(config):
     conv = {k: config[k] for k in _CONV}
     conv["num_warps"] = config["conv_warps"]
     return stage, conv
+
+
+def _chunk_config(config):
+    return {k: config[k] for k in CHUNK_SPACE}
+
+
+def chunked_form(x, p, config) -> bool:
+    """Whether this call runs the chunked form: chunk > 0 and the chunked kernels serve it."""
+    return config["chunk"] > 0 and not chunked.serves(x, p)
 
 
 def not_supported_reasons(x=None, p=None, log_q=None, gamma=None, omega=None, hx=None, **_) -> list[str]:
@@ -62,8 +84,12 @@ def forward(x, p, log_q, gamma, omega, hx, return_state, weighted=False, **confi
     """-> (y r(B D L) in x's dtype, h c(B D N) or None, Saved)."""
     stage, conv = _split(config)
     L = x.shape[-1]
-    k, b = kernel_impl.forward(p, log_q, gamma, L, hx, **stage)
-    y = conv_impl.conv_fwd(x, k, bias=b, omega=omega.to(torch.float32), **conv)
+    if chunked_form(x, p, config):
+        k, _ = kernel_impl.forward(p, log_q, gamma, L, None, **stage)   # for the Saved/packed contract only
+        y = chunked.conv_fwd(x, p, log_q, gamma, omega, hx, **_chunk_config(config))
+    else:
+        k, b = kernel_impl.forward(p, log_q, gamma, L, hx, **stage)
+        y = conv_impl.conv_fwd(x, k, bias=b, omega=omega.to(torch.float32), **conv)
     h = V = W = None
     if return_state:
         h, V, W = hidden_impl.forward(x, p, log_q, hx, weighted, **stage)
@@ -77,7 +103,12 @@ def backward(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **config):
     k, V, W = saved
     L = x.shape[-1]
     dx = dp = dlq = dgamma = domega = dhx = None
-    if dy is not None:
+    if dy is not None and chunked_form(x, p, config):
+        # dx in x's dtype, or fp32 when the state's gradient is added to it below (one rounding)
+        dx, dp, dlq, dgamma, domega, dhx = chunked.conv_bwd(
+            dy.to(x.dtype), x, p, log_q, gamma, omega, hx, needs, x.dtype if dh is None else torch.float32,
+            **_chunk_config(config))
+    elif dy is not None:
         need_k = need_p or need_lq or need_gamma
         with_omega = need_x or need_omega
         dx, dk, domega = conv_impl.conv_bwd(dy, x, k, need_x, need_k,
