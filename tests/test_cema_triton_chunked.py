@@ -28,7 +28,7 @@ def test_more_state_lanes_than_the_kernels_run_the_fft_form(monkeypatch):
     # N = 17 > NP: the chunked kernels do not serve it and the FFT form runs (and matches)
     gen = torch.Generator().manual_seed(0)
     p, _, _, _ = cema_coefficients(gen, 2, 17, None, F32)
-    assert triton_chunked.serves(torch.zeros(1, 2, 8), p) == ["N = 17 > 16 state lanes"]
+    assert triton_chunked.unserved_reasons(torch.zeros(1, 2, 8), p) == ["N = 17 > 16 state lanes"]
     calls = []
     monkeypatch.setattr(triton_chunked, "conv_fwd", lambda *a, **k: calls.append(a))
     check_cema("triton", 1, 2, 17, 40, F32, F32, seed=13)
@@ -42,3 +42,21 @@ def test_more_state_lanes_than_the_kernels_run_the_fft_form(monkeypatch):
 
 def test_chunked_is_the_default_form():
     assert triton_impl.DEFAULT_CONFIG["chunk"] > 0
+
+
+def test_the_chunked_form_takes_what_the_fft_form_cannot_run(monkeypatch):
+    # no refusal of the FFT form (its length limit, a release's pruned launches) applies where the
+    # chunked kernels run; with chunk = 0 (e.g. a tuned entry) such a call runs them as well
+    gen = torch.Generator().manual_seed(1)
+    c4, c17 = (cema_coefficients(gen, 2, n, None, F32) for n in (4, 17))
+    args = lambda c, x: dict(x=x, p=c.p, log_q=c.log_q, gamma=c.gamma, omega=torch.zeros(2))  # noqa: E731
+    long_x = torch.empty(1, 2, (1 << 17) + 1)                       # past the FFT form's MAX_LENGTH
+    assert triton_impl.not_supported_reasons(**args(c4, long_x)) == []
+    assert any("L = 131073" in r for r in triton_impl.not_supported_reasons(**args(c17, long_x)))
+    x = torch.zeros(1, 2, 8)
+    monkeypatch.setattr(triton_impl, "_fft_form_reasons", lambda x: ["the FFT form is pruned here"])
+    fft_config = {**triton_impl.DEFAULT_CONFIG, "chunk": 0}
+    assert triton_impl.form_chunk(x, c4.p, fft_config) == triton_impl.CHUNK_SPACE["chunk"][0]
+    assert triton_impl.form_chunk(x, c17.p, fft_config) == 0
+    assert triton_impl.not_supported_reasons(**args(c4, x)) == []
+    assert triton_impl.not_supported_reasons(**args(c17, x)) == ["the FFT form is pruned here"]

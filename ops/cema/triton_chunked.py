@@ -49,12 +49,12 @@ NP = 16
 PREC = "tf32x3"
 
 
-def serves(x, p) -> list[str]:
+def unserved_reasons(x, p) -> list[str]:
     """Why the chunked kernels cannot run this call (then the FFT form runs), [] when they can."""
     why = []
     if p.shape[1] > NP:
         why.append(f"N = {p.shape[1]} > {NP} state lanes")
-    if x.dtype not in (torch.float16, torch.bfloat16, torch.float32):
+    if x.dtype not in (torch.bfloat16, torch.float32):   # the dtypes compiled ahead of time
         why.append(f"x has dtype {x.dtype}")
     return why
 

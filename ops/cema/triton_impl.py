@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import torch
 
-from .._triton_common import HAVE_TRITON, arch_reasons, dtype_reasons, release_reasons
+from .._triton_common import HAVE_TRITON, arch_reasons, device_reasons, dtype_reasons, release_reasons
 from ..cema_kernel import triton_impl as kernel_impl
 from ..ema_hidden import triton_impl as hidden_impl
 from ..fftconv import triton_impl as conv_impl
@@ -57,21 +57,40 @@ def _split(config):
     return stage, conv
 
 
-def _chunk_config(config):
-    return {k: config[k] for k in CHUNK_SPACE}
-
-
-def chunked_form(x, p, config) -> bool:
-    """Whether this call runs the chunked form: chunk > 0 and the chunked kernels serve it."""
-    return config["chunk"] > 0 and not chunked.serves(x, p)
-
-
-def not_supported_reasons(x=None, p=None, log_q=None, gamma=None, omega=None, hx=None, **_) -> list[str]:
+def _fft_form_reasons(x) -> list[str]:
+    """Why the FFT form cannot run x (fftconv's dtype and length limits, and its launches that the
+    running Triton release compiles to spilling code); the chunked form has none of these."""
     why = conv_impl.not_supported_reasons(x=x)
     if x.shape[-1] <= conv_impl.MAX_LENGTH:  # its fused convolution kernels (fftconv's tiles with the skip term)
         why += release_reasons("cema", x.device, **conv_impl.launch_path(x.shape[-1]))
-    if x.is_cuda and HAVE_TRITON:  # its own FFT tile kernels (TF32 dots), beside fftconv's and the CEMA kernels'
-        why += arch_reasons("cema", x.device)
+    return why
+
+
+def form_chunk(x, p, config) -> int:
+    """The chunk length C this call runs the chunked form with, 0 for the FFT form: ``chunk`` when
+    the chunked kernels serve the call; also with ``chunk`` = 0 (e.g. a tuned entry) when the FFT
+    form cannot run this launch and the chunked kernels can (then at the space's first C)."""
+    if chunked.unserved_reasons(x, p):
+        return 0
+    if config["chunk"] > 0:
+        return config["chunk"]
+    return CHUNK_SPACE["chunk"][0] if _fft_form_reasons(x) else 0
+
+
+def chunked_form(x, p, config) -> bool:
+    """Whether this call runs the chunked form (:func:`form_chunk`)."""
+    return form_chunk(x, p, config) > 0
+
+
+def _chunk_config(x, p, config):
+    return {**{k: config[k] for k in CHUNK_SPACE}, "chunk": form_chunk(x, p, config)}
+
+
+def not_supported_reasons(x=None, p=None, log_q=None, gamma=None, omega=None, hx=None, **_) -> list[str]:
+    # a call the chunked kernels serve runs them (form_chunk): the FFT form's limits do not apply
+    why = _fft_form_reasons(x) if chunked.unserved_reasons(x, p) else device_reasons(x, op="cema")
+    if x.is_cuda and HAVE_TRITON:  # its tile kernels (TF32 dots), beside fftconv's and the CEMA kernels'
+        why += [r for r in arch_reasons("cema", x.device) if r not in why]
     why += [r for r in kernel_impl.not_supported_reasons(p=p, log_q=log_q, gamma=gamma, length=x.shape[-1], hx=hx)
             if r not in why]
     why += [r for r in hidden_impl.not_supported_reasons(x=x, p=p, log_q=log_q, hx=hx) if r not in why]
@@ -86,7 +105,7 @@ def forward(x, p, log_q, gamma, omega, hx, return_state, weighted=False, **confi
     L = x.shape[-1]
     if chunked_form(x, p, config):
         k, _ = kernel_impl.forward(p, log_q, gamma, L, None, **stage)   # for the Saved/packed contract only
-        y = chunked.conv_fwd(x, p, log_q, gamma, omega, hx, **_chunk_config(config))
+        y = chunked.conv_fwd(x, p, log_q, gamma, omega, hx, **_chunk_config(x, p, config))
     else:
         k, b = kernel_impl.forward(p, log_q, gamma, L, hx, **stage)
         y = conv_impl.conv_fwd(x, k, bias=b, omega=omega.to(torch.float32), **conv)
@@ -107,7 +126,7 @@ def backward(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **config):
         # dx in x's dtype, or fp32 when the state's gradient is added to it below (one rounding)
         dx, dp, dlq, dgamma, domega, dhx = chunked.conv_bwd(
             dy.to(x.dtype), x, p, log_q, gamma, omega, hx, needs, x.dtype if dh is None else torch.float32,
-            **_chunk_config(config))
+            **_chunk_config(x, p, config))
     elif dy is not None:
         need_k = need_p or need_lq or need_gamma
         with_omega = need_x or need_omega
