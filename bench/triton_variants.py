@@ -464,7 +464,7 @@ def _cema_chunked_variants(space):
     x's dtype, or fp32 when a state gradient is added to it), the sums kernel per x dtype."""
     ck = cema_chunked
     tables = (("k_ptr", "*fp32"), ("win_ptr", "*fp32"), ("wout_ptr", "*fp32"), ("a_ptr", "*fp32"),
-              ("hx_ptr", "*fp32"), ("omega_ptr", "*fp32"))
+              ("pw_ptr", "*fp32"), ("hx_ptr", "*fp32"), ("omega_ptr", "*fp32"))
     out = []
     for C, BM, nw in product(space["chunk"], space["chunk_block"], space["chunk_warps"]):
         if C == 0:

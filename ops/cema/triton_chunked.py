@@ -9,9 +9,10 @@ With t = c C + s (s < C), per (b, d) row (docs/math.md, "The chunked form"):
 
 Forward (:func:`_fwd_kernel`, one program per row): blocks of BM chunks; per block three dots
 give X T and U (real and imaginary columns), a sequential scan over the block's BM chunk states
-(N lanes, a complex multiply-add per chunk), then two dots add the states' part. Every dot is
-tf32x3 (three TF32 products: fp32 accuracy on tensor cores). The tables (k[:C], Win, Wout, a:
-O(D N C)) are built on the host in float64 from exact powers and rounded once.
+(N lanes, a complex multiply-add per chunk; two levels, see Numerics), then two dots add the
+states' part. Every dot is tf32x3 (three TF32 products: fp32 accuracy on tensor cores). The
+tables (k[:C], Win, Wout, the powers of a: O(D N C)) are built on the host in float64 from exact
+powers and rounded once.
 
 Backward, with g = dy (split in two kernels so that neither spills registers):
 
@@ -27,8 +28,13 @@ The host then finishes dp, dlog_q and dgamma from those O(D N C) sums with the f
 ops/cema/chunked.py (:func:`finish`). What the backward writes besides dx: S and dU, 2 x 2N
 floats per chunk and row (2 N / C of x's fp32 size each), and O(D N C) sums.
 
-The scan in fp32 is a stable recurrence (|a| < 1): its rounding error stays near one ulp of the
-state per chunk it runs through, damped by |a| per chunk.
+Numerics. A one-level scan with a rounded to fp32 carries that rounding into every state it runs
+through (a**n with n times its error: 2e-5 norm-wise at L = 2**16, 1 - |q| = 1e-5, measured
+before this was changed), so both scans run in two levels, as ops/cema/chunked.py's chunk_scan:
+each block of BM chunks is scanned from zero (at most BM steps with the rounded a), its states get
+a**i times the state entering the block from exact powers a**0 .. a**(BM-1), and the carry from
+block to block multiplies by a**BM held as two fp32 numbers (hi + lo), which removes the
+systematic error of rounding it (bench/cema_forms.py accuracy --triton; docs/math.md).
 """
 from __future__ import annotations
 
@@ -62,17 +68,30 @@ def unserved_reasons(x, p) -> list[str]:
 if HAVE_TRITON:
 
     @triton.jit
-    def _load_tables(k_ptr, win_ptr, wout_ptr, a_ptr, d, C: tl.constexpr, NP: tl.constexpr):
-        """T [C, C], Win re/im [C, NP], Wout re/im [NP, C], a re/im [NP] of feature d."""
+    def _load_tables(k_ptr, win_ptr, wout_ptr, d, C: tl.constexpr, NP: tl.constexpr):
+        """T [C, C], Win re/im [C, NP], Wout re/im [NP, C] of feature d."""
         s_r = tl.arange(0, C)
         n_r = tl.arange(0, NP)
         diff = s_r[None, :] - s_r[:, None]
         T = tl.load(k_ptr + d * C + diff, mask=diff >= 0, other=0.0)
         win_off = (d * 2 * C + s_r[:, None]) * NP + n_r[None, :]
         wout_off = (d * 2 * NP + n_r[:, None]) * C + s_r[None, :]
-        a_off = d * 2 * NP + n_r
         return (T, tl.load(win_ptr + win_off), tl.load(win_ptr + win_off + C * NP), tl.load(wout_ptr + wout_off),
-                tl.load(wout_ptr + wout_off + NP * C), tl.load(a_ptr + a_off), tl.load(a_ptr + a_off + NP))
+                tl.load(wout_ptr + wout_off + NP * C))
+
+    @triton.jit
+    def _load_powers(a_ptr, pw_ptr, d, BM: tl.constexpr, NP: tl.constexpr, FLIP: tl.constexpr):
+        """a = q**C re/im [NP]; a**i re/im [BM, NP] (row i, or row BM-1-i with FLIP); a**BM as
+        hi + lo pairs re/im [NP] (lo: the float64 value's rounding error, so the carry from block
+        to block has no systematic error from rounding a**BM)."""
+        n_r = tl.arange(0, NP)
+        m_r = tl.arange(0, BM)
+        a_off = d * 6 * NP + n_r
+        rows = (BM - 1 - m_r) if FLIP else m_r
+        pw_off = (d * 2 * BM + rows[:, None]) * NP + n_r[None, :]
+        return (tl.load(a_ptr + a_off), tl.load(a_ptr + a_off + NP), tl.load(pw_ptr + pw_off),
+                tl.load(pw_ptr + pw_off + BM * NP), tl.load(a_ptr + a_off + 2 * NP), tl.load(a_ptr + a_off + 3 * NP),
+                tl.load(a_ptr + a_off + 4 * NP), tl.load(a_ptr + a_off + 5 * NP))
 
     @triton.jit
     def _initial_state(hx_ptr, row, N, NP: tl.constexpr, HAS_HX: tl.constexpr):
@@ -84,30 +103,40 @@ if HAVE_TRITON:
         return tl.zeros([NP], dtype=tl.float32), tl.zeros([NP], dtype=tl.float32)
 
     @triton.jit
-    def _block_states(U_re, U_im, S_re, S_im, a_re, a_im, BM: tl.constexpr, NP: tl.constexpr):
+    def _block_states(U_re, U_im, S_re, S_im, a_re, a_im, P_re, P_im, ah_re, ah_im, al_re, al_im,
+                      BM: tl.constexpr, NP: tl.constexpr):
         """The states entering the block's BM chunks (rows of [BM, NP]) from S entering its first,
-        and S after its last: S[i+1] = a S[i] + U[i]."""
+        and S after its last, in two levels (as ops/cema/chunked.py's chunk_scan): the block's
+        own scan from zero, loc[i+1] = a loc[i] + U[i] (at most BM steps with the rounded a), then
+        S_in[i] = a**i S + loc[i] with exact powers and S_next = a**BM S + loc[BM]."""
         m_r = tl.arange(0, BM)
-        Sin_re = tl.zeros([BM, NP], dtype=tl.float32)
-        Sin_im = tl.zeros([BM, NP], dtype=tl.float32)
+        loc_re = tl.zeros([BM, NP], dtype=tl.float32)
+        loc_im = tl.zeros([BM, NP], dtype=tl.float32)
+        l_re = tl.zeros([NP], dtype=tl.float32)
+        l_im = tl.zeros([NP], dtype=tl.float32)
         for i in tl.static_range(BM):
             here = m_r[:, None] == i
-            Sin_re = tl.where(here, S_re[None, :], Sin_re)
-            Sin_im = tl.where(here, S_im[None, :], Sin_im)
+            loc_re = tl.where(here, l_re[None, :], loc_re)
+            loc_im = tl.where(here, l_im[None, :], loc_im)
             u_re = tl.sum(tl.where(here, U_re, 0.0), axis=0)
             u_im = tl.sum(tl.where(here, U_im, 0.0), axis=0)
-            S_re, S_im = a_re * S_re - a_im * S_im + u_re, a_re * S_im + a_im * S_re + u_im
-        return Sin_re, Sin_im, S_re, S_im
+            l_re, l_im = a_re * l_re - a_im * l_im + u_re, a_re * l_im + a_im * l_re + u_im
+        Sin_re = P_re * S_re[None, :] - P_im * S_im[None, :] + loc_re
+        Sin_im = P_re * S_im[None, :] + P_im * S_re[None, :] + loc_im
+        c_re = al_re * S_re - al_im * S_im + l_re
+        c_im = al_re * S_im + al_im * S_re + l_im
+        return Sin_re, Sin_im, ah_re * S_re - ah_im * S_im + c_re, ah_re * S_im + ah_im * S_re + c_im
 
     @triton.jit
-    def _fwd_kernel(x_ptr, y_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, hx_ptr, omega_ptr, D, L, N, nblk,
+    def _fwd_kernel(x_ptr, y_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr, hx_ptr, omega_ptr, D, L, N, nblk,
                     C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, HAS_HX: tl.constexpr,
                     OUT_BF16: tl.constexpr, PREC: tl.constexpr):
         row = tl.program_id(0)
         d = row % D
         s_r = tl.arange(0, C)
         m_r = tl.arange(0, BM)
-        T, Wi_re, Wi_im, Wo_re, Wo_im, a_re, a_im = _load_tables(k_ptr, win_ptr, wout_ptr, a_ptr, d, C, NP)
+        T, Wi_re, Wi_im, Wo_re, Wo_im = _load_tables(k_ptr, win_ptr, wout_ptr, d, C, NP)
+        a_re, a_im, P_re, P_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP, False)
         om = tl.load(omega_ptr + d)
         S_re, S_im = _initial_state(hx_ptr, row, N, NP, HAS_HX)
         base = row.to(tl.int64) * L
@@ -118,14 +147,15 @@ if HAVE_TRITON:
             Y = tl.dot(X, T, input_precision=PREC)
             U_re = tl.dot(X, Wi_re, input_precision=PREC)
             U_im = tl.dot(X, Wi_im, input_precision=PREC)
-            Sin_re, Sin_im, S_re, S_im = _block_states(U_re, U_im, S_re, S_im, a_re, a_im, BM, NP)
+            Sin_re, Sin_im, S_re, S_im = _block_states(U_re, U_im, S_re, S_im, a_re, a_im, P_re, P_im,
+                                                       ah_re, ah_im, al_re, al_im, BM, NP)
             Y = tl.dot(Sin_re, Wo_re, Y, input_precision=PREC)
             Y = tl.dot(-Sin_im, Wo_im, Y, input_precision=PREC)
             store_rounded(y_ptr + base + t, Y + om * X, tmask, OUT_BF16)
 
     @triton.jit
-    def _bwd_scan_kernel(x_ptr, g_ptr, dx_ptr, s_ptr, du_ptr, dhx_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, hx_ptr,
-                         omega_ptr, D, L, N, nblk,
+    def _bwd_scan_kernel(x_ptr, g_ptr, dx_ptr, s_ptr, du_ptr, dhx_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr,
+                         hx_ptr, omega_ptr, D, L, N, nblk,
                          C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, HAS_HX: tl.constexpr,
                          OUT_BF16: tl.constexpr, PREC: tl.constexpr):
         row = tl.program_id(0)
@@ -133,23 +163,28 @@ if HAVE_TRITON:
         s_r = tl.arange(0, C)
         n_r = tl.arange(0, NP)
         m_r = tl.arange(0, BM)
-        T, Wi_re, Wi_im, Wo_re, Wo_im, a_re, a_im = _load_tables(k_ptr, win_ptr, wout_ptr, a_ptr, d, C, NP)
+        T, Wi_re, Wi_im, Wo_re, Wo_im = _load_tables(k_ptr, win_ptr, wout_ptr, d, C, NP)
         om = tl.load(omega_ptr + d)
         S_re, S_im = _initial_state(hx_ptr, row, N, NP, HAS_HX)
         base = row.to(tl.int64) * L
         # S and dU of chunk c at [row, c, (re, im), n]
         sbase = row.to(tl.int64) * nblk * BM * 2 * NP
         # pass 1: the state entering every chunk
+        a_re, a_im, P_re, P_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP, False)
         for blk in range(0, nblk):
             t = (blk * BM + m_r[:, None]) * C + s_r[None, :]
             X = tl.load(x_ptr + base + t, mask=t < L, other=0.0).to(tl.float32)
             U_re = tl.dot(X, Wi_re, input_precision=PREC)
             U_im = tl.dot(X, Wi_im, input_precision=PREC)
-            Sin_re, Sin_im, S_re, S_im = _block_states(U_re, U_im, S_re, S_im, a_re, a_im, BM, NP)
+            Sin_re, Sin_im, S_re, S_im = _block_states(U_re, U_im, S_re, S_im, a_re, a_im, P_re, P_im,
+                                                       ah_re, ah_im, al_re, al_im, BM, NP)
             so = sbase + (blk * BM + m_r[:, None]) * 2 * NP + n_r[None, :]
             tl.store(s_ptr + so, Sin_re)
             tl.store(s_ptr + so + NP, Sin_im)
-        # pass 2: backwards over the chunks; G is the gradient of the state entering the next chunk
+        # pass 2: backwards over the chunks, the adjoint scan G[c] = dS[c] + conj(a) G[c+1] in the
+        # same two levels: the block's own scan from zero, then conj(a)**(BM-1-i) G entering from
+        # the next block (exact powers, Pf: the table's rows reversed) and the carry with conj(a**BM)
+        a_re, a_im, Pf_re, Pf_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP, True)
         G_re = tl.zeros([NP], dtype=tl.float32)
         G_im = tl.zeros([NP], dtype=tl.float32)
         for j in range(0, nblk):
@@ -159,15 +194,23 @@ if HAVE_TRITON:
             g = tl.load(g_ptr + base + t, mask=tmask, other=0.0).to(tl.float32)
             dS_re = tl.dot(g, tl.trans(Wo_re), input_precision=PREC)     # g @ Wout^H, Wout^H = (Wo_re - i Wo_im)^T
             dS_im = -tl.dot(g, tl.trans(Wo_im), input_precision=PREC)
-            dU_re = tl.zeros([BM, NP], dtype=tl.float32)
-            dU_im = tl.zeros([BM, NP], dtype=tl.float32)
+            loc_re = tl.zeros([BM, NP], dtype=tl.float32)
+            loc_im = tl.zeros([BM, NP], dtype=tl.float32)
+            l_re = tl.zeros([NP], dtype=tl.float32)
+            l_im = tl.zeros([NP], dtype=tl.float32)
             for ii in tl.static_range(BM):
                 here = m_r[:, None] == BM - 1 - ii
-                dU_re = tl.where(here, G_re[None, :], dU_re)
-                dU_im = tl.where(here, G_im[None, :], dU_im)
+                loc_re = tl.where(here, l_re[None, :], loc_re)
+                loc_im = tl.where(here, l_im[None, :], loc_im)
                 ds_re = tl.sum(tl.where(here, dS_re, 0.0), axis=0)
                 ds_im = tl.sum(tl.where(here, dS_im, 0.0), axis=0)
-                G_re, G_im = a_re * G_re + a_im * G_im + ds_re, a_re * G_im - a_im * G_re + ds_im
+                l_re, l_im = a_re * l_re + a_im * l_im + ds_re, a_re * l_im - a_im * l_re + ds_im
+            # dU[i] = G[i+1] = loc[i+1] + conj(a**(BM-1-i)) G_next
+            dU_re = Pf_re * G_re[None, :] + Pf_im * G_im[None, :] + loc_re
+            dU_im = Pf_re * G_im[None, :] - Pf_im * G_re[None, :] + loc_im
+            c_re = al_re * G_re + al_im * G_im + l_re
+            c_im = al_re * G_im - al_im * G_re + l_im
+            G_re, G_im = ah_re * G_re + ah_im * G_im + c_re, ah_re * G_im - ah_im * G_re + c_im
             so = sbase + (blk * BM + m_r[:, None]) * 2 * NP + n_r[None, :]
             tl.store(du_ptr + so, dU_re)
             tl.store(du_ptr + so + NP, dU_im)
@@ -236,10 +279,11 @@ if HAVE_TRITON:
 
 class Tables:
     """The per-feature tables both passes read, from exact float64 powers rounded once to fp32:
-    k [D, C] = k[:C], win [D, 2, C, NP] (re, im of Win), wout [D, 2, NP, C], a [D, 2, NP] = q**C;
-    P c(D N C+1) = q**0 .. q**C (complex128) for the host finish."""
+    k [D, C] = k[:C], win [D, 2, C, NP] (re, im of Win), wout [D, 2, NP, C]; a [D, 6, NP]: re, im
+    of a = q**C, then of a**BM rounded (hi) and of its rounding error (lo); pw [D, 2, BM, NP] =
+    a**0 .. a**(BM-1); P c(D N C+1) = q**0 .. q**C (complex128) for the host finish."""
 
-    def __init__(self, p, log_q, gamma, C):
+    def __init__(self, p, log_q, gamma, C, BM):
         D, N = p.shape
         self.P = P = exact_powers(log_q.to(torch.complex128), torch.arange(C + 1, device=p.device))
         self.p, self.gamma = p.to(torch.float64), gamma.to(torch.complex128)
@@ -249,12 +293,16 @@ class Tables:
         pad = NP - N
         win = torch.nn.functional.pad(win, (0, pad))
         wout = torch.nn.functional.pad(wout, (0, 0, 0, pad))
-        a = torch.nn.functional.pad(P[..., C], (0, pad))
         f32 = torch.float32
+        A = exact_powers(log_q.to(torch.complex128), torch.arange(BM + 1, device=p.device) * C)  # a**0 .. a**BM
+        A = torch.nn.functional.pad(A, (0, 0, 0, pad))                                      # [D, NP, BM+1]
+        a, last = A[..., 1], A[..., BM]
+        hi = last.to(torch.complex64).to(torch.complex128)
         self.k = k.to(f32).contiguous()
         self.win = torch.stack((win.real, win.imag), 1).to(f32).contiguous()
         self.wout = torch.stack((wout.real, wout.imag), 1).to(f32).contiguous()
-        self.a = torch.stack((a.real, a.imag), 1).to(f32).contiguous()
+        self.a = torch.stack((a.real, a.imag, hi.real, hi.imag, (last - hi).real, (last - hi).imag), 1).to(f32)
+        self.pw = torch.stack((A[..., :BM].real, A[..., :BM].imag), 1).transpose(2, 3).to(f32).contiguous()
 
 
 def _hx_pairs(hx, x):
@@ -270,9 +318,10 @@ def conv_fwd(x, p, log_q, gamma, omega, hx, *, chunk, chunk_block, chunk_warps):
     """y r(B D L) in x's dtype: the causal convolution with k, the bias of hx and omega x, rounded once."""
     B, D, L = x.shape
     x = x.contiguous()
-    tab = Tables(p, log_q, gamma, chunk)
+    tab = Tables(p, log_q, gamma, chunk, chunk_block)
     y = torch.empty_like(x)
-    _fwd_kernel[(B * D,)](x, y, tab.k, tab.win, tab.wout, tab.a, _hx_pairs(hx, x), omega.to(torch.float32).contiguous(),
+    _fwd_kernel[(B * D,)](x, y, tab.k, tab.win, tab.wout, tab.a.contiguous(), tab.pw, _hx_pairs(hx, x),
+                          omega.to(torch.float32).contiguous(),
                           D, L, p.shape[1], _blocks(L, chunk, chunk_block), C=chunk, NP=NP, BM=chunk_block,
                           HAS_HX=hx is not None, OUT_BF16=x.dtype == torch.bfloat16, PREC=PREC,
                           num_warps=chunk_warps)
@@ -287,7 +336,7 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
     N = p.shape[1]
     C, BM = chunk, chunk_block
     x, dy = x.contiguous(), dy.contiguous()
-    tab = Tables(p, log_q, gamma, C)
+    tab = Tables(p, log_q, gamma, C, BM)
     nblk = _blocks(L, C, BM)
     dev, f32 = x.device, torch.float32
     R = B * D
@@ -296,7 +345,8 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
     dU = torch.empty_like(S)
     dhx = torch.empty(R, 2, NP, dtype=f32, device=dev)
     omega32 = omega.to(f32).contiguous()
-    _bwd_scan_kernel[(R,)](x, dy, dx, S, dU, dhx, tab.k, tab.win, tab.wout, tab.a, _hx_pairs(hx, x), omega32,
+    _bwd_scan_kernel[(R,)](x, dy, dx, S, dU, dhx, tab.k, tab.win, tab.wout, tab.a.contiguous(), tab.pw,
+                           _hx_pairs(hx, x), omega32,
                            D, L, N, nblk, C=C, NP=NP, BM=BM, HAS_HX=hx is not None,
                            OUT_BF16=dx_dtype == torch.bfloat16, PREC=PREC, num_warps=chunk_warps)
     dp = dlq = dgamma = domega = None
