@@ -94,8 +94,11 @@ def rank(op: str, device_class: str, dtype: str, inputs: Mapping, able: Sequence
                 continue
             near = min(both, key=lambda p: _distance(p, dtype, rows, L))
             faster, slower = (a, b) if near["ms"][a] <= near["ms"][b] else (b, a)
-            score[faster] += 1
-            score[slower] -= 1
+            # a pair timed right here outweighs one timed far away: without the weight, three pairs
+            # decided at different points can form a cycle that the fixed priority would break
+            weight = 1.0 / (1.0 + _distance(near, dtype, rows, L))
+            score[faster] += weight
+            score[slower] -= weight
             decided = True
     if not decided:
         return None

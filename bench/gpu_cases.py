@@ -114,7 +114,9 @@ CASES: dict[str, Case] = {
                        {"cuda": (1e-6, 2e-6), "triton": (1e-6, 2e-6)}),
     "cema": Case(lambda d: [_randn(2, 256, 4096, device=d), *cema_coeffs(256, 16, d), _randn(256, device=d)],
                  lambda a, b: ops.cema(a[0], a[1], a[2], a[3], a[4], backend=b), 1, F32_BF16,
-                 {"triton": (3.1e-6, 3.3e-6)}),
+                 # cuda: the composition of the cuda cema_kernel, fftconv and ema_hidden above (each within
+                 # 2e-6 here), first run on a GPU in h200_run4: the Triton bound until measured
+                 {"triton": (3.1e-6, 3.3e-6), "cuda": (3.1e-6, 3.3e-6)}),
 }
 
 

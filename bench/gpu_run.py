@@ -80,7 +80,10 @@ def run_steps(out: Path, budget_s: float, dry: bool, only=None) -> dict:
     else:
         device = torch.device("cuda", torch.cuda.current_device())
     run = gpu_steps.Run(out=out, dry=dry, deadline=t_start + budget_s - REPORT_RESERVE_S, device=device)
+    # the asked steps share the whole budget: their shares scaled by the part of all shares they hold
+    scale = (sum(s[2] for s in STEPS) / sum(s[2] for s in STEPS if s[0] in only)) if only else 1.0
     for name, fn_name, share, min_s in STEPS:
+        share *= scale
         rec = dict(name=name, status="skipped", seconds=0.0, summary=[], files=[])
         run.results[name] = rec
         if only and name not in only:

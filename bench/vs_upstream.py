@@ -551,13 +551,13 @@ def _full_shape(ref_out, dim, base, case):
     return shape
 
 
-def plan(sets, dtypes) -> list:
+def plan(sets, dtypes, names=None) -> list:
     """(set, case, dtype) in the order they run: per set, first every case in its first dtype (bfloat16
     where the case serves it: the training precision), then the other dtypes, so that a budget that
-    runs out cuts the least wanted points."""
+    runs out cuts the least wanted points. ``names``: only the cases of these names (None: all)."""
     out = []
     for set_name in sets:
-        cs = cases(set_name)
+        cs = [c for c in cases(set_name) if names is None or c.name in names]
         firsts = [(c, next((d for d in c.dtypes if d in dtypes), None)) for c in cs]
         out += [(set_name, c, d) for c, d in firsts if d]
         out += [(set_name, c, d) for c, first in firsts for d in c.dtypes if d in dtypes and d != first]
@@ -565,9 +565,9 @@ def plan(sets, dtypes) -> list:
 
 
 def run(sets, dtypes, providers, ext, dev, reps: int, deadline: float, log=print,
-        ext_note: str = "upstream extension not loaded") -> dict:
+        ext_note: str = "upstream extension not loaded", names=None) -> dict:
     rows, not_reached = [], []
-    for set_name, case, dt in plan(sets, dtypes):
+    for set_name, case, dt in plan(sets, dtypes, names):
         label = f"{set_name} {case.name} {dt} " + " ".join(f"{k}={v}" for k, v in case.shape.items())
         if time.perf_counter() > deadline:
             not_reached.append(label)
@@ -693,6 +693,8 @@ def main(argv=None) -> int:
     ap.add_argument("--sets", nargs="+", default=["7b", "probe"], choices=("7b", "probe", "dry"))
     ap.add_argument("--dtypes", nargs="+", default=["bfloat16", "float32"], choices=("bfloat16", "float32"))
     ap.add_argument("--providers", nargs="+", default=list(PROVIDERS), choices=PROVIDERS)
+    ap.add_argument("--cases", nargs="+", default=None,
+                    help="only the cases of these names (e.g. attention attention_dropkey); default: all")
     ap.add_argument("--reps", type=int, default=3, help="timed calls per mode after the warm-up (median)")
     ap.add_argument("--budget-s", type=float, default=120.0, help="no new case starts after this many seconds")
     ap.add_argument("--out", type=Path, default=None, help="folder for vs_upstream.md/.json/.png")
@@ -712,8 +714,12 @@ def main(argv=None) -> int:
         notes.append(("upstream: " if ext is not None else "upstream skipped: ") + note)
     for n in notes:
         print(n, flush=True)
+    known = {c.name for name in sets for c in cases(name)}
+    unknown = sorted(set(a.cases or ()) - known)
+    if unknown:
+        ap.error(f"--cases: no case named {', '.join(unknown)} in the sets {sets} (they have: {', '.join(sorted(known))})")
     res = run(sets, a.dtypes, providers, ext, dev, 1 if a.dry else a.reps, t_start + a.budget_s,
-              ext_note=notes[0])
+              ext_note=notes[0], names=a.cases)
     res["notes"] = notes
     cmd = "python bench/vs_upstream.py " + " ".join(argv if argv is not None else sys.argv[1:])
     dev_name = torch.cuda.get_device_name(dev) if dev.type == "cuda" else "CPU"

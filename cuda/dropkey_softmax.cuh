@@ -3,7 +3,8 @@
 // Scores are (Bf, Hf, L, S) contiguous, one row = S logits of query i. Row i sees keys
 // j < hi(i) = min(S, i + S - L + 1) when causal (bottom-right alignment, a KV cache of S - L keys),
 // and among those the ones the DropKey rule keeps, with (b, h, i, j) = (flat batch, head, row,
-// column), or b = batch_index[flat batch] when batch_index is given (packed document rows). A row with no visible kept key is all 0; keys
+// column), or b = batch_index[flat batch] when batch_index is given (packed document rows), and i, j
+// shifted by index_offset[flat batch] when that is given (chunks run as batch rows). A row with no visible kept key is all 0; keys
 // >= hi are written as 0 and never read. Arithmetic in acc_t<T> (fp32 for float/bf16 scores, fp64
 // with exp in double for double scores), one rounding on store; the DropKey decisions are 32-bit
 // integer arithmetic and so identical for every T.
@@ -55,7 +56,8 @@ template <class T, int ITEMS>
 __global__ void __launch_bounds__(kSoftmaxMaxThreads) dropkey_softmax_fwd_kernel(const T* __restrict__ x, T* __restrict__ y,
                                                                    std::int64_t rows, int Hf, int L, int S,
                                                                    bool causal, std::uint32_t key, std::uint32_t thr,
-                                                                   const std::int64_t* __restrict__ batch_index) {
+                                                                   const std::int64_t* __restrict__ batch_index,
+                                                                   const std::int64_t* __restrict__ index_offset) {
   using A = acc_t<T>;
   MK_STATIC_SMEM(MaxSum<A>, s_part, 32);
   const int NT = blockDim.x;
@@ -65,8 +67,11 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) dropkey_softmax_fwd_kernel
     const std::int64_t bh = row / L;
     const std::uint32_t h = static_cast<std::uint32_t>(bh % Hf);
     const std::uint32_t b = static_cast<std::uint32_t>(batch_index ? batch_index[bh / Hf] : bh / Hf);
+    // DropKey's (i, j) of this row within the call: the row's own plus its flat batch's offset (a chunk
+    // of a block-diagonal attention run as a batch row keeps the mask of its place in the sequence)
+    const std::uint32_t off = index_offset ? static_cast<std::uint32_t>(index_offset[bh / Hf]) : 0u;
     const int hi = causal ? imax(0, imin(S, i + S - L + 1)) : S;
-    const std::uint32_t rkey = thr ? dropkey::row_key(key, b, h, static_cast<std::uint32_t>(i)) : 0u;
+    const std::uint32_t rkey = thr ? dropkey::row_key(key, b, h, static_cast<std::uint32_t>(i) + off) : 0u;
     const T* xr = x + row * S;
     T* yr = y + row * S;
 
@@ -77,11 +82,11 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) dropkey_softmax_fwd_kernel
     for (int k = 0; k < ITEMS; ++k) {
       const int j = tid + k * NT;
       v[k] = -INFINITY;
-      if (j < hi && (thr == 0 || dropkey::keep(rkey, static_cast<std::uint32_t>(j), thr))) v[k] = to_acc(xr[j]);
+      if (j < hi && (thr == 0 || dropkey::keep(rkey, static_cast<std::uint32_t>(j) + off, thr))) v[k] = to_acc(xr[j]);
       acc = ms_add(acc, v[k]);
     }
     for (int j = tid + ITEMS * NT; j < hi; j += NT)
-      if (thr == 0 || dropkey::keep(rkey, static_cast<std::uint32_t>(j), thr)) acc = ms_add(acc, to_acc(xr[j]));
+      if (thr == 0 || dropkey::keep(rkey, static_cast<std::uint32_t>(j) + off, thr)) acc = ms_add(acc, to_acc(xr[j]));
 
     // block merge: warp butterflies, then every thread folds the warp partials in the same order
 #pragma unroll
@@ -103,7 +108,7 @@ __global__ void __launch_bounds__(kSoftmaxMaxThreads) dropkey_softmax_fwd_kernel
     }
     for (int j = tid + ITEMS * NT; j < S; j += NT) {
       A p = A(0);
-      if (j < hi && (thr == 0 || dropkey::keep(rkey, static_cast<std::uint32_t>(j), thr)))
+      if (j < hi && (thr == 0 || dropkey::keep(rkey, static_cast<std::uint32_t>(j) + off, thr)))
         p = acc_exp(to_acc(xr[j]) - m) * inv;
       yr[j] = from_acc<T>(p);
     }

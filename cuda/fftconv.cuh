@@ -128,19 +128,30 @@ __device__ __forceinline__ void fft_load_real(C* a, const T* __restrict__ src, i
 // butterfly span m < n pairs elements inside one aligned 2m-block, so the stages over the whole
 // concatenation are exactly the stages of each transform (the four-step passes in
 // fftconv_long.cuh batch columns and row pairs this way).
+// The twiddle table (optional, ``tw``): for every span m = 2^s, s = 5 .. kTwMaxLog2, the m values
+// e^{-i pi r / m} (r < m) at tw[m - 32 + r], computed in double on the host and rounded once (0.5 ulp,
+// against sincospi's ~1 ulp): a butterfly reads its twiddle instead of evaluating sincospi, the
+// larger part of a shared-memory stage's instructions. nullptr: sincospi as before (the multi-pass
+// kernels of fftconv_long.cuh). tw_at(m, r) is valid for 32 <= m <= 2^kTwMaxLog2, r < m.
 template <bool INVERSE, class C>
-__device__ void fft_dit(C* a, int log2n, int log2batch = 0) {
+__device__ __forceinline__ C tw_at(const C* __restrict__ tw, int m, int r) {
+  const C w = tw[m - 32 + r];
+  return INVERSE ? cconj(w) : w;
+}
+
+template <bool INVERSE, class C>
+__device__ __forceinline__ void fft_dit(C* a, int log2n, int log2batch = 0, const C* __restrict__ tw = nullptr) {
   using R = real_t<C>;
   const int n = 1 << (log2n + log2batch);  // elements over the batch
   const int tid = threadIdx.x;
   const int lane = tid & 31;
   const R sign = INVERSE ? R(1) : R(-1);
   // this lane's twiddle for the spans 1, 2, 4, 8, 16
-  C tw[5];
+  C lane_tw[5];
 #pragma unroll
   for (int s = 0; s < 5; ++s) {
     const int m = 1 << s;
-    tw[s] = cispi(sign * static_cast<R>(lane & (m - 1)) * pow2_neg<R>(s));
+    lane_tw[s] = cispi(sign * static_cast<R>(lane & (m - 1)) * pow2_neg<R>(s));
   }
   __syncthreads();
   for (int seg = tid >> 5; seg < (n >> 5); seg += blockDim.x >> 5) {
@@ -149,7 +160,7 @@ __device__ void fft_dit(C* a, int log2n, int log2batch = 0) {
     for (int s = 0; s < 5; ++s) {
       const int m = 1 << s;
       const bool upper = lane & m;               // the q = p + m element of the butterfly
-      const C t = upper ? cmul(tw[s], v) : v;    // q premultiplies by its twiddle
+      const C t = upper ? cmul(lane_tw[s], v) : v;    // q premultiplies by its twiddle
       const C o = shfl_xor2(t, m);
       v = upper ? csub(o, t) : cadd(v, o);       // p + w q  |  p - w q
     }
@@ -162,7 +173,7 @@ __device__ void fft_dit(C* a, int log2n, int log2batch = 0) {
     for (int j = tid; j < (n >> 1); j += blockDim.x) {
       const int r = j & (m - 1);
       const int p = ((j >> s) << (s + 1)) + r;
-      const C w = cispi(sign * static_cast<R>(r) * inv_m);
+      const C w = tw ? tw_at<INVERSE>(tw, m, r) : cispi(sign * static_cast<R>(r) * inv_m);
       const C x = a[p];
       const C y = cmul(w, a[p + m]);
       a[p] = cadd(x, y);
@@ -176,7 +187,7 @@ __device__ void fft_dit(C* a, int log2n, int log2batch = 0) {
 // samples packed in a (natural order after fft_dit<false>): f(k, X[k], X[N-k]) where for k = 0
 // the second value is X[N]. f may overwrite a[k] and a[N-k] (and nothing else).
 template <class C, class F>
-__device__ __forceinline__ void fft_real_pairs(C* a, int log2n, F f) {
+__device__ __forceinline__ void fft_real_pairs(C* a, int log2n, F f, const C* __restrict__ tw = nullptr) {
   using R = real_t<C>;
   const int n = 1 << log2n;
   const R inv_n = pow2_neg<R>(log2n);
@@ -191,7 +202,7 @@ __device__ __forceinline__ void fft_real_pairs(C* a, int log2n, F f) {
       const C zk = a[k], znk = a[n - k];
       const C e = mkc(h * (zk.x + znk.x), h * (zk.y - znk.y));   // (Z[k] + conj Z[N-k]) / 2
       const C o = mkc(h * (zk.y + znk.y), -h * (zk.x - znk.x));  // -i (Z[k] - conj Z[N-k]) / 2
-      const C wo = cmul(cispi(-static_cast<R>(k) * inv_n), o);
+      const C wo = cmul(tw ? tw_at<false>(tw, n, k) : cispi(-static_cast<R>(k) * inv_n), o);
       xk = cadd(e, wo);
       xnk = cconj(csub(e, wo));
     }
@@ -202,13 +213,13 @@ __device__ __forceinline__ void fft_real_pairs(C* a, int log2n, F f) {
 // Inverse of the split: from Y[k], Y[N-k] (k = 0: Y[0], Y[N]) the half-length values Z'[k] and
 // Z'[N-k] whose inverse N-point FFT / N gives (y[2m], y[2m+1]).
 template <class C>
-__device__ __forceinline__ void fft_merge_pair(C* a, int log2n, int k, C yk, C ynk) {
+__device__ __forceinline__ void fft_merge_pair(C* a, int log2n, int k, C yk, C ynk, const C* __restrict__ tw = nullptr) {
   using R = real_t<C>;
   const int n = 1 << log2n;
   const R h = R(0.5);
   const C e = mkc(h * (yk.x + ynk.x), h * (yk.y - ynk.y));
   const C d = mkc(h * (yk.x - ynk.x), h * (yk.y + ynk.y));
-  const C o = cmul(d, cispi(static_cast<R>(k) * pow2_neg<R>(log2n)));
+  const C o = cmul(d, tw ? tw_at<true>(tw, n, k) : cispi(static_cast<R>(k) * pow2_neg<R>(log2n)));
   a[k] = mkc(e.x - o.y, e.y + o.x);
   if (k != 0 && 2 * k != n) a[n - k] = mkc(e.x + o.y, o.x - e.y);
 }
@@ -246,7 +257,8 @@ __device__ __forceinline__ void fft_store_real(T* __restrict__ dst, const C* a, 
 }
 
 // ------------------------------------------------------------------------------------------------
-// Kernels (one block per row, blockDim.x = fft_threads<R>(log2n), dynamic smem = fft_smem_bytes<R>).
+// Kernels (one block per row, blockDim.x = fft_threads<R>(log2n), dynamic smem = fft_smem_bytes<R>;
+// tw: the twiddle table above, covering spans up to N, or nullptr).
 // T is the element type of x / y (float, bf16, double); TK the type k / dk / the spectra are
 // computed in (float or double = acc_t<T>: the Python side converts k to it).
 // ------------------------------------------------------------------------------------------------
@@ -254,37 +266,40 @@ __device__ __forceinline__ void fft_store_real(T* __restrict__ dst, const C* a, 
 // kf[d] = rfft(k[d] zero-padded to 2N): N + 1 bins.
 template <class TK>
 __global__ void __launch_bounds__(FftCfg<TK>::kMaxThreads)
-    fftconv_spectrum_kernel(const TK* __restrict__ k, cplx_t<TK>* __restrict__ kf, int L, int log2n) {
+    fftconv_spectrum_kernel(const TK* __restrict__ k, cplx_t<TK>* __restrict__ kf, int L, int log2n,
+                            const cplx_t<TK>* __restrict__ tw) {
   using C = cplx_t<TK>;
   MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
   const std::int64_t d = blockIdx.x;
   fft_load_real<TK, false>(a, k + d * L, L, log2n);
-  fft_dit<false>(a, log2n);
+  fft_dit<false>(a, log2n, 0, tw);
   C* out = kf + d * (n + 1);
   fft_real_pairs(a, log2n, [&](int i, C xk, C xnk) {
     out[i] = xk;
     out[n - i] = xnk;
-  });
+  }, tw);
 }
 
-// y = irfft(rfft(x) * kf)[:L] per row b * D + d.
+// y = irfft(rfft(x) * kf)[:L] per row b * D + d. (minBlocks 1 in the launch bounds: without it ptxas
+// holds the float kernels at 32 registers for two 1024-thread blocks per SM and spills 16-52 B;
+// this and the bwd_dx kernel stay spill-free at 37-46 registers.)
 template <class T>
-__global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
+__global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads, 1)
     fftconv_fwd_kernel(const T* __restrict__ x, const cplx_t<acc_t<T>>* __restrict__ kf, T* __restrict__ y, int D,
-                       int L, int log2n) {
+                       int L, int log2n, const cplx_t<acc_t<T>>* __restrict__ tw) {
   using C = cplx_t<acc_t<T>>;
   MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
   const std::int64_t row = blockIdx.x;
   const C* kr = kf + (row % D) * (n + 1);
   fft_load_real<T, false>(a, x + row * L, L, log2n);
-  fft_dit<false>(a, log2n);
-  fft_real_pairs(a, log2n, [&](int i, C xk, C xnk) {
-    fft_merge_pair(a, log2n, i, cmul(xk, kr[i]), cmul(xnk, kr[n - i]));
-  });
+  fft_dit<false>(a, log2n, 0, tw);
+  fft_real_pairs(a, log2n, [=](int i, C xk, C xnk) {
+    fft_merge_pair(a, log2n, i, cmul(xk, kr[i]), cmul(xnk, kr[n - i]), tw);
+  }, tw);
   fft_bitrev_permute(a, log2n);
-  fft_dit<true>(a, log2n);
+  fft_dit<true>(a, log2n, 0, tw);
   fft_store_real<T, false>(y + row * L, a, L, log2n);
 }
 
@@ -292,9 +307,10 @@ __global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
 // (if prod; row-major (nb, D, N + 1)). Row-local: prod[row] is written and re-read by the same
 // thread, so no barrier is needed between the two spectra.
 template <class T>
-__global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
+__global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads, 1)
     fftconv_bwd_dx_kernel(const T* __restrict__ dy, const T* __restrict__ x, const cplx_t<acc_t<T>>* __restrict__ kf,
-                          T* __restrict__ dx, cplx_t<acc_t<T>>* __restrict__ prod, int D, int L, int log2n) {
+                          T* __restrict__ dx, cplx_t<acc_t<T>>* __restrict__ prod, int D, int L, int log2n,
+                          const cplx_t<acc_t<T>>* __restrict__ tw) {
   using C = cplx_t<acc_t<T>>;
   MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
@@ -303,25 +319,25 @@ __global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
   C* pr = prod ? prod + row * (n + 1) : nullptr;
   if (pr) {
     fft_load_real<T, false>(a, x + row * L, L, log2n);
-    fft_dit<false>(a, log2n);
+    fft_dit<false>(a, log2n, 0, tw);
     fft_real_pairs(a, log2n, [&](int i, C xk, C xnk) {
       pr[i] = xk;
       pr[n - i] = xnk;
-    });
+    }, tw);
     __syncthreads();  // a[] is reloaded below
   }
   fft_load_real<T, true>(a, dy + row * L, L, log2n);
-  fft_dit<false>(a, log2n);
-  fft_real_pairs(a, log2n, [&](int i, C gk, C gnk) {
+  fft_dit<false>(a, log2n, 0, tw);
+  fft_real_pairs(a, log2n, [=](int i, C gk, C gnk) {
     if (pr) {
       pr[i] = cmul(gk, pr[i]);
       if (2 * i != n) pr[n - i] = cmul(gnk, pr[n - i]);  // the middle bin is its own partner
     }
-    if (dx) fft_merge_pair(a, log2n, i, cmul(gk, kr[i]), cmul(gnk, kr[n - i]));
-  });
+    if (dx) fft_merge_pair(a, log2n, i, cmul(gk, kr[i]), cmul(gnk, kr[n - i]), tw);
+  }, tw);
   if (dx) {  // uniform over the block
     fft_bitrev_permute(a, log2n);
-    fft_dit<true>(a, log2n);
+    fft_dit<true>(a, log2n, 0, tw);
     fft_store_real<T, true>(dx + row * L, a, L, log2n);
   }
 }
@@ -331,7 +347,8 @@ __global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
 template <class TK>
 __global__ void __launch_bounds__(FftCfg<TK>::kMaxThreads)
     fftconv_bwd_dk_kernel(const cplx_t<TK>* __restrict__ prod, cplx_t<TK>* __restrict__ acc, TK* __restrict__ dk,
-                          int nb, int D, int L, int log2n, bool accumulate, bool finalize) {
+                          int nb, int D, int L, int log2n, bool accumulate, bool finalize,
+                          const cplx_t<TK>* __restrict__ tw) {
   using C = cplx_t<TK>;
   MK_DYNAMIC_SMEM(C, a);
   const int n = 1 << log2n;
@@ -346,7 +363,7 @@ __global__ void __launch_bounds__(FftCfg<TK>::kMaxThreads)
     const C sk = total(i);
     const C snk = total(n - i);
     if (finalize) {
-      fft_merge_pair(a, log2n, i, sk, snk);
+      fft_merge_pair(a, log2n, i, sk, snk, tw);
     } else {
       acc[d * bins + i] = sk;
       acc[d * bins + n - i] = snk;
@@ -354,7 +371,7 @@ __global__ void __launch_bounds__(FftCfg<TK>::kMaxThreads)
   }
   if (finalize) {
     fft_bitrev_permute(a, log2n);
-    fft_dit<true>(a, log2n);
+    fft_dit<true>(a, log2n, 0, tw);
     fft_store_real<TK, true>(dk + d * L, a, L, log2n);
   }
 }

@@ -708,6 +708,77 @@ def test_cuda_matmul_path_dropkey_equals_torch_mask(matmul_path):
     assert (o == 0).all(dim=-1).any()  # some rows lost every key: the drop really happened
 
 
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_cuda_matmul_path_chunks_as_batch(matmul_path, monkeypatch, dtype):
+    # 4 chunks of 8 over L = S = 32 run as 4 batch rows of 8 x 8 scores (not a masked 32 x 32)
+    from megalodon_kernels.ops.attention import cuda_impl
+
+    assert cuda_impl.chunks_as_batch(32, 32, 8, False) == 4
+    probs, seen = cuda_impl._probs, []
+    monkeypatch.setattr(cuda_impl, "_probs", lambda _l, q, k, *a: (seen.append((q.shape, k.shape)), probs(_l, q, k, *a))[1])
+    check_cuda(2, 32, 32, 2, 8, 6, dtype, causal=True, chunk_size=8)
+    assert seen and all(qs[:2] == ks[:2] == (8, 8) for qs, ks in seen)  # every score block: 8 rows x 8 keys
+
+
+@pytest.mark.parametrize("L,S,chunk,block_causal,n", [(33, 33, 8, False, 1), (32, 32, 8, True, 1),
+                                                       (32, 40, 8, False, 1), (8, 8, 8, False, 1),
+                                                       (32, 32, None, False, 1), (32, 32, 8, False, 4)])
+def test_cuda_matmul_path_chunk_rows(L, S, chunk, block_causal, n):
+    # L not a multiple of the chunk, block_causal, a KV cache, one chunk, no chunks: the whole matrix
+    from megalodon_kernels.ops.attention import cuda_impl
+
+    assert cuda_impl.chunks_as_batch(L, S, chunk, block_causal) == n
+
+
+@pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
+def test_cuda_matmul_path_chunk_rows_keep_the_dropkey_mask(matmul_path, monkeypatch, dtype):
+    # chunk rows hash DropKey's (b, h, i, j) of the whole call: each passes its batch and its start
+    from megalodon_kernels.ops.attention import cuda_impl
+
+    probs, seen = cuda_impl._probs, []
+    monkeypatch.setattr(cuda_impl, "_probs", lambda _l, q, *a: (seen.append(q.shape[1]), probs(_l, q, *a))[1])
+    check_cuda(2, 32, 32, 2, 8, 6, dtype, causal=True, chunk_size=8, dropkey_p=0.3, seed=11)
+    assert seen and set(seen) == {8}
+
+
+def test_cuda_matmul_path_slices_batch_rows(matmul_path, monkeypatch):
+    # one batch row per slice: DropKey keeps each row's own mask (the slice passes its batch index)
+    from megalodon_kernels.ops.attention import cuda_impl
+
+    monkeypatch.setattr(cuda_impl, "SLICE_SCORE_BYTES", 1)
+    probs, seen = cuda_impl._probs, []
+    monkeypatch.setattr(cuda_impl, "_probs", lambda _l, q, *a: (seen.append(q.shape[0]), probs(_l, q, *a))[1])
+    check_cuda(3, 17, 20, 2, 8, 5, F32, causal=True, dropkey_p=0.3, seed=7)
+    assert seen and set(seen) == {1}  # every score block is one batch row
+
+
+def test_cuda_auto_path_rule():
+    from megalodon_kernels.ops.attention.cuda_impl import auto_prefers_matmul as prefers
+
+    q7b, q32k, q1m = (1, 4096, 4, 256), (1, 32768, 4, 256), (1, 1 << 20, 4, 256)
+    assert prefers("cuda", BF16, q7b, 4096, 2048, 4096, False)  # flash: 16 v tiles of q k^T
+    assert prefers("cuda", F16, q7b, 4096, 2048, None, False)  # one chunk or none: 4 x 4096^2 scores
+    assert prefers("cuda", BF16, q32k, 32768, 2048, 4096, False)  # 8 chunks as rows of 4 x 4096^2
+    assert not prefers("cuda", BF16, q32k, 32768, 2048, 4096, True)  # block_causal: 4 x 32768^2 scores
+    assert not prefers("cuda", BF16, q1m, 1 << 20, 2048, None, False)  # no chunks: 4 x 2^40 scores
+    assert not prefers("cuda", BF16, q7b, 4096, 128, 4096, False)  # one flash v tile: nothing recomputed
+    assert not prefers("cuda", F32, q7b, 4096, 2048, 4096, False)  # fp32: no flash kernel to compare
+    assert not prefers("cpu", BF16, q7b, 4096, 2048, 4096, False)  # the emulator keeps its flash path
+
+
+def test_cuda_auto_follows_the_rule(attention_cuda, calls, monkeypatch):
+    from megalodon_kernels.ops.attention import cuda_impl
+
+    monkeypatch.setitem(attention_cuda.DEFAULT_CONFIG, "path", "auto")
+    monkeypatch.setattr(cuda_impl, "auto_prefers_matmul", lambda *a: True)
+    check_cuda(1, 16, 16, 2, 8, 8, F32, causal=True)
+    assert "attention_flash_fwd" not in calls and "attention_matmul_fwd" in calls
+    calls.clear()
+    monkeypatch.setattr(cuda_impl, "auto_prefers_matmul", lambda *a: False)
+    check_cuda(1, 16, 16, 2, 8, 8, F32, causal=True)
+    assert "attention_flash_fwd" in calls and "attention_matmul_fwd" not in calls
+
+
 def test_cuda_matmul_path_rejects_laplace(matmul_path):
     q = torch.randn(1, 4, 1, 8)
     why = matmul_path.not_supported_reasons(q, q, q, attn_fn="laplace")

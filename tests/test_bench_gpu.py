@@ -91,6 +91,19 @@ def test_a_failing_step_is_reported_and_the_run_goes_on(tmp_path, monkeypatch):
     assert "device lost" in (tmp_path / "gpu_run.md").read_text()
 
 
+def test_the_asked_steps_share_the_whole_budget(tmp_path, monkeypatch):
+    limits = {}
+    for name in ("step_tests", "step_ops"):
+        monkeypatch.setattr(gpu_steps, name, lambda run, limit_s, _n=name: (limits.__setitem__(_n, limit_s),
+                                                                           dict(summary=["fine"], files=[]))[1])
+    gpu_run.run_steps(tmp_path, budget_s=300, dry=True, only=("tests", "ops"))
+    shares = {n: sh for n, _f, sh, _m in gpu_run.STEPS}
+    total = sum(shares.values())
+    # tests and ops hold 0.5 of the shares' 1.3: scaled by 2.6, as if they were all there was
+    assert limits["step_tests"] == pytest.approx(300 * shares["tests"] * total / (shares["tests"] + shares["ops"]))
+    assert limits["step_ops"] > 300 * shares["ops"]
+
+
 def test_without_a_gpu_the_real_run_refuses_with_a_reason(tmp_path, capsys, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("there is a GPU here")

@@ -184,6 +184,27 @@ def test_fftconv_gpu_launches_equal_the_emulator_launches(tee, dtype, L):
     assert_same_launches(tee)
     if L > 10000:  # the multi-pass plan travels by value as a 16-byte struct
         assert any(arg[0] == "struct16" for r in tee.emulator.records for arg in r[4])
+    # the one-block kernels end with the twiddle table: a pointer for float arithmetic, null for double
+    table = fftconv_cuda.twiddles(fftconv_cuda.real_of(dtype), x.device)
+    one_block = [r for r in tee.emulator.records if r[0].startswith("mk::fftconv_")]
+    assert one_block or L > 8192
+    for name, _grid, _block, _smem, args in one_block:
+        assert args[-1][0] == "ptr", name
+        assert (args[-1][1] == bytes(8)) == (dtype == F64), name
+        if table is not None:
+            assert int.from_bytes(args[-1][1], "little") == table.data_ptr(), name
+
+
+def test_fftconv_twiddle_table_is_every_span_rounded_once():
+    # tw[m - 32 + r] = e^{-i pi r / m} for m = 32 .. 2^14, each the complex64 rounding of the exact value
+    import numpy as np
+
+    table = fftconv_cuda._twiddle_values(14).numpy()
+    assert table.shape == ((1 << 15) - 32,) and table.dtype == np.complex64
+    for s in (5, 9, 14):
+        m = 1 << s
+        exact = np.exp(-1j * np.pi * np.arange(m, dtype=np.float64) / m).astype(np.complex64)
+        np.testing.assert_array_equal(table[m - 32:2 * m - 32], exact)
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16, F64], ids=str)
@@ -199,9 +220,10 @@ def test_dropkey_softmax_gpu_launches_equal_the_emulator_launches(tee, dtype, ba
     (name, grid, block, smem, args), = tee.emulator.records
     assert name == f"mk::dropkey_softmax_fwd_kernel<{dropkey_cuda.cuda_launch.CPP_TYPES[dtype]}, 8>"
     assert block == (64, 1, 1) and smem == 0
-    assert [a[0] for a in args] == ["ptr", "ptr", "i64", "i32", "i32", "i32", "bool", "u32", "u32", "ptr"]
+    assert [a[0] for a in args] == ["ptr", "ptr", "i64", "i32", "i32", "i32", "bool", "u32", "u32", "ptr", "ptr"]
     assert args[7][1] == seed_key(2**40 + 7).to_bytes(4, "little") and args[8][1] == threshold(0.3).to_bytes(4, "little")
     assert (args[9][1] == bytes(8)) != batch_index  # a null pointer exactly when no batch index is given
+    assert args[10][1] == bytes(8)  # no index offset: null (only chunk rows of the attention pass one)
     _reset(tee)
     dx = backend.backward(torch.randn_like(y), y, causal=True)
     assert torch.isfinite(dx.float()).all()

@@ -152,3 +152,15 @@ def test_dispatch_takes_the_measured_order_on_a_cuda_device(fake_op, monkeypatch
     assert fake_op.select("auto", {"x": x_wide}, device=torch.device("cpu"), dtype=torch.float32).name == "cuda"
     # a named backend is never overridden
     assert fake_op.select("cuda", {"x": x_wide}, device=cuda, dtype=torch.float32).name == "cuda"
+
+
+def test_a_pair_timed_at_the_call_outweighs_pairs_timed_far_away():
+    # cuda beats triton and triton beats torch at L 1024 only, torch beats cuda at the call's own
+    # point: unweighted votes tie all three (a cycle) and the fixed priority would put cuda first
+    data = {"classes": {"sm_90": {"fftconv": [
+        {"dtype": "bfloat16", "rows": 16384, "L": 4096, "ms": {"cuda": 8.3, "torch": 6.6}},
+        {"dtype": "bfloat16", "rows": 8192, "L": 1024, "ms": {"cuda": 1.29, "triton": 1.34, "torch": 1.37}},
+    ]}}}
+    order = gpu_defaults.rank("fftconv", "sm_90", "bfloat16", _inputs("fftconv", 16384, 4096),
+                              ["cuda", "triton", "torch"], data)
+    assert order[0] == "torch"

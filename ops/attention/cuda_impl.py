@@ -297,34 +297,132 @@ def _visible(L: int, S: int, chunk_size, block_causal: bool, device) -> torch.Te
     return (cj == cp) | (cj == cp - 1) if block_causal else cj == cp
 
 
-def _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index):
+#: 16-bit q/k/v: the matmul path's products take bf16/fp16 operands with fp32 accumulation and output
+#: (cuBLAS's tensor-core GEMMs); fp32 and fp64 inputs keep exact products in their own precision
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+_OUT_DTYPE_BMM: dict = {}  # (device type, dtype) -> whether torch.bmm(..., out_dtype=float32) runs there
+
+
+def _bmm_out_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor | None:
+    """a @ b of 16-bit (n, m, k) x (n, k, p) as an fp32 (n, m, p) GEMM output, or None where this torch /
+    device has no such kernel (torch's aten::bmm.dtype is CUDA-only; checked once per device type and dtype)."""
+    key = (a.device.type, a.dtype)
+    if _OUT_DTYPE_BMM.get(key, True):
+        try:
+            out = torch.bmm(a, b, out_dtype=torch.float32)
+            _OUT_DTYPE_BMM[key] = True
+            return out
+        except (RuntimeError, NotImplementedError, TypeError):
+            _OUT_DTYPE_BMM[key] = False
+    return None
+
+
+def _mm(a: torch.Tensor, b: torch.Tensor, acc: torch.dtype) -> torch.Tensor:
+    """a @ b over leading batch dims, in ``acc``. 16-bit operands stay 16-bit (their products are exact in
+    fp32) and accumulate in fp32, the tensor-core GEMM; where that GEMM with an fp32 output is missing
+    (the CPU emulator) the same products and sums run on fp32 copies."""
+    if a.dtype in HALF_DTYPES and b.dtype == a.dtype:
+        lead = a.shape[:-2]
+        out = _bmm_out_f32(a.reshape(-1, *a.shape[-2:]), b.reshape(-1, *b.shape[-2:]))
+        if out is not None:
+            return out.view(*lead, a.shape[-2], b.shape[-1])
+    return torch.matmul(a.to(acc), b.to(acc))
+
+
+def _operand(x: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
+    """The GEMM operand of an fp32 intermediate (P, dS) for inputs like ``like``: rounded to their 16-bit
+    dtype, as FlashAttention rounds P before P v (one rounding of values in [0, 1] / of dS), else itself."""
+    return x.to(like.dtype) if like.dtype in HALF_DTYPES else x
+
+
+def _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index, index_offset=None):
     """(P (B, H, L, S), s (B, H, L, S)) of the matmul path (scores masked with -inf), both in
     acc_dtype(q): float64 q/k/v run float64 matmuls and the fp64 dropkey_softmax kernel."""
     B, L, H, _ = q.shape
     S = k.shape[1]
     acc = acc_dtype(q)
-    s = torch.matmul(q.transpose(1, 2).to(acc), k.transpose(1, 2).to(acc).transpose(-1, -2))
+    s = _mm(q.transpose(1, 2), k.transpose(1, 2).transpose(-1, -2), acc)
     s.mul_(scale)
     vis = _visible(L, S, chunk_size, block_causal, q.device)
     if vis is not None:
         s.masked_fill_(~vis, float("-inf"))
     # The kernel's (flat batch, head, row, column) of a (B, H, L, S) tensor are the attention's (b, h, i, j).
     p = dropkey_cuda.softmax_fwd(launcher, s, causal=causal, dropkey_p=dropkey_p, seed=seed,
-                                  batch_index=batch_index)
+                                  batch_index=batch_index, index_offset=index_offset)
     return p, s
 
 
+def chunks_as_batch(L: int, S: int, chunk_size, block_causal: bool) -> int:
+    """How many chunks of ``chunk_size`` the matmul path runs as separate batch rows (1: none).
+
+    Block-diagonal attention over n chunks (S == L, no block_causal) is n independent attentions of
+    chunk_size rows each: as batch rows the scores are n C x C blocks, not an L x L matrix masked
+    to its diagonal (n times the work and memory). DropKey's mask stays the call's: each chunk row
+    passes its batch index and its start as the rule's index offset."""
+    if chunk_size is None or block_causal or S != L or L <= chunk_size or L % chunk_size:
+        return 1
+    return L // chunk_size
+
+
+#: the matmul path's transient score memory (s and P in fp32, P's 16-bit copy: SCORE_BYTES a score) per
+#: slice of batch rows: larger batches run in slices, each still whole GEMMs
+SCORE_BYTES = 10
+SLICE_SCORE_BYTES = 2 << 30
+
+
+def _rows_per_slice(H: int, L: int, S: int) -> int:
+    return max(1, SLICE_SCORE_BYTES // max(1, SCORE_BYTES * H * L * S))
+
+
+def _batch_index(batch_index, B: int, device) -> torch.Tensor:
+    """The DropKey batch index of each row (the row itself unless given), to slice with the rows."""
+    return torch.arange(B, device=device) if batch_index is None else batch_index
+
+
+def _chunk_rows(batch_index, B: int, n: int, C: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(DropKey batch index, index offset) of the B * n chunk rows: row b * n + c is batch b's chunk c,
+    which starts at c * C."""
+    index = _batch_index(batch_index, B, device).repeat_interleave(n)
+    return index, (torch.arange(n, device=device) * C).repeat(B)
+
+
+def _split(x: torch.Tensor, n: int) -> torch.Tensor:
+    B, L = x.shape[:2]
+    return x.reshape(B * n, L // n, *x.shape[2:])
+
+
+def _merge(x: torch.Tensor, n: int) -> torch.Tensor:
+    return x.reshape(x.shape[0] // n, n * x.shape[1], *x.shape[2:])
+
+
 def matmul_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-               batch_index=None):
+               batch_index=None, index_offset=None):
     """(o (B, L, H, dv) in q's dtype, lse (B, H, L) fp32 (fp64 for float64 q); -inf for rows with no
-    visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row)."""
+    visible kept key). ``batch_index`` (B,): the DropKey batch index of each row (None: the row);
+    ``index_offset`` (B,): the row's DropKey (i, j) offset (None: 0)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
     if B * H * L * S == 0:
         o = torch.zeros(B, L, H, v.shape[-1], dtype=q.dtype, device=q.device)
         return o, torch.full((B, H, L), float("-inf"), dtype=acc_dtype(q), device=q.device)
-    p, s = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
-    o = torch.matmul(p, v.transpose(1, 2).to(p.dtype)).transpose(1, 2).to(q.dtype).contiguous()
+    n = chunks_as_batch(L, S, chunk_size, block_causal)
+    rows = _rows_per_slice(H, L // n, S // n)
+    if n == 1 and B > rows:
+        index, offset = _batch_index(batch_index, B, q.device), index_offset
+        parts = [matmul_fwd(launcher, q[i:i + rows], k[i:i + rows], v[i:i + rows], scale=scale, causal=causal,
+                            chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p, seed=seed,
+                            batch_index=index[i:i + rows], index_offset=None if offset is None else offset[i:i + rows])
+                 for i in range(0, B, rows)]
+        return torch.cat([o for o, _ in parts]), torch.cat([lse for _, lse in parts])
+    if n > 1:
+        index, offset = _chunk_rows(batch_index, B, n, L // n, q.device)
+        o, lse = matmul_fwd(launcher, _split(q, n), _split(k, n), _split(v, n), scale=scale, causal=causal,
+                            chunk_size=None, block_causal=False, dropkey_p=dropkey_p, seed=seed,
+                            batch_index=index, index_offset=offset)
+        return _merge(o, n), lse.view(B, n, H, L // n).transpose(1, 2).reshape(B, H, L)
+    p, s = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index,
+                  index_offset)
+    o = _mm(_operand(p, q), v.transpose(1, 2), p.dtype).transpose(1, 2).to(q.dtype).contiguous()
     # lse from the largest probability: p_max = exp(s_max - lse) exactly where s is largest.
     pmax, idx = p.max(dim=-1, keepdim=True)
     lse = (s.gather(-1, idx) - pmax.log()).squeeze(-1)
@@ -333,22 +431,64 @@ def matmul_fwd(launcher, q, k, v, *, scale, causal, chunk_size, block_causal, dr
 
 
 def matmul_bwd(launcher, do, q, k, v, *, scale, causal, chunk_size, block_causal, dropkey_p, seed,
-               batch_index=None):
+               batch_index=None, index_offset=None):
     """(dq, dk, dv) in the input dtypes; P is recomputed by the forward kernel (same DropKey mask)."""
     B, L, H, _ = q.shape
     S = k.shape[1]
     if B * H * L * S == 0:
         return torch.zeros_like(q), torch.zeros_like(k), torch.zeros_like(v)
-    p, _ = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index)
-    acc = lambda x: x.transpose(1, 2).to(p.dtype)  # noqa: E731  (B, H, T, d) in acc_dtype(q)
-    dot, qt, kt, vt = acc(do), acc(q), acc(k), acc(v)
-    dv = torch.matmul(p.transpose(-1, -2), dot)
-    dp = torch.matmul(dot, vt.transpose(-1, -2)).contiguous()
-    ds = dropkey_cuda.softmax_bwd(launcher, dp, p, causal=causal)  # P (dP - rowsum(P dP)); 0 where P = 0
-    dq = torch.matmul(ds, kt).mul_(scale)
-    dk = torch.matmul(ds.transpose(-1, -2), qt).mul_(scale)
+    n = chunks_as_batch(L, S, chunk_size, block_causal)
+    rows = _rows_per_slice(H, L // n, S // n)
+    if n == 1 and B > rows:
+        index, offset = _batch_index(batch_index, B, q.device), index_offset
+        parts = [matmul_bwd(launcher, do[i:i + rows], q[i:i + rows], k[i:i + rows], v[i:i + rows], scale=scale,
+                            causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
+                            seed=seed, batch_index=index[i:i + rows],
+                            index_offset=None if offset is None else offset[i:i + rows]) for i in range(0, B, rows)]
+        return tuple(torch.cat(g) for g in zip(*parts))
+    if n > 1:
+        index, offset = _chunk_rows(batch_index, B, n, L // n, q.device)
+        grads = matmul_bwd(launcher, _split(do, n), _split(q, n), _split(k, n), _split(v, n), scale=scale,
+                           causal=causal, chunk_size=None, block_causal=False, dropkey_p=dropkey_p, seed=seed,
+                           batch_index=index, index_offset=offset)
+        return tuple(_merge(g, n) for g in grads)
+    p, _ = _probs(launcher, q, k, scale, causal, chunk_size, block_causal, dropkey_p, seed, batch_index,
+                  index_offset)
+    acc = p.dtype
+    # (B, H, T, d) operands: 16-bit inputs stay 16-bit (fp32 accumulation), else acc_dtype(q)
+    dot, qt, kt, vt = (x.transpose(1, 2) for x in (do.to(q.dtype), q, k, v))
+    pt = _operand(p, q)
+    dv = _mm(pt.transpose(-1, -2), dot, acc)
+    dp = _mm(dot, vt.transpose(-1, -2), acc).contiguous()
+    ds = _operand(dropkey_cuda.softmax_bwd(launcher, dp, p, causal=causal), q)  # P (dP - rowsum(P dP)); 0 where P = 0
+    dq = _mm(ds, kt, acc).mul_(scale)
+    dk = _mm(ds.transpose(-1, -2), qt, acc).mul_(scale)
     back = lambda x, like: x.transpose(1, 2).to(like.dtype).contiguous()  # noqa: E731
     return back(dq, q), back(dk, k), back(dv, v)
+
+
+#: path="auto" takes the matmul path for 16-bit softmax attention on a GPU while the score tensors of one
+#: batch row (its slice's floor: SCORE_BYTES a score) stay within this many bytes
+AUTO_MATMUL_SCORE_BYTES = 4 << 30
+
+
+def auto_prefers_matmul(device_type: str, dtype: torch.dtype, q_shape, S: int, dv: int, chunk_size,
+                        block_causal: bool) -> bool:
+    """Whether path="auto" runs 16-bit softmax attention on the matmul path although flash could run it.
+
+    The flash kernels tile v in fwd_dv_tile columns and recompute q k^T (and the softmax) once per tile,
+    so their work grows with dv / tile; the matmul path forms the scores once and runs both products as
+    cuBLAS tensor-core GEMMs. Measured on an H200 (bench/results/gpu/h200_run3/attention_paths.md):
+    at dv above one flash tile the GEMMs win, at the price of materialising the scores, hence the
+    memory cap. Only on a GPU: the emulator's "auto" keeps the flash kernels it exists to check."""
+    if device_type != "cuda" or dtype not in HALF_DTYPES:
+        return False
+    B, L, H, dh = q_shape
+    D = flash_head_dim(dh)
+    if D is None or dv <= fwd_dv_tile(D):
+        return False
+    n = chunks_as_batch(L, S, chunk_size, block_causal)
+    return SCORE_BYTES * H * (L // n) * (S // n) <= AUTO_MATMUL_SCORE_BYTES
 
 
 class AttentionBackend(Backend):
@@ -358,11 +498,16 @@ class AttentionBackend(Backend):
       backward (dv, dk, dq kernels, no atomics), every mask mode, DropKey, Laplace; q/k are
       zero-padded to head dim 64, 128 or 256 and v to the kernel's dv tile. bf16/fp16 on the GPU
       (mma.sync), also fp32 in the emulator.
-    * "matmul": scores = scale * q k^T per (b, h) by torch.matmul (cuBLAS on a GPU) in fp32,
+    * "matmul": scores = scale * q k^T per (b, h) by cuBLAS with fp32 output (16-bit q/k: their
+      tensor-core GEMM with fp32 accumulation; fp32 / fp64 q/k: that precision throughout),
       the chunk / block_causal visibility as -inf, then the fused causal + DropKey + softmax
       kernel (cuda/dropkey_softmax.cuh; the package's DropKey rule with (b, h, i, j) = the
-      score indices) and P v; the backward recomputes P with that kernel and uses its softmax
-      backward. It materialises the L x S fp32 (fp64) scores and has no Laplace. Used where the flash
+      score indices) and P v, with P (and the backward's dS) rounded to the 16-bit input dtype
+      for the GEMM as FlashAttention does; the backward recomputes P with that kernel and uses
+      its softmax backward. Block-diagonal chunks (S == L, no block_causal) run as
+      batch rows of C x C scores (chunks_as_batch). It materialises the scores (fp32, fp64 for
+      fp64) and has no Laplace. "auto" takes it for 16-bit softmax on a GPU where flash would
+      recompute the scores per v tile (auto_prefers_matmul), and where the flash
       kernel has no instantiated configuration (fp32 on the GPU, head dim > 256, dv = 0) or the
       device cannot run it (flash_device_reasons): sm_75 (T4), whose GPUs lack the SM80 MMA and
       cp.async the flash tiles use, and head dim 256 on GPUs with less than 112384 B of shared
@@ -401,12 +546,15 @@ class AttentionBackend(Backend):
         # the device's architecture, shared memory and grid (cuda/device.py): what would trap or not launch
         return flash_device_reasons(self.caps(q), q.dtype, q.shape[-1], q.shape[2])
 
-    def _path(self, q, v, attn_fn, path):
+    def _path(self, q, v, attn_fn, path, k=None, chunk_size=None, block_causal=False):
         path = path or self.DEFAULT_CONFIG.get("path", "auto")
         if path not in ("auto", "flash", "matmul"):
             raise ValueError(f"path must be 'auto', 'flash' or 'matmul', got {path!r}")
         if path == "auto":
             path = "matmul" if self.flash_reasons(q, v) else "flash"
+            if path == "flash" and attn_fn == "softmax" and k is not None and auto_prefers_matmul(
+                    q.device.type, q.dtype, q.shape, k.shape[1], v.shape[-1], chunk_size, block_causal):
+                path = "matmul"
         if path == "flash" and self.flash_reasons(q, v):
             raise ValueError("; ".join(self.flash_reasons(q, v)) + " (use path='matmul' or backend='torch')")
         if path == "matmul" and attn_fn != "softmax":
@@ -445,7 +593,7 @@ class AttentionBackend(Backend):
                       path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                   seed=seed, batch_index=batch_index)
-        if self._path(q, v, attn_fn, path) == "flash":
+        if self._path(q, v, attn_fn, path, k, chunk_size, block_causal) == "flash":
             return flash_fwd(self.ext, q, k, v, attn_fn=attn_fn, **kw)
         return matmul_fwd(self.ext, q, k, v, **kw)
 
@@ -453,7 +601,7 @@ class AttentionBackend(Backend):
                       attn_fn, path=None, batch_index=None, **_config):
         kw = dict(scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal, dropkey_p=dropkey_p,
                   seed=seed, batch_index=batch_index)
-        if self._path(q, v, attn_fn, path) == "flash":
+        if self._path(q, v, attn_fn, path, k, chunk_size, block_causal) == "flash":
             return flash_bwd(self.ext, do, q, k, v, o, lse, attn_fn=attn_fn, **kw)
         return matmul_bwd(self.ext, do, q, k, v, **kw)
 

@@ -51,11 +51,14 @@ def _check_dtype(t: torch.Tensor, name: str) -> None:
 
 
 def softmax_fwd(launcher, scores: torch.Tensor, *, causal: bool, dropkey_p: float, seed: int,
-                        batch_index: torch.Tensor | None = None) -> torch.Tensor:
+                        batch_index: torch.Tensor | None = None,
+                        index_offset: torch.Tensor | None = None) -> torch.Tensor:
     """Probabilities in scores' dtype (float64 scores: exp and sums in double).
 
     ``batch_index`` (Bf,) integer or None: the batch index the DropKey rule hashes for each flat
-    batch (None: the flat batch index itself; packed attention passes each row's document)."""
+    batch (None: the flat batch index itself; packed attention passes each row's document).
+    ``index_offset`` (Bf,) integer or None: added to the row and column indices the rule hashes
+    for each flat batch (None: 0; chunks of an attention run as batch rows pass their start)."""
     _check_dtype(scores, "scores")
     if not 0.0 <= dropkey_p < 1.0:
         raise ValueError(f"dropkey_softmax: dropkey_p must be in [0, 1), got {dropkey_p}")
@@ -67,13 +70,18 @@ def softmax_fwd(launcher, scores: torch.Tensor, *, causal: bool, dropkey_p: floa
         if tuple(batch_index.shape) != (Bf,):
             raise ValueError(f"batch_index must have shape ({Bf},), got {tuple(batch_index.shape)}")
         bidx = batch_index.to(device=x.device, dtype=torch.int64).contiguous()
+    offs = None
+    if index_offset is not None:
+        if tuple(index_offset.shape) != (Bf,):
+            raise ValueError(f"index_offset must have shape ({Bf},), got {tuple(index_offset.shape)}")
+        offs = index_offset.to(device=x.device, dtype=torch.int64).contiguous()
     rows = Bf * H * Lq
     if rows == 0 or S == 0:
         return y
     cuda_launch.launch(launcher, KERNELS_BY_KEY[(x.dtype, "fwd")], cuda_launch.grid_1d(rows), threads(S), 0,
              [("ptr", cuda_launch.ptr(x)), ("ptr", cuda_launch.ptr(y)), ("i64", rows), ("i32", H), ("i32", Lq), ("i32", S),
               ("bool", bool(causal)), ("u32", seed_key(int(seed))), ("u32", threshold(float(dropkey_p))),
-              ("ptr", cuda_launch.ptr(bidx))], x.device)
+              ("ptr", cuda_launch.ptr(bidx)), ("ptr", cuda_launch.ptr(offs))], x.device)
     return y
 
 

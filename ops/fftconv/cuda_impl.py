@@ -16,6 +16,8 @@ multi-pass layout, which only these kernels read.
 from __future__ import annotations
 
 import ctypes
+import functools
+import math
 
 import torch
 
@@ -23,6 +25,7 @@ from ...cuda import device as _device
 from ...cuda import launch as cuda_launch
 from ...cuda import runtime
 from ...cuda.backend import Backend
+from .._library import plain_eager
 
 MIN_LOG2 = 5  # kFftMinLog2: the warp stages need N >= 32
 MAX_THREADS = 1024
@@ -63,6 +66,39 @@ KERNELS = ([_k(_ONE, f"fftconv_spectrum_kernel<{r}>") for r in _R.values()]
               for f in ("false", "true")]
            + [_k(_LONG, f"fft4_row_{p}_kernel<{r}>") for p in ("spectrum", "conv", "dk") for r in _R.values()]
            + [_k(_LONG, f"fft4_twiddle_probe_kernel<{r}>") for r in _R.values()])
+
+
+# --- the twiddle table of the one-block kernels (fftconv.cuh, tw_at) ----------------------------------
+
+def _twiddle_values(max_log2: int) -> torch.Tensor:
+    """complex64 e^{-i pi r / m} for m = 2^5 .. 2^max_log2, r < m, span after span: computed in float64
+    on the host (r / m exact, one multiply by pi) and rounded once."""
+    parts = []
+    for s in range(MIN_LOG2, max_log2 + 1):
+        m = 1 << s
+        angle = torch.arange(m, dtype=torch.float64) * (-math.pi / m)
+        parts.append(torch.polar(torch.ones_like(angle), angle))
+    return torch.cat(parts).to(torch.complex64)
+
+
+@functools.lru_cache(maxsize=16)
+def _twiddles_cached(device: torch.device) -> torch.Tensor:
+    with torch.inference_mode(False):  # a normal tensor even when first made under inference_mode
+        return _twiddle_values(CFG[torch.float32].max_log2).to(device)
+
+
+def twiddles(real: torch.dtype, device: torch.device) -> torch.Tensor | None:
+    """The table for float arithmetic on ``device`` (None for double: its kernels keep sincospi,
+    whose ~1 ulp a float64 table built through pi's rounding would not improve).
+
+    Built on the host and copied over once: in plain eager mode it is kept per device, so a call
+    inside CUDA-graph capture (which refuses the copy) finds it made by its eager warm-up call;
+    traced or faked calls build it anew (a cached tensor must never be a fake or traced one)."""
+    if real != torch.float32:
+        return None
+    if plain_eager(profiler_ok=True):
+        return _twiddles_cached(torch.device(device))
+    return _twiddle_values(CFG[torch.float32].max_log2).to(device)
 
 
 # --- sizes (fftconv.cuh, fftconv_long.cuh) ----------------------------------------------------------
@@ -302,8 +338,8 @@ def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tens
         raise ValueError("fftconv: D must be < 2^31")
     if not multi_pass(log2n, real, caps):
         cuda_launch.launch(launcher, _k(_ONE, f"fftconv_spectrum_kernel<{_R[real]}>"), D, fft_threads(log2n),
-                 fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(kc)), ("ptr", cuda_launch.ptr(kf)), ("i32", L_), ("i32", log2n)],
-                 k.device)
+                 fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(kc)), ("ptr", cuda_launch.ptr(kf)), ("i32", L_), ("i32", log2n),
+                                               ("ptr", cuda_launch.ptr(twiddles(real, k.device)))], k.device)
         return kf
     ws, ws_rows = _workspace(L_, D, max_workspace_bytes, real, k.device)
     _check_ws(ws, ws_rows)
@@ -340,7 +376,8 @@ def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20):
     if not multi_pass(log2n, real, caps):
         cuda_launch.launch(launcher, _k(_ONE, f"fftconv_fwd_kernel<{cpp}>"), B * D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(xc)), ("ptr", cuda_launch.ptr(kf)), ("ptr", cuda_launch.ptr(y)), ("i32", D),
-                                               ("i32", L_), ("i32", log2n)], x.device)
+                                               ("i32", L_), ("i32", log2n), ("ptr", cuda_launch.ptr(twiddles(real, x.device)))],
+                 x.device)
         return y
     ws, ws_rows = _workspace(L_, B * D, max_workspace_bytes, real, x.device)
     _check_ws(ws, ws_rows)
@@ -363,7 +400,7 @@ def _bwd_dx(launcher, dyc, xc, kf, dx, prod, D, L_, log2n, real, ws, ws_rows):
         cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dx_kernel<{cpp}>"), B * D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(dyc)), ("ptr", cuda_launch.ptr(xc)), ("ptr", cuda_launch.ptr(kf)),
                                                ("ptr", cuda_launch.ptr(dx)), ("ptr", cuda_launch.ptr(prod)), ("i32", D), ("i32", L_),
-                                               ("i32", log2n)], dev)
+                                               ("i32", log2n), ("ptr", cuda_launch.ptr(twiddles(real, dev)))], dev)
         return
     _check_ws(ws, ws_rows)
     passes = _Passes(launcher, log2n, real, dev)
@@ -389,7 +426,8 @@ def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finaliz
         cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dk_kernel<{_R[real]}>"), D, fft_threads(log2n),
                  fft_smem_bytes(real, log2n) if finalize else 0,
                  [("ptr", cuda_launch.ptr(prod)), ("ptr", cuda_launch.ptr(acc)), ("ptr", cuda_launch.ptr(dk)), ("i32", nb), ("i32", D),
-                  ("i32", L_), ("i32", log2n), ("bool", accumulate), ("bool", finalize)], dev)
+                  ("i32", L_), ("i32", log2n), ("bool", accumulate), ("bool", finalize),
+                  ("ptr", cuda_launch.ptr(twiddles(real, dev)))], dev)
         return
     if finalize:
         _check_ws(ws, ws_rows)
