@@ -20,9 +20,10 @@ Saved for the backward: the inputs, k r(D L) and ema_hidden's sums V, W (as the 
 The chunked form (``chunk`` = C > 0, the default; ops/cema/triton_chunked.py) replaces the
 convolution, the bias and the skip term by tensor-core dots over chunks of C steps and a scan over
 the chunk states, forward and backward, no FFT; it serves every call with N <= 16 (the other calls
-run the FFT form above, as does ``chunk`` = 0). k r(D L) is still synthesised by cema_kernel for
-the Saved/packed contract (the packed backward and the FFT form read it); the chunked backward
-does not. The state h, V, W and its gradients come from ema_hidden in both forms.
+run the FFT form above, as does ``chunk`` = 0). Its backward reads no kernel, so its forward
+synthesises none: the Saved/packed contract's k r(D L) is a NaN placeholder (the backward runs the
+same form, chosen by the same rule from the same inputs and config). The state h, V, W and its
+gradients come from ema_hidden in both forms.
 """
 from __future__ import annotations
 
@@ -104,7 +105,11 @@ def forward(x, p, log_q, gamma, omega, hx, return_state, weighted=False, **confi
     stage, conv = _split(config)
     L = x.shape[-1]
     if chunked_form(x, p, config):
-        k, _ = kernel_impl.forward(p, log_q, gamma, L, None, **stage)   # for the Saved/packed contract only
+        # The chunked backward reads no kernel, so none is synthesised (that costs more than the
+        # chunked forward itself at long L: cema_kernel's Triton forward took 0.34 ms at D 4096,
+        # L 4096 on the H200, bench/results/gpu/h200_run3). The Saved/packed contract's k r(D L) is
+        # a NaN placeholder: a backward that read it (the FFT form) would give NaN, not wrong numbers.
+        k = torch.full((p.shape[0], L), float("nan"), dtype=torch.float32, device=x.device)
         y = chunked.conv_fwd(x, p, log_q, gamma, omega, hx, **_chunk_config(x, p, config))
     else:
         k, b = kernel_impl.forward(p, log_q, gamma, L, hx, **stage)
