@@ -301,13 +301,15 @@ class Tables:
         self.k = k.to(f32).contiguous()
         self.win = torch.stack((win.real, win.imag), 1).to(f32).contiguous()
         self.wout = torch.stack((wout.real, wout.imag), 1).to(f32).contiguous()
-        self.a = torch.stack((a.real, a.imag, hi.real, hi.imag, (last - hi).real, (last - hi).imag), 1).to(f32)
+        self.a = torch.stack((a.real, a.imag, hi.real, hi.imag, (last - hi).real, (last - hi).imag),
+                             1).to(f32).contiguous()
         self.pw = torch.stack((A[..., :BM].real, A[..., :BM].imag), 1).transpose(2, 3).to(f32).contiguous()
 
 
-def _hx_pairs(hx, x):
-    """hx c(B D N) as fp32 (re, im) pairs; x (any pointer) without hx."""
-    return x if hx is None else torch.view_as_real(hx.to(torch.complex64).contiguous())
+def _hx_pairs(hx, tab):
+    """hx c(B D N) as fp32 (re, im) pairs; without hx an fp32 table (never read: HAS_HX is off),
+    so that the pointer's type is the one the AOT variants declare."""
+    return tab.a if hx is None else torch.view_as_real(hx.to(torch.complex64).contiguous())
 
 
 def _blocks(L, C, BM):
@@ -320,7 +322,7 @@ def conv_fwd(x, p, log_q, gamma, omega, hx, *, chunk, chunk_block, chunk_warps):
     x = x.contiguous()
     tab = Tables(p, log_q, gamma, chunk, chunk_block)
     y = torch.empty_like(x)
-    _fwd_kernel[(B * D,)](x, y, tab.k, tab.win, tab.wout, tab.a.contiguous(), tab.pw, _hx_pairs(hx, x),
+    _fwd_kernel[(B * D,)](x, y, tab.k, tab.win, tab.wout, tab.a, tab.pw, _hx_pairs(hx, tab),
                           omega.to(torch.float32).contiguous(),
                           D, L, p.shape[1], _blocks(L, chunk, chunk_block), C=chunk, NP=NP, BM=chunk_block,
                           HAS_HX=hx is not None, OUT_BF16=x.dtype == torch.bfloat16, PREC=PREC,
@@ -345,8 +347,8 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
     dU = torch.empty_like(S)
     dhx = torch.empty(R, 2, NP, dtype=f32, device=dev)
     omega32 = omega.to(f32).contiguous()
-    _bwd_scan_kernel[(R,)](x, dy, dx, S, dU, dhx, tab.k, tab.win, tab.wout, tab.a.contiguous(), tab.pw,
-                           _hx_pairs(hx, x), omega32,
+    _bwd_scan_kernel[(R,)](x, dy, dx, S, dU, dhx, tab.k, tab.win, tab.wout, tab.a, tab.pw,
+                           _hx_pairs(hx, tab), omega32,
                            D, L, N, nblk, C=C, NP=NP, BM=BM, HAS_HX=hx is not None,
                            OUT_BF16=dx_dtype == torch.bfloat16, PREC=PREC, num_warps=chunk_warps)
     dp = dlq = dgamma = domega = None
