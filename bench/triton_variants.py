@@ -519,6 +519,39 @@ def _cema_bytes():
 
     yield "cema fused conv fwd", f"B={B} D={D} L={L} fp32", fwd
     yield "cema fused conv bwd", f"B={B} D={D} L={L} fp32", bwd
+    yield from _cema_chunked_bytes()
+
+
+def _cema_chunked_bytes():
+    """The chunked form's launches (ops/cema/triton_chunked.py). Ideal: the forward reads x, the
+    per-feature tables and omega once and writes y once; the backward's two launches read x, dy, the
+    tables and omega once (the sums kernel's second read of x and dy is the same addresses) and
+    write dx, dhx and the per-feature sums once, and the chunk states S and their gradients dU are
+    written by the scan kernel and read by the sums kernel: each counts once stored, once loaded."""
+    ck = cema_chunked
+    cfg = {k: cema_impl.DEFAULT_CONFIG[k] for k in cema_impl.CHUNK_SPACE}
+    B, D, N, L = 2, 2, 16, 1000
+    gen = torch.Generator().manual_seed(1)
+    p, log_q, gamma, _ = _coefficients(D, N, B)
+    x = torch.randn(B, D, L, generator=gen)
+    om = torch.randn(D, generator=gen)
+    dy = torch.randn(B, D, L, generator=gen)
+    C, BM = cfg["chunk"], cfg["chunk_block"]
+    tab = ck.Tables(p, log_q, gamma, C, BM)
+    tables = nbytes(tab.k, tab.win, tab.wout, tab.a, tab.pw)
+    f32 = 4
+    states = B * D * (-(-L // (C * BM)) * BM) * 2 * ck.NP * f32             # S (and dU) [R, nblk*BM, 2, NP]
+    sums = D * (C + 2 * ck.NP * C * 2 + 2 * ck.NP + 1) * f32                # dk, A, Wi, pc, domega
+
+    def fwd():
+        return nbytes(x, om, ck.conv_fwd(x, p, log_q, gamma, om, None, **cfg)) + tables
+
+    def bwd():
+        dx = ck.conv_bwd(dy, x, p, log_q, gamma, om, None, (True,) * 6, torch.float32, **cfg)[0]
+        return nbytes(dy, x, om, dx) + tables + 2 * 2 * states + B * D * 2 * ck.NP * f32 + sums
+
+    yield "cema chunked fwd", f"B={B} D={D} N={N} L={L} C={C} fp32", fwd
+    yield "cema chunked bwd", f"B={B} D={D} N={N} L={L} C={C} fp32", bwd
 
 
 # --------------------------------------------------------------------------------------- attention
