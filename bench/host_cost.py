@@ -356,8 +356,8 @@ def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
     """(empty, clones, bare): torch's own autograd cost for a call of this signature.
 
     ``empty`` calls, for each recorded forward op call, an autograd.Function with the same
-    arguments that returns as many outputs of the same shapes and dtypes (clones), saves as many
-    tensors and returns a gradient for each input that requires one (precomputed), then runs the
+    arguments that returns as many outputs of the same shapes and dtypes (clones; those the op
+    marks non-differentiable, its residuals, marked alike), saves as many tensors and returns a gradient for each input that requires one (precomputed), then runs the
     backward with the same output gradients; ``clones`` makes the same clones. ``bare`` is the
     same autograd.Function doing the op's math: the recorded backend forward calls in its
     forward, the backward calls in its backward: the math plus torch's autograd, none of our
@@ -372,6 +372,9 @@ def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
         multi = isinstance(out, tuple)
         outs = out if multi else (out,)
         templates = [t.detach().clone() for t in outs]
+        # the outputs the op's setup_context marks non-differentiable (residuals), marked alike
+        nondiff = tuple(i for i, t in enumerate(outs) if t.is_floating_point() or t.is_complex()
+                        if not t.requires_grad)
         node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
         n_saved = len(node.saved_tensors) if node is not None else 0
         tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
@@ -380,12 +383,14 @@ def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
         grads = tuple(torch.zeros_like(a) if isinstance(a, torch.Tensor) and a.requires_grad else None
                       for a in (*args, *kwargs.values()))
 
-        def make(math_fwd, math_bwd, templates=templates, saved=saved, multi=multi, grads=grads):
+        def make(math_fwd, math_bwd, templates=templates, saved=saved, multi=multi, grads=grads, nondiff=nondiff):
             def forward(ctx, *a):
                 for fn, fargs, fkwargs in math_fwd:
                     fn(*fargs, **fkwargs)
                 ctx.save_for_backward(*saved)
                 res = tuple(t.clone() for t in templates)
+                if nondiff:
+                    ctx.mark_non_differentiable(*(res[i] for i in nondiff))
                 return res if multi else res[0]
 
             def backward(ctx, *g):
@@ -629,6 +634,28 @@ def compare(before: dict, after: dict) -> list[str]:
     return lines
 
 
+def median_of(results: list):
+    """One result from repeated runs of the same command (--merge): the median of every number
+    (element by element in lists of numbers), the first run's text; the runs' `uptime` lines all kept."""
+    first = results[0]
+    if isinstance(first, dict):
+        return {k: median_of([r[k] for r in results if isinstance(r, dict) and k in r]) for k in first}
+    if isinstance(first, (int, float)) and not isinstance(first, bool):  # counts (ints) stay ints
+        return statistics.median_low(results) if isinstance(first, int) else statistics.median(results)
+    if isinstance(first, list) and first and all(isinstance(v, (int, float)) for v in first):
+        return [statistics.median(col) for col in zip(*results)]
+    return first
+
+
+def merged(paths: list[str]) -> dict:
+    runs = [json.loads(Path(p).read_text()) for p in paths]
+    result = median_of(runs)
+    for key in ("load_before", "load_after"):
+        result[key] = " / ".join(r[key].split("load average: ")[-1] for r in runs)
+    result["runs"] = len(runs)
+    return result
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--ops", nargs="+", default=list(OPS), choices=OPS)
@@ -644,9 +671,23 @@ def main(argv=None) -> int:
     parser.add_argument("--out", help="write the markdown report here (else print it)")
     parser.add_argument("--compare", nargs=2, metavar=("BEFORE_JSON", "AFTER_JSON"),
                         help="only print the before/after table of two --json results")
+    parser.add_argument("--merge", nargs="+", metavar="JSON",
+                        help="only merge --json results of repeated runs of one command (the median of each "
+                             "number) into --json and --out")
     args = parser.parse_args(argv)
     if args.compare:
         print("\n".join(compare(*(json.loads(Path(f).read_text()) for f in args.compare))))
+        return 0
+    if args.merge:
+        result = merged(args.merge)
+        args.clock, args.rounds, args.calls = result["clock"], result["rounds"], result["calls"]
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        text = "\n".join(report(result, args)) + "\n"
+        if args.out:
+            Path(args.out).write_text(text)
+        else:
+            print(text)
         return 0
     torch.set_num_threads(1)
     clock = CLOCKS[args.clock]
@@ -697,7 +738,9 @@ def main(argv=None) -> int:
 def report(result, args) -> list[str]:
     lib = result["library_anchor"]
     lines = [f"{datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC, commit {result['commit']}, torch "
-             f"{result['torch']}, {result['device']} tensors, 1 thread, {args.clock} clock, median of {args.rounds} "
+             f"{result['torch']}, {result['device']} tensors, 1 thread, {args.clock} clock, "
+             + (f"median of {result['runs']} runs, each " if result.get("runs") else "")
+             + f"median of {args.rounds} "
              f"rounds x {args.calls} calls per level; timer cost subtracted from the pieces: "
              f"{result['timer_us']:.2f} us per timed call", "",
              f"- `uptime` before: `{result['load_before']}`", f"- `uptime` after: `{result['load_after']}`", "",

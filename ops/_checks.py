@@ -33,24 +33,29 @@ def check_tensor(
     ``shape`` holds ints (exact size) or None (any size); its length is the required rank.
     ``dims`` is the human notation used in the message, e.g. ``"(B, D, L)"``.
     """
-    notation = dims or "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape {notation}, got {type(t).__name__}")
+        raise TypeError(f"{name} must be a torch.Tensor of shape {_notation(shape, dims)}, got {type(t).__name__}")
     if t.dtype not in dtypes:
         raise TypeError(f"{name} must have dtype in [{_dtype_names(dtypes)}], got {t.dtype}")
-    if t.dim() != len(shape):
+    got = t.shape
+    if len(got) != len(shape):
         raise ValueError(
-            f"{name} must have rank {len(shape)} {notation}, got shape {tuple(t.shape)}"
+            f"{name} must have rank {len(shape)} {_notation(shape, dims)}, got shape {tuple(got)}"
         )
-    for axis, (want, got) in enumerate(zip(shape, t.shape)):
-        if want is not None and want != got:
+    for axis, want in enumerate(shape):
+        if want is not None and want != got[axis]:
             raise ValueError(
-                f"{name} must have shape {notation} = "
-                f"{tuple('*' if s is None else s for s in shape)}, got {tuple(t.shape)} "
-                f"(dimension {axis} is {got}, expected {want})"
+                f"{name} must have shape {_notation(shape, dims)} = "
+                f"{tuple('*' if s is None else s for s in shape)}, got {tuple(got)} "
+                f"(dimension {axis} is {got[axis]}, expected {want})"
             )
     if device is not None and t.device != device:
         raise ValueError(f"{name} is on {t.device} but the other inputs are on {device}")
+
+
+def _notation(shape, dims) -> str:
+    """The shape as the message writes it (built only for a message: the checks run on every call)."""
+    return dims or "(" + ", ".join("*" if s is None else str(s) for s in shape) + ")"
 
 
 def device_reasons(backend: str, device_type: str, **tensors) -> list[str]:

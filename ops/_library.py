@@ -51,6 +51,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import inspect
+import weakref
 
 import torch
 import torch.autograd.forward_ad as _forward_ad
@@ -63,9 +64,55 @@ def absent(like: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor
     return like.new_empty(0, dtype=dtype or like.dtype)
 
 
+def as_dtype(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``t.to(dtype)`` without the dispatcher trip when ``t`` already has that dtype (the common
+    case in the ops' glue: ~1 us per call saved; ``.to`` would return ``t`` itself then too)."""
+    return t if t.dtype == dtype else t.to(dtype)
+
+
 def empty_like(t: torch.Tensor) -> torch.Tensor:
     """A fake implementation's output like ``t``: contiguous, as every real output is (see _fresh)."""
     return torch.empty_like(t, memory_format=torch.contiguous_format)
+
+
+#: filled(): the kept CPU defaults, (shape, fill, dtype) -> tensor, at most MAX_KEPT
+_KEPT: dict = {}
+MAX_KEPT = 64
+#: id -> a tensor filled() made, while it lives (an op's value check may skip it: see is_filled)
+_FILLED = weakref.WeakValueDictionary()
+
+
+def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``shape`` holding ``fill``: what a public function passes for an input the caller
+    left out (timestep_norm's initial state) and the op only reads. In plain eager mode on the CPU
+    one kept tensor per (shape, fill, dtype) serves every call, rebuilt if anything wrote to it; it
+    never reaches the caller (an op's outputs are fresh tensors, see _fresh). On another device (a
+    kept tensor would need its stream's bookkeeping) or under a tracer it is a new tensor. In plain
+    eager mode :func:`is_filled` then knows it, for as long as it is unchanged."""
+    if not plain_eager(profiler_ok=True):
+        return torch.full(shape, fill, dtype=dtype, device=device)
+    cpu = device.type == "cpu"
+    if cpu:
+        t = _KEPT.get((shape, fill, dtype))
+        if t is not None and t._version == 0:
+            return t
+    if torch.is_inference_mode_enabled():
+        with torch.inference_mode(False):  # a normal tensor: an inference tensor keeps no version counter
+            t = torch.full(shape, fill, dtype=dtype, device=device)
+    else:
+        t = torch.full(shape, fill, dtype=dtype, device=device)
+    if cpu:
+        if len(_KEPT) >= MAX_KEPT:
+            _KEPT.clear()
+        _KEPT[(shape, fill, dtype)] = t
+    _FILLED[id(t)] = t
+    return t
+
+
+def is_filled(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor :func:`filled` made, unchanged since: its values are the fill, so an
+    op's check of them (one that would cost kernel launches on a GPU) can be skipped."""
+    return _FILLED.get(id(t)) is t and t._version == 0
 
 
 def _storages(tensors) -> set:
@@ -77,12 +124,16 @@ def _fresh(outputs, inputs):
     storage with an input or with another output (a backend may return an input unchanged, e.g.
     a ``.to`` that was a no-op)."""
     single = isinstance(outputs, torch.Tensor)
-    outs = tuple(t if t.is_contiguous() and not (t.is_conj() or t.is_neg())
-                 else t.resolve_conj().resolve_neg().contiguous() for t in ((outputs,) if single else outputs))
+    outs = (outputs,) if single else tuple(outputs)
+    for t in outs:  # the common case (every output already right) builds nothing new
+        if not t.is_contiguous() or t.is_conj() or t.is_neg():
+            outs = tuple(t if t.is_contiguous() and not (t.is_conj() or t.is_neg())
+                         else t.resolve_conj().resolve_neg().contiguous() for t in outs)
+            break
     # One C++ pass (the check torch.library runs after an implementation) answers the common case:
     # nothing shared, nothing to copy. Only when it finds a shared storage does the loop below
     # decide which outputs to copy.
-    if _ALIAS_CHECK is not None and not _ALIAS_CHECK(tuple(inputs), {}, outs):
+    if _ALIAS_CHECK is not None and not _ALIAS_CHECK(inputs if type(inputs) is tuple else tuple(inputs), {}, outs):
         return outs[0] if single else outs
     return _fresh_copies(outs, inputs, single)
 
@@ -139,13 +190,18 @@ def _autocast_off():
     return stack
 
 
+#: Whether any autocast is on (one C++ call; the per-device public queries where a torch lacks it).
+_ANY_AUTOCAST = getattr(torch._C, "_is_any_autocast_enabled", None) or (
+    lambda: torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda"))
+_EXCLUDED = torch._C._dispatch_tls_is_dispatch_key_excluded
+
+
 def _guards(device: torch.device | None):
     """What a backend runs inside (the device made current, lazy views on, autocast off), as one
     context manager; None when none of them applies (a CPU call with no autocast and no excluded
     view keys: most calls)."""
-    views = any(map(torch._C._dispatch_tls_is_dispatch_key_excluded, _VIEW_KEYS))
-    autocast = torch.is_autocast_enabled("cpu") or torch.is_autocast_enabled("cuda")
-    if device is None and not views and not autocast:
+    views = _EXCLUDED(_VIEW_KEYS[0]) or _EXCLUDED(_VIEW_KEYS[1]) or _EXCLUDED(_VIEW_KEYS[2])
+    if device is None and not views and not _ANY_AUTOCAST():
         return None
     stack = contextlib.ExitStack()
     if device is not None:
@@ -351,14 +407,23 @@ class Op:
         grad = torch.is_grad_enabled()
         road = _DIRECT
         for v in values:
-            if isinstance(v, torch.Tensor):
-                if not plain_tensor(v):
+            kind = type(v)
+            if kind in _SCALAR_TYPES:  # most arguments; one set lookup
+                continue
+            if kind in _PLAIN_TYPES:
+                if not (v.layout is _STRIDED and (v.is_cpu or v.is_cuda) and not v.is_nested):
                     return _DISPATCHER
                 if grad and v.requires_grad:
                     road = _RECORDED
+            elif isinstance(v, torch.Tensor):  # a subclass
+                return _DISPATCHER
             elif isinstance(v, (list, tuple, dict)) and (type(v) is dict or not all(map(_is_scalar, v))):
                 return _DISPATCHER
         return road
+
+
+_SCALAR_TYPES = frozenset((type(None), bool, int, float, str))
+_STRIDED = torch.strided
 
 
 def _is_scalar(v) -> bool:

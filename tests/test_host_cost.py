@@ -58,3 +58,13 @@ def test_one_row_records_the_levels_of_a_call(bench_modules):
     assert both["pieces"]["launch road (count)"] >= 2  # a forward and a backward launch at least
     assert host_cost.measure("rotary", "cpu", host_cost.cases(torch.device("cpu")), 2, 1, clock, stubs, 0.0) == {
         "skipped": "no cpu backend of rotary"}
+
+
+def test_repeated_runs_merge_to_the_median_of_each_number(bench_modules):
+    host_cost, _ = bench_modules
+    runs = [{"ops": {"fftconv": {"cpu": {"forward": {"public": v, "calls": {"backend": ["forward"]}}}}},
+             "arity": {"fftconv": 3}, "native": {"3": [v, 2 * v]}, "commit": "abc"} for v in (5.0, 1.0, 9.0, 2.0)]
+    m = host_cost.median_of(runs)
+    assert m["ops"]["fftconv"]["cpu"]["forward"] == {"public": 3.5, "calls": {"backend": ["forward"]}}
+    assert m["arity"]["fftconv"] == 3 and isinstance(m["arity"]["fftconv"], int)
+    assert m["native"]["3"] == [3.5, 7.0] and m["commit"] == "abc"

@@ -165,3 +165,64 @@ def test_a_recorded_gradient_goes_through_the_backward_ops_dispatcher_on_both_ro
     assert "GeneratedBackwardFor_megalodon_kernels_fftconv_bwd" in type(gx.grad_fn).__name__
     with pytest.raises(RuntimeError, match="no autograd formula was registered"):
         gx.sum().backward()
+
+
+def test_filled_defaults_are_kept_on_the_cpu_and_rebuilt_after_a_write():
+    """timestep_norm's default state (issue 41): one kept CPU tensor per key in plain eager mode,
+    never the caller's (outputs are fresh), rebuilt when something wrote to it; is_filled knows it
+    only while it is unchanged, and a tensor of the same values the caller made is not known."""
+    a = _library.filled((3,), 0, torch.int64, torch.device("cpu"))
+    assert _library.filled((3,), 0, torch.int64, torch.device("cpu")) is a and _library.is_filled(a)
+    assert not _library.is_filled(torch.zeros(3, dtype=torch.int64))
+    a.add_(1)  # a write bumps the version: no longer known, and the next call builds a new one
+    assert not _library.is_filled(a)
+    b = _library.filled((3,), 0, torch.int64, torch.device("cpu"))
+    assert b is not a and _library.is_filled(b) and torch.equal(b, torch.zeros(3, dtype=torch.int64))
+    with torch.inference_mode():  # the kept tensor is a normal one (it has a version counter) also here
+        c = _library.filled((4,), 0, torch.int64, torch.device("cpu"))
+        assert not c.is_inference() and _library.filled((4,), 0, torch.int64, torch.device("cpu")) is c
+        assert _library.is_filled(c) and not _library.is_filled(torch.zeros(4, dtype=torch.int64))
+        x = torch.randn(2, 5, 4)
+        counts = [ops.timestep_norm(x, x[0, 0], x[0, 1], 2, backend="torch")[1] for _ in range(2)]
+        assert counts[0].tolist() == counts[1].tolist() == [5, 5]
+
+
+def test_timestep_norm_defaults_skip_only_their_own_check():
+    x, w, b = torch.randn(2, 5, 4), torch.randn(4), torch.randn(4)
+    y, count, mean, var = ops.timestep_norm(x, w, b, 2, backend="torch")
+    explicit = ops.timestep_norm(x, w, b, 2, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 2), torch.ones(2, 2),
+                                 torch.zeros(2, 5, dtype=torch.bool), backend="torch")
+    for got, want in zip((y, count, mean, var), explicit):
+        torch.testing.assert_close(got, want, rtol=0, atol=0)
+    kept = [t for t in _library._KEPT.values() if t.shape == (2,) and t.dtype == torch.int64]
+    assert kept and all(count.untyped_storage().data_ptr() != t.untyped_storage().data_ptr() for t in kept)
+    with pytest.raises(ValueError, match="prev_count must be >= 0"):
+        ops.timestep_norm(x, w, b, 2, torch.tensor([1, -1]), backend="torch")
+
+
+def test_as_dtype_and_residual_outputs():
+    t = torch.randn(3)
+    assert _library.as_dtype(t, torch.float32) is t and _library.as_dtype(t, torch.float64).dtype == torch.float64
+    # residual outputs are non-differentiable on both roads (fewer outputs for autograd to track)
+    x, xn, w, b = _inputs()
+    args = (xn, w, b, torch.zeros(2, dtype=torch.int64), torch.zeros(2, 2), torch.ones(2, 2),
+            torch.zeros(2, 5, dtype=torch.bool), 2, 1e-5, "torch", None)
+    for op in (norm_module.timestep_norm_op, norm_module.timestep_norm_op._op):
+        out = op(*args)
+        assert [t.requires_grad for t in out] == [True, False, True, True, False, False, False, False]
+
+
+@pytest.mark.parametrize("road", ["eager", "dispatcher"])
+def test_timestep_norm_gradients_from_some_outputs_only(monkeypatch, road):
+    """timestep_norm's backward gets None for the outputs nobody differentiated (it turned autograd's
+    zero-filling off) and makes those zeros itself: the same gradients as zero gradients given."""
+    if road == "dispatcher":
+        monkeypatch.setattr(_library, "_SELF_CHECK", [False])
+    x, xn, w, b = _inputs()
+    for used in ((0,), (2,), (3,), (2, 3)):
+        out = ops.timestep_norm(xn, w, b, 2, backend="torch")
+        got = torch.autograd.grad(sum((out[i] * (i + 1)).sum() for i in used), (xn, w, b))
+        out = ops.timestep_norm(xn, w, b, 2, backend="torch")
+        want = torch.autograd.grad(sum((out[i] * (i + 1 if i in used else 0)).sum() for i in (0, 2, 3)), (xn, w, b))
+        for g, e in zip(got, want):
+            torch.testing.assert_close(g, e, rtol=0, atol=0)

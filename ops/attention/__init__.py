@@ -33,7 +33,7 @@ from torch import Tensor
 from .._checks import REAL_DTYPES, acc_dtype, check_choice, check_float, check_int, check_same_dtype, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import absent, custom_op, empty_like, plain_eager, plain_tensor
+from .._library import absent, as_dtype, custom_op, empty_like, plain_eager, plain_tensor
 from .._packing import check_cu_seqlens, document_bounds, plan
 from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
@@ -170,7 +170,7 @@ def attention_op(q: Tensor, k: Tensor, v: Tensor, scale: float, causal: bool, ch
                                      block_causal=block_causal, dropkey_p=dropkey_p, seed=seed, attn_fn=attn_fn,
                                      **extra, **impl.config)
         tiles = kept[0] if kept else None
-    lse = lse.to(acc) if attn_fn == "softmax" else absent(q, acc)
+    lse = as_dtype(lse, acc) if attn_fn == "softmax" else absent(q, acc)
     return o, lse, seed_tensor(seed), absent(q, acc) if tiles is None else tiles
 
 
@@ -195,7 +195,7 @@ def attention_bwd_op(do: Tensor, q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse
     dq, dk, dv = impl.module.backward(
         do, q, k, v, o, lse, scale=scale, causal=causal, chunk_size=chunk_size, block_causal=block_causal,
         dropkey_p=dropkey_p, seed=seed_value(seed), attn_fn=attn_fn, **kept, **impl.config)
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    return as_dtype(dq, q.dtype), as_dtype(dk, k.dtype), as_dtype(dv, v.dtype)
 
 
 class _Options(NamedTuple):
@@ -215,9 +215,13 @@ def _setup(ctx, inputs, output):
     o, lse, seed_t, tiles = output
     ctx.save_for_backward(q, k, v, o, lse, seed_t, cu_seqlens, tiles if tiles.numel() else None)
     ctx.options = _Options(scale, causal, chunk_size, block_causal, dropkey_p, attn_fn, backend)
+    ctx.mark_non_differentiable(lse, seed_t, tiles)  # residuals: no gradient (fewer outputs for autograd)
+    ctx.set_materialize_grads(False)  # o is the one differentiable output: no zeros for the others
 
 
 def _backward(ctx, do, _dlse, _dseed, _dtiles):
+    if do is None:  # an undefined gradient of o (grads are not zero-filled, see _setup): none for the inputs
+        return (None,) * len(ctx.needs_input_grad)
     q, k, v, o, lse, seed_t, cu_seqlens, tiles = ctx.saved_tensors
     dq, dk, dv = attention_bwd_op(do, q, k, v, o, lse, seed_t, *ctx.options, cu_seqlens, tiles)
     return dq, dk, dv, *(None,) * (len(ctx.needs_input_grad) - 3)  # the other inputs take no gradient

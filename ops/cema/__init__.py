@@ -27,7 +27,7 @@ from torch import Tensor
 from .._checks import REAL_DTYPES, check_coefficients, check_sequence, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import absent, custom_op, empty_like, grad_or_none
+from .._library import absent, as_dtype, custom_op, empty_like, grad_or_none
 from .._packing import check_cu_seqlens, check_per_document, plan
 from ..ema_hidden import packed_state, packed_state_grads
 from .compose import Needs, Saved, add_optional
@@ -137,7 +137,7 @@ def cema_op(x: Tensor, p: Tensor, log_q: Tensor, gamma: Tensor, omega: Tensor, h
         y, h, (k, V, W) = impl.module.forward(x, p, log_q, gamma, omega, hx, return_state, weighted, **impl.config)
     if not return_state:
         h = V = absent(log_q)
-    return y, h, k.to(p.dtype), V, (W if weighted else absent(log_q))
+    return y, h, as_dtype(k, p.dtype), V, (W if weighted else absent(log_q))
 
 
 def _bwd_fake(dy, dh, x, p, log_q, gamma, omega, hx, k, V, W, weighted, needs, backend, cu_seqlens=None):
@@ -165,7 +165,7 @@ def cema_bwd_op(dy: Tensor, dh: Optional[Tensor], x: Tensor, p: Tensor, log_q: T
             _, _, (_, V, W) = impl.module.forward(x, p, log_q, gamma, omega, hx, True, True, **impl.config)
         grads = impl.module.backward(dy, dh, x, p, log_q, gamma, omega, hx, Saved(k, V, W), needs, **impl.config)
     inputs = (x, p, log_q, gamma, omega, hx)
-    return tuple(g.to(t.dtype) if t is not None and need else absent(x)
+    return tuple(as_dtype(g, t.dtype) if t is not None and need else absent(x)
                  for g, t, need in zip(grads, inputs, needs))
 
 
@@ -174,6 +174,7 @@ def _setup(ctx, inputs, output):
     _, _, k, V, W = output
     ctx.save_for_backward(x, p, log_q, gamma, omega, hx, k, V, W, cu_seqlens)
     ctx.return_state, ctx.weighted, ctx.backend = return_state, return_state and weighted, backend
+    ctx.mark_non_differentiable(k, V, W)  # residuals: no gradient (fewer outputs for autograd)
 
 
 def _backward(ctx, dy, dh, _dk, _dV, _dW):

@@ -25,7 +25,7 @@ from torch import Tensor
 from .._checks import check_coefficients, check_int
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import absent, custom_op, empty_like, grad_or_none
+from .._library import absent, as_dtype, custom_op, empty_like, grad_or_none
 
 __all__ = ["cema_kernel"]
 
@@ -59,7 +59,7 @@ def cema_kernel_op(p: Tensor, log_q: Tensor, gamma: Tensor, length: int, hx: Opt
     """-> (k r(D L), b r(B D L), or an empty placeholder without hx), in p's dtype."""
     impl = _select(p, log_q, gamma, length, hx, backend)
     k, b = impl.module.forward(p, log_q, gamma, length, hx, **impl.config)
-    return k.to(p.dtype), (b.to(p.dtype) if hx is not None else absent(p))
+    return as_dtype(k, p.dtype), (as_dtype(b, p.dtype) if hx is not None else absent(p))
 
 
 def _bwd_fake(dk, db, p, log_q, gamma, length, hx, needs, backend):
@@ -73,14 +73,16 @@ def cema_kernel_bwd_op(dk: Tensor, db: Optional[Tensor], p: Tensor, log_q: Tenso
     """-> (dp, dlog_q, dgamma, dhx or an empty placeholder) in the inputs' dtypes."""
     impl = _select(p, log_q, gamma, length, hx, backend)
     dp, dlq, dgamma, dhx = impl.module.backward(dk, db, p, log_q, gamma, length, hx, tuple(needs), **impl.config)
-    return (dp.to(p.dtype), dlq.to(log_q.dtype), dgamma.to(gamma.dtype),
-            dhx.to(hx.dtype) if hx is not None and needs[3] else absent(p, log_q.dtype))
+    return (as_dtype(dp, p.dtype), as_dtype(dlq, log_q.dtype), as_dtype(dgamma, gamma.dtype),
+            as_dtype(dhx, hx.dtype) if hx is not None and needs[3] else absent(p, log_q.dtype))
 
 
 def _setup(ctx, inputs, output):
     p, log_q, gamma, length, hx, backend = inputs
     ctx.save_for_backward(p, log_q, gamma, hx)
     ctx.length, ctx.backend = length, backend
+    if hx is None:  # b is a placeholder: no gradient (one output fewer for autograd)
+        ctx.mark_non_differentiable(output[1])
 
 
 def _backward(ctx, dk, db):

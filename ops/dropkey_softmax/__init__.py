@@ -16,7 +16,7 @@ from torch import Tensor
 from .._checks import REAL_DTYPES, _dtype_names, check_float
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import custom_op, empty_like
+from .._library import as_dtype, custom_op, empty_like
 from ..dropkey_rule import DRAW_SEED, resolve_seed, seed_tensor, seed_tensor_like, seed_value
 
 __all__ = ["dropkey_softmax"]
@@ -54,8 +54,8 @@ def dropkey_softmax_bwd_op(dy: Tensor, y: Tensor, seed: Tensor, causal: bool, dr
                            backend: str) -> Tensor:
     """-> dscores from the saved output alone (dropped and masked entries have y = 0)."""
     impl = BACKENDS.select(backend, {"scores": y}, device=y.device, dtype=y.dtype)
-    return impl.module.backward(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed_value(seed),
-                                           **impl.config).to(y.dtype)
+    return as_dtype(impl.module.backward(dy, y, causal=causal, dropkey_p=dropkey_p, seed=seed_value(seed),
+                                         **impl.config), y.dtype)
 
 
 class _Options(NamedTuple):
@@ -71,9 +71,13 @@ def _setup(ctx, inputs, output):
     y, seed_t = output
     ctx.save_for_backward(y, seed_t)
     ctx.options = _Options(causal, dropkey_p, backend)
+    ctx.mark_non_differentiable(seed_t)  # the seed used, for the backward
+    ctx.set_materialize_grads(False)  # y is the one differentiable output: no zeros for the others
 
 
 def _backward(ctx, dy, _dseed):
+    if dy is None:  # an undefined gradient of y (grads are not zero-filled, see _setup): none for the inputs
+        return (None,) * len(ctx.needs_input_grad)
     y, seed_t = ctx.saved_tensors
     return dropkey_softmax_bwd_op(dy, y, seed_t, *ctx.options), *(None,) * (len(ctx.needs_input_grad) - 1)
 

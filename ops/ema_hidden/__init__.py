@@ -25,7 +25,7 @@ from torch import Tensor
 from .._checks import check_coefficients, check_sequence
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import absent, custom_op, empty_like, grad_or_none
+from .._library import absent, as_dtype, custom_op, empty_like, grad_or_none
 from .._packing import check_cu_seqlens, check_per_document, plan
 from .._vandermonde import exact_powers
 
@@ -157,8 +157,8 @@ def ema_hidden_bwd_op(dh: Tensor, x: Tensor, p: Tensor, log_q: Tensor, hx: Optio
         if W is None and needs[2]:  # a caller that asked for the gradient anyway: compute the weighted sums now
             _, V, W = impl.module.forward(x, p, log_q, hx, True, **impl.config)
         dx, dp, dlq, dhx = impl.module.backward(dh, p, log_q, hx, V, W, x.shape[-1], tuple(needs), **impl.config)
-    return (dx.to(x.dtype) if needs[0] else absent(x), dp.to(p.dtype), dlq.to(log_q.dtype),
-            dhx.to(hx.dtype) if hx is not None and needs[3] else absent(log_q))
+    return (as_dtype(dx, x.dtype) if needs[0] else absent(x), as_dtype(dp, p.dtype), as_dtype(dlq, log_q.dtype),
+            as_dtype(dhx, hx.dtype) if hx is not None and needs[3] else absent(log_q))
 
 
 def _setup(ctx, inputs, output):
@@ -166,9 +166,13 @@ def _setup(ctx, inputs, output):
     h, V, W = output
     ctx.save_for_backward(x, p, log_q, hx, V, W, cu_seqlens)
     ctx.weighted, ctx.backend = weighted, backend
+    ctx.mark_non_differentiable(V, W)  # residuals: no gradient (fewer outputs for autograd)
+    ctx.set_materialize_grads(False)  # h is the one differentiable output: no zeros for the others
 
 
 def _backward(ctx, dh, _dV, _dW):
+    if dh is None:  # an undefined gradient of h (grads are not zero-filled, see _setup): none for the inputs
+        return (None,) * len(ctx.needs_input_grad)
     x, p, log_q, hx, V, W, cu_seqlens = ctx.saved_tensors
     needs = list(ctx.needs_input_grad[:4])
     dx, dp, dlq, dhx = ema_hidden_bwd_op(dh, x, p, log_q, hx, V, W, ctx.weighted, needs, ctx.backend, cu_seqlens)

@@ -25,7 +25,7 @@ from torch import Tensor
 from .._checks import REAL_DTYPES, check_sequence, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import absent, custom_op, empty_like, grad_or_none
+from .._library import absent, as_dtype, custom_op, empty_like, grad_or_none
 from .._packing import check_cu_seqlens, plan
 
 __all__ = ["fftconv"]
@@ -108,7 +108,7 @@ def fftconv_bwd_op(dy: Tensor, x: Tensor, k: Tensor, need_x: bool, need_k: bool,
     else:
         impl = _select(x, k, backend)
         dx, dk = impl.module.backward(dy, x, k, need_x, need_k, **impl.config)
-    return (dx.to(x.dtype) if need_x else absent(x), dk.to(k.dtype) if need_k else absent(k))
+    return (as_dtype(dx, x.dtype) if need_x else absent(x), as_dtype(dk, k.dtype) if need_k else absent(k))
 
 
 def _setup(ctx, inputs, output):

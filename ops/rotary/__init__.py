@@ -36,7 +36,7 @@ from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_ten
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._host_sync import check_on_device
-from .._library import custom_op, empty_like, plain_eager, plain_tensor
+from .._library import as_dtype, custom_op, empty_like, plain_eager, plain_tensor
 from .table_cache import TABLES as _TABLES
 
 __all__ = ["rotary", "rotation_tables", "xpos_limit"]
@@ -182,7 +182,7 @@ def rotary_op(x: Tensor, cos: Tensor, sin: Tensor, backend: str) -> Tensor:
 def rotary_bwd_op(dy: Tensor, cos: Tensor, sin: Tensor, backend: str) -> Tensor:
     """-> dx: the inverse rotation of dy (times the same xPos scale)."""
     impl = BACKENDS.select(backend, {"x": dy}, device=dy.device, dtype=dy.dtype)
-    return impl.module.backward(dy, cos, sin, **impl.config).to(dy.dtype)
+    return as_dtype(impl.module.backward(dy, cos, sin, **impl.config), dy.dtype)
 
 
 def _setup(ctx, inputs, output):

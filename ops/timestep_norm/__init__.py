@@ -32,7 +32,7 @@ from torch import Tensor
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_int, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import custom_op, empty_like
+from .._library import as_dtype, custom_op, empty_like, filled, is_filled
 from .._host_sync import check_on_device
 from .._packing import check_cu_seqlens, check_per_document, document_bounds
 
@@ -92,16 +92,17 @@ def _residuals(impl, saved, mean, acc):
         gmu, K = torch.zeros_like(mu), mean.new_zeros(mean.shape)
     else:
         mu, rstd, gmu, K = saved.mu, saved.rstd, saved.gmu, saved.K
-    return mu.to(acc), rstd.to(acc), gmu.to(acc), K.to(acc)
+    return as_dtype(mu, acc), as_dtype(rstd, acc), as_dtype(gmu, acc), as_dtype(K, acc)
 
 
 def _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc):
     """The op's residuals back as what the backend ``impl``'s backward takes."""
     if impl.name == "cuda":
-        return CudaSaved(x.contiguous(), scale.to(acc).contiguous(), prev_count.to(torch.int64).contiguous(),
-                         prev_mean.to(acc).contiguous(), padding_mask.contiguous(), mu, rstd)
+        return CudaSaved(x.contiguous(), as_dtype(scale, acc).contiguous(),
+                         as_dtype(prev_count, torch.int64).contiguous(), as_dtype(prev_mean, acc).contiguous(),
+                         padding_mask.contiguous(), mu, rstd)
     xs = x.contiguous() if impl.name == "triton" else x  # Triton's kernels read the contiguous copy of x
-    return Saved(xs, scale, mu, rstd, gmu, padding_mask, prev_count, prev_mean.to(acc) - K, K)
+    return Saved(xs, scale, mu, rstd, gmu, padding_mask, prev_count, as_dtype(prev_mean, acc) - K, K)
 
 
 def _fwd_fake(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend,
@@ -126,13 +127,14 @@ def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor,
     and the per-group shift they are relative to (the CUDA backend's mu is relative to a shift it
     recomputes from x in its backward: its gmu and K residuals are zeros). count, mean, var and K have one row per batch element, or with
     ``cu_seqlens`` one per document."""
-    check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
+    if not is_filled(prev_count):  # the public function's default (zeros) needs no check
+        check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
     impl = _select(x, num_groups, backend, cu_seqlens)
     y, count, mean, var, saved = impl.module.forward(
         x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps,
         **_packed(cu_seqlens, x), **impl.config)
     acc = acc_dtype(x.dtype)
-    return (y, count.to(torch.int64), mean.to(acc), var.to(acc), *_residuals(impl, saved, mean, acc))
+    return (y, as_dtype(count, torch.int64), as_dtype(mean, acc), as_dtype(var, acc), *_residuals(impl, saved, mean, acc))
 
 
 def _packed(cu_seqlens, x) -> dict:
@@ -156,18 +158,25 @@ def timestep_norm_bwd_op(dy: Tensor, dmean: Tensor, dvar: Tensor, x: Tensor, sca
     impl = _select(x, num_groups, backend, cu_seqlens)  # the forward's choice (cached)
     saved = _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K, acc)
     grads = impl.module.backward(dy, dmean, dvar, saved, num_groups, **_packed(cu_seqlens, x), **impl.config)
-    return tuple(g.to(t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))
+    return tuple(as_dtype(g, t.dtype) for g, t in zip(grads, (x, scale, bias, prev_mean, prev_var)))
 
 
 def _setup(ctx, inputs, output):
     x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, num_groups, eps, backend, cu_seqlens = inputs
     ctx.save_for_backward(x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, cu_seqlens, *output[4:])
     ctx.num_groups, ctx.backend = num_groups, backend
-    ctx.mark_non_differentiable(output[1])
+    # count is an integer; mu, rstd, gmu, K are residuals: no gradient (fewer outputs for autograd)
+    ctx.mark_non_differentiable(output[1], *output[4:])
+    ctx.set_materialize_grads(False)  # the backward makes only the zeros it reads (none for the residuals)
 
 
 def _backward(ctx, dy, _dcount, dmean, dvar, *_stats):
     x, scale, bias, prev_count, prev_mean, prev_var, padding_mask, cu_seqlens, mu, rstd, gmu, K = ctx.saved_tensors
+    # an output whose gradient nobody gave: zeros like it (y like x; mean and var r(n G) in the
+    # accumulation dtype, like K)
+    dy = torch.zeros_like(x, memory_format=torch.contiguous_format) if dy is None else dy
+    dmean = torch.zeros_like(K) if dmean is None else dmean
+    dvar = torch.zeros_like(K) if dvar is None else dvar
     dx, dscale, dbias, dpm, dpv = timestep_norm_bwd_op(dy, dmean, dvar, x, scale, bias, prev_count, prev_mean,
                                                        prev_var, padding_mask, mu, rstd, gmu, K, ctx.num_groups,
                                                        ctx.backend, cu_seqlens)
@@ -245,20 +254,20 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
     check_tensor("bias", bias, (D,), REAL_DTYPES, device=dev, dims="(D,)")
     acc = acc_dtype(x.dtype)
     if prev_count is None:
-        prev_count = torch.zeros(n, dtype=torch.int64, device=dev)
+        prev_count = filled((n,), 0, torch.int64, dev)
     else:
         _check_state("prev_count", prev_count, (n,), INT_DTYPES, dev, cu_seqlens)
         # its values (>= 0) are checked inside the op, where reading them traces nothing
     if prev_mean is None:
-        prev_mean = torch.zeros(n, G, dtype=acc, device=dev)
+        prev_mean = filled((n, G), 0.0, acc, dev)
     else:
         _check_state("prev_mean", prev_mean, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if prev_var is None:
-        prev_var = torch.ones(n, G, dtype=acc, device=dev)
+        prev_var = filled((n, G), 1.0, acc, dev)
     else:
         _check_state("prev_var", prev_var, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if padding_mask is None:
-        padding_mask = torch.zeros(B, L, dtype=torch.bool, device=dev)
+        padding_mask = filled((B, L), False, torch.bool, dev)
     else:
         check_tensor("padding_mask", padding_mask, (B, L), (torch.bool,), device=dev, dims="(B, L)")
     eps = check_float("eps", eps, low=0.0, low_open=True)
