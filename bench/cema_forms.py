@@ -1,12 +1,15 @@
 """cema's two torch forms, FFT and chunked: fp32 accuracy at long L, and CPU time per shape.
 
-    python bench/cema_forms.py accuracy [--lengths 16 18 20] [--gaps 1e-5 1e-3] [--chunk 64]
+    python bench/cema_forms.py accuracy [--lengths 16 18 20] [--gaps 1e-5 1e-3] [--chunk 64] [--triton]
     python bench/cema_forms.py time [--shapes 8,128,256 4,128,512 2,256,4096] [--chunk 64] [--reps 7] [--cpu]
 
 ``accuracy``: for every length 2**e and gap 1-|q| (the coefficients of bench/accuracy_cema.py,
 D = 2, N = 16, with an initial state hx), runs ``ops.cema`` on the torch backend in fp32 in each
 form and reports its output's norm-wise error max|y - y64| / max|y64| against the float64
-evaluation of the same fp32 inputs (the FFT form in float64, ~1e-13 accurate).
+evaluation of the same fp32 inputs (the FFT form in float64, ~1e-13 accurate). ``--triton`` adds
+the Triton backend's chunked kernels (ops/cema/triton_chunked.py, its default chunk; y of the
+forward kernel) on the same inputs: on a CPU run it with TRITON_INTERPRET=1 (the interpreter,
+minutes at L = 2**20).
 
 ``time``: for every B,D,L (N = 16, no hx, float32), the median thread CPU time of the forward
 (no grad) and of forward+backward of each form, one thread. Thread CPU time, not wall time, so
@@ -57,7 +60,8 @@ def cpu_fft_form():
 
 
 def accuracy(args):
-    print("| L | 1-abs(q) | FFT form | chunked form |\n|---|---|---|---|")
+    head = "| L | 1-abs(q) | FFT form | chunked form |" + (" Triton chunked |" if args.triton else "")
+    print(head + "\n|---|---|---|---|" + ("---|" if args.triton else ""))
     for e in args.lengths:
         for gap in args.gaps:
             p, log_q, gamma, hx = make_inputs(2, 16, 1, gap)
@@ -71,7 +75,13 @@ def accuracy(args):
                 with form(chunk):
                     y = cema(x, p, log_q, gamma, omega, hx, backend="torch")[0]
                 err.append(float((y.double() - ref).abs().max() / ref.abs().max()))
-            print(f"| 2^{e} | {gap:g} | {err[0]:.2e} | {err[1]:.2e} |")
+            if args.triton:
+                from megalodon_kernels.ops.cema import triton_chunked, triton_impl
+
+                cfg = {k: triton_impl.DEFAULT_CONFIG[k] for k in triton_impl.CHUNK_SPACE}
+                y = triton_chunked.conv_fwd(x, p, log_q, gamma, omega, hx, **cfg)
+                err.append(float((y.double() - ref).abs().max() / ref.abs().max()))
+            print(f"| 2^{e} | {gap:g} | " + " | ".join(f"{v:.2e}" for v in err) + " |")
 
 
 def _median_ms(fn, reps):
@@ -120,6 +130,7 @@ def main():
     a.add_argument("--lengths", type=int, nargs="+", default=[16, 18, 20], help="log2 of L")
     a.add_argument("--gaps", type=float, nargs="+", default=[1e-5, 1e-3], help="1 - |q|")
     a.add_argument("--chunk", type=int, default=64)
+    a.add_argument("--triton", action="store_true", help="also the Triton chunked kernels (TRITON_INTERPRET=1 on a CPU)")
     t = sub.add_parser("time")
     t.add_argument("--shapes", nargs="+", default=["8,128,256", "4,128,512", "2,128,1024", "1,128,2048",
                                                    "2,256,4096"], help="B,D,L")

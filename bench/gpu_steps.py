@@ -466,17 +466,31 @@ def _cema_points(run: Run, s, rows: list, end: float, peak, reps, probe: bool) -
                     torch.cuda.empty_cache()
             if provider == "auto" and "auto" in times:
                 times["auto"]["chosen"] = chosen
+        form = _triton_cema_form(shp, dtype, dev)
         for provider, t in times.items():
+            runs_triton = provider == "triton" or t.get("chosen") == "triton"
             for mode in MODES:
                 nb = ideal["fwd"][0] if mode == "fwd" else ideal["bwd"][0] + (ideal["fwd"][0] if mode == "fwd+bwd" else 0)
                 torch_t = times.get("torch", {}).get(mode)
                 floor = nb / peak if peak else None
                 points.append(dict(shape_name=name, shape=shp, dtype=dtype_name, provider=provider,
-                                   chosen=t.get("chosen"), mode=mode, median=t[mode], ideal_bytes=nb,
+                                   chosen=t.get("chosen"), triton_form=form if runs_triton else None,
+                                   mode=mode, median=t[mode], ideal_bytes=nb,
                                    vs_torch=(torch_t / t[mode]) if torch_t else None,
                                    of_peak=(floor / t[mode]) if floor else None,
                                    floor_multiple=(t[mode] / floor) if floor else None))
     return dict(points=points, skipped=skipped)
+
+
+def _triton_cema_form(shp: dict, dtype, dev) -> str:
+    """Which form the Triton cema runs at this shape with its default config: "chunked C=<chunk>"
+    (ops/cema/triton_chunked.py) or "fft" (the FFT convolution)."""
+    from megalodon_kernels.ops.cema import triton_impl
+
+    x = torch.empty(0, shp["D"], 1, dtype=dtype)
+    p = torch.empty(shp["D"], shp["N"])
+    cfg = triton_impl.DEFAULT_CONFIG
+    return f"chunked C={cfg['chunk']}" if triton_impl.chunked_form(x, p, cfg) else "fft"
 
 
 def cema_summary(cema: dict) -> list[str]:
@@ -492,7 +506,10 @@ def cema_summary(cema: dict) -> list[str]:
         ratio = f", {fb['vs_torch']:.1f}x torch" if fb and fb.get("vs_torch") else ""
         floors = ", floor x " + "/".join(f"{x['floor_multiple']:.0f}" if x and x.get("floor_multiple") else "-"
                                          for x in (f, b))
-        lines.append(f"  cema {name:<10} {provider + chosen:<13} fwd/bwd/both {cols} ms{ratio}{floors}")
+        # the fraction of the measured copy bandwidth the ideal bytes reach, forward and forward+backward
+        bw = ", copy BW " + "/".join(f"{100 * x['of_peak']:.1f}%" if x and x.get("of_peak") else "-" for x in (f, fb))
+        form = f" [{f['triton_form']}]" if f and f.get("triton_form") else ""
+        lines.append(f"  cema {name:<10} {provider + chosen:<13} fwd/bwd/both {cols} ms{ratio}{floors}{bw}{form}")
     return lines
 
 

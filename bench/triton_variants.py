@@ -21,6 +21,7 @@ from itertools import product
 import torch
 
 from ..ops.attention import triton_impl as attention_impl
+from ..ops.cema import triton_chunked as cema_chunked
 from ..ops.cema import triton_impl as cema_impl
 from ..ops.cema_kernel import triton_impl as cema_kernel_impl
 from ..ops.dropkey_softmax import triton_impl as dropkey_impl
@@ -476,6 +477,45 @@ def _cema_variants(space):
             out.append(Variant(op="cema", kernel=v.kernel, fn=v.fn, arg_types=v.arg_types, constexprs=v.constexprs,
                                div16=v.div16, num_warps=v.num_warps, num_stages=v.num_stages,
                                label="fused " + v.label))
+    return out + _cema_chunked_variants(space)
+
+
+def _cema_chunked_variants(space):
+    """The chunked form's kernels (ops/cema/triton_chunked.py) for every chunk > 0 of the space: the
+    forward and the backward's scan kernel per x dtype and with/without hx (the scan kernel's dx in
+    x's dtype, or fp32 when a state gradient is added to it), the sums kernel per x dtype."""
+    ck = cema_chunked
+    tables = (("k_ptr", "*fp32"), ("win_ptr", "*fp32"), ("wout_ptr", "*fp32"), ("a_ptr", "*fp32"),
+              ("pw_ptr", "*fp32"), ("hx_ptr", "*fp32"), ("omega_ptr", "*fp32"))
+    out = []
+    for C, BM, nw in product(space["chunk"], space["chunk_block"], space["chunk_warps"]):
+        if C == 0:
+            continue
+        tiles = (("C", C), ("NP", ck.NP), ("BM", BM))
+        for xdt, has_hx in product(("bf16", "fp32"), (False, True)):
+            tag = f"C={C} BM={BM} x={xdt} hx={has_hx} warps={nw}"
+            flags = (("HAS_HX", has_hx), ("OUT_BF16", xdt == "bf16"), ("PREC", ck.PREC))
+            args = (("x_ptr", "*" + xdt), ("y_ptr", "*" + xdt)) + tables + (
+                ("D", "i32"), ("L", "i32"), ("N", "i32"), ("nblk", "i32"))
+            out.append(Variant(op="cema", kernel="_fwd_kernel", fn=ck._fwd_kernel, arg_types=args,
+                               constexprs=tiles + flags, div16=frozenset({"L", "D"}), num_warps=nw,
+                               label="chunked " + tag))
+            for dxdt in dict.fromkeys((xdt, "fp32")):
+                args = ((("x_ptr", "*" + xdt), ("g_ptr", "*" + xdt), ("dx_ptr", "*" + dxdt), ("s_ptr", "*fp32"),
+                         ("du_ptr", "*fp32"), ("dhx_ptr", "*fp32")) + tables
+                        + (("D", "i32"), ("L", "i32"), ("N", "i32"), ("nblk", "i32")))
+                fl = (("HAS_HX", has_hx), ("OUT_BF16", dxdt == "bf16"), ("PREC", ck.PREC))
+                out.append(Variant(op="cema", kernel="_bwd_scan_kernel", fn=ck._bwd_scan_kernel, arg_types=args,
+                                   constexprs=tiles + fl, div16=frozenset({"L", "D"}), num_warps=nw,
+                                   label=f"chunked {tag} dx={dxdt}"))
+        for xdt in ("bf16", "fp32"):
+            args = ((("x_ptr", "*" + xdt), ("g_ptr", "*" + xdt))
+                    + tuple((n, "*fp32") for n in ("s_ptr", "du_ptr", "dk_ptr", "aw_ptr", "wi_ptr", "pc_ptr",
+                                                    "domega_ptr"))
+                    + (("B", "i32"), ("D", "i32"), ("L", "i32"), ("nblk", "i32")))
+            out.append(Variant(op="cema", kernel="_bwd_sums_kernel", fn=ck._bwd_sums_kernel, arg_types=args,
+                               constexprs=tiles + (("PREC", ck.PREC),), div16=frozenset({"L", "D"}), num_warps=nw,
+                               label=f"chunked C={C} BM={BM} x={xdt} warps={nw}"))
     return out
 
 
@@ -501,6 +541,39 @@ def _cema_bytes():
 
     yield "cema fused conv fwd", f"B={B} D={D} L={L} fp32", fwd
     yield "cema fused conv bwd", f"B={B} D={D} L={L} fp32", bwd
+    yield from _cema_chunked_bytes()
+
+
+def _cema_chunked_bytes():
+    """The chunked form's launches (ops/cema/triton_chunked.py). Ideal: the forward reads x, the
+    per-feature tables and omega once and writes y once; the backward's two launches read x, dy, the
+    tables and omega once (the sums kernel's second read of x and dy is the same addresses) and
+    write dx, dhx and the per-feature sums once, and the chunk states S and their gradients dU are
+    written by the scan kernel and read by the sums kernel: each counts once stored, once loaded."""
+    ck = cema_chunked
+    cfg = {k: cema_impl.DEFAULT_CONFIG[k] for k in cema_impl.CHUNK_SPACE}
+    B, D, N, L = 2, 2, 16, 1000
+    gen = torch.Generator().manual_seed(1)
+    p, log_q, gamma, _ = _coefficients(D, N, B)
+    x = torch.randn(B, D, L, generator=gen)
+    om = torch.randn(D, generator=gen)
+    dy = torch.randn(B, D, L, generator=gen)
+    C, BM = cfg["chunk"], cfg["chunk_block"]
+    tab = ck.Tables(p, log_q, gamma, C, BM)
+    tables = nbytes(tab.k, tab.win, tab.wout, tab.a, tab.pw)
+    f32 = 4
+    states = B * D * (-(-L // (C * BM)) * BM) * 2 * ck.NP * f32             # S (and dU) [R, nblk*BM, 2, NP]
+    sums = D * (C + 2 * ck.NP * C * 2 + 2 * ck.NP + 1) * f32                # dk, A, Wi, pc, domega
+
+    def fwd():
+        return nbytes(x, om, ck.conv_fwd(x, p, log_q, gamma, om, None, **cfg)) + tables
+
+    def bwd():
+        dx = ck.conv_bwd(dy, x, p, log_q, gamma, om, None, (True,) * 6, torch.float32, **cfg)[0]
+        return nbytes(dy, x, om, dx) + tables + 2 * 2 * states + B * D * 2 * ck.NP * f32 + sums
+
+    yield "cema chunked fwd", f"B={B} D={D} N={N} L={L} C={C} fp32", fwd
+    yield "cema chunked bwd", f"B={B} D={D} N={N} L={L} C={C} fp32", bwd
 
 
 # --------------------------------------------------------------------------------------- attention

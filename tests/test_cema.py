@@ -44,9 +44,12 @@ NAMES = ("x", "p", "log_q", "gamma", "omega", "hx")
 # chunk = 0 selects the torch backend's convolution forms; "chunked" is its chunked form (torch alone),
 # with chunks small enough that the cases below span several of them. The cpu backend runs its
 # defaults: the FFT form with the compiled convolution, the recurrence up to RECURRENCE_MAX_LEN steps.
-PATHS = {"direct": {"torch": dict(chunk=0, direct_max_len=1 << 30), "triton": dict(direct_max_len=64)},
-         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(direct_max_len=0), "cpu": {}, "cuda": {}},
-         "chunked": {"torch": dict(chunk=8, chunk_min_len=0)}}
+# Triton's "direct" and "fft" paths are its FFT form (chunk = 0); its "chunked" path is its default,
+# the chunked kernels (ops/cema/triton_chunked.py, C = 32: the cases up to L = 129 span 1-5 chunks).
+PATHS = {"direct": {"torch": dict(chunk=0, direct_max_len=1 << 30), "triton": dict(chunk=0, direct_max_len=64)},
+         "fft": {"torch": dict(chunk=0, direct_max_len=0), "triton": dict(chunk=0, direct_max_len=0), "cpu": {},
+                 "cuda": {}},
+         "chunked": {"torch": dict(chunk=8, chunk_min_len=0), "triton": dict(chunk=32)}}
 
 
 def _dt(d):
@@ -114,7 +117,7 @@ CASES = [
     *(case(2, 3, 4, L, x, c, f"chunked-recurrence-L{L}-{u}_only-x_{_dt(x)}", path="chunked", use=(u,), seed=7)
       for L in (2, 4) for x, c in DTYPES for u in ("y", "h")),
     # Triton: the three-level convolution (N = 8192) with the fused bias / skip epilogue
-    case(3, 1, 4, 2049, F32, F32, "L2049", seed=4, knobs={"triton": dict(work_bc=4096)}),
+    case(3, 1, 4, 2049, F32, F32, "L2049", seed=4, knobs={"triton": dict(chunk=0, work_bc=4096)}),
 ]
 
 
@@ -218,7 +221,7 @@ def test_equals_stage_ops():
                                                     ("cpu", F32, F32), ("cpu", F64, F64), ("cuda", F32, F32),
                                                     ("cuda", F64, F64)],
                          ids=["torch-fp32", "torch-fp64", "triton-fp32", "cpu-fp32", "cpu-fp64", "cuda-fp32",
-                              "cuda-fp64"])
+                              "cuda-fp64"])  # triton: its default, the chunked form
 def test_streaming(backend, xdtype, cdtype):
     # two parts with the state carried == the whole sequence, for y and the final state
     gen = torch.Generator().manual_seed(13)

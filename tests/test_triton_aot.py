@@ -313,6 +313,8 @@ def _fake_cuda(*shape, dtype):
 
 BF16, F16, F32, C64 = torch.bfloat16, torch.float16, torch.float32, torch.complex64
 _CEMA = dict(p=(2, 4, F32), log_q=(2, 4, C64), gamma=(2, 4, C64), omega=(2, F32))
+#: N = 17: more state lanes than cema's chunked kernels take, so its FFT form runs (and is pruned)
+_CEMA_FFT = dict(p=(2, 17, F32), log_q=(2, 17, C64), gamma=(2, 17, C64), omega=(2, F32))
 #: (op, backend inputs, the GPU families where a RELEASE_PRUNES launch prune of Triton 3.6 refuses
 #: them): each pruned launch and its neighbours (another tile, dtype, length or unpacked)
 LAUNCH_CASES = [
@@ -321,9 +323,12 @@ LAUNCH_CASES = [
     ("fftconv", dict(x=(1, 2, 1025, F32), k=(2, 1025, F32)), (80,)),
     ("fftconv", dict(x=(1, 2, 1024, BF16), k=(2, 1024, F32)), (80,)),  # the 2048-point tile: 512 < L <= 1024
     ("fftconv", dict(x=(1, 2, 512, BF16), k=(2, 512, F32)), ()),
-    ("cema", dict(x=(1, 2, 2048, BF16), **_CEMA), (80,)),
-    ("cema", dict(x=(1, 2, 1024, BF16), **_CEMA), (80,)),  # through fftconv's 2048-point tile prune
-    ("cema", dict(x=(1, 2, 512, BF16), **_CEMA), ()),
+    ("cema", dict(x=(1, 2, 2048, BF16), **_CEMA_FFT), (80,)),
+    ("cema", dict(x=(1, 2, 1024, BF16), **_CEMA_FFT), (80,)),  # through fftconv's 2048-point tile prune
+    ("cema", dict(x=(1, 2, 512, BF16), **_CEMA_FFT), ()),
+    # the chunked form (N <= 16) launches none of the FFT form's pruned kernels: it runs everywhere
+    ("cema", dict(x=(1, 2, 2048, BF16), **_CEMA), ()),
+    ("cema", dict(x=(1, 2, 4096, F32), **_CEMA), ()),
     ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=1, packed=True), (90,)),
     ("timestep_norm", dict(x=(1, 40, 256, BF16), num_groups=1, packed=False), ()),
     ("timestep_norm", dict(x=(1, 40, 256, F16), num_groups=1, packed=True), ()),
