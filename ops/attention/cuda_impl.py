@@ -478,9 +478,11 @@ def auto_prefers_matmul(device_type: str, dtype: torch.dtype, q_shape, S: int, d
 
     The flash kernels tile v in fwd_dv_tile columns and recompute q k^T (and the softmax) once per tile,
     so their work grows with dv / tile; the matmul path forms the scores once and runs both products as
-    cuBLAS tensor-core GEMMs. Measured on an H200 (bench/results/gpu/h200_run3/attention_paths.md):
-    at dv above one flash tile the GEMMs win, at the price of materialising the scores, hence the
-    memory cap. Only on a GPU: the emulator's "auto" keeps the flash kernels it exists to check."""
+    cuBLAS tensor-core GEMMs. Measured on an H200 at B1 L4096 H4 dz256 bf16
+    (bench/results/gpu/h200_run4/attn/attention_paths.md), forward+backward flash / matmul: 1.09 at
+    dv 256, 1.73 at 1024, 2.54 at 2048: at dv above one flash tile the GEMMs win, at the price of
+    materialising the scores, hence the memory cap. Only on a GPU: the emulator's "auto" keeps the
+    flash kernels it exists to check."""
     if device_type != "cuda" or dtype not in HALF_DTYPES:
         return False
     B, L, H, dh = q_shape
