@@ -27,20 +27,17 @@ DRY_SHAPE, DRY_DVS = (1, 32, 2, 16, 16), (16, 32)
 DTYPES = ("bfloat16", "float32")
 
 
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _median_ms(fn, device, reps: int) -> float:
+    from megalodon_kernels.bench.gpu_steps import sync
+
     fn()
-    _sync(device)
+    sync(device)
     ts = []
     for _ in range(reps):
-        _sync(device)
+        sync(device)
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         ts.append(time.perf_counter() - t0)
     return 1e3 * statistics.median(ts)
 

@@ -708,16 +708,24 @@ def test_cuda_matmul_path_dropkey_equals_torch_mask(matmul_path):
     assert (o == 0).all(dim=-1).any()  # some rows lost every key: the drop really happened
 
 
+@pytest.fixture
+def score_blocks(monkeypatch):
+    """(q shape, k shape) of every score block the CUDA matmul path forms (its _probs calls)."""
+    from megalodon_kernels.ops.attention import cuda_impl
+
+    probs, seen = cuda_impl._probs, []
+    monkeypatch.setattr(cuda_impl, "_probs", lambda _l, q, k, *a: (seen.append((q.shape, k.shape)), probs(_l, q, k, *a))[1])
+    return seen
+
+
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_cuda_matmul_path_chunks_as_batch(matmul_path, monkeypatch, dtype):
+def test_cuda_matmul_path_chunks_as_batch(matmul_path, score_blocks, dtype):
     # 4 chunks of 8 over L = S = 32 run as 4 batch rows of 8 x 8 scores (not a masked 32 x 32)
     from megalodon_kernels.ops.attention import cuda_impl
 
     assert cuda_impl.chunks_as_batch(32, 32, 8, False) == 4
-    probs, seen = cuda_impl._probs, []
-    monkeypatch.setattr(cuda_impl, "_probs", lambda _l, q, k, *a: (seen.append((q.shape, k.shape)), probs(_l, q, k, *a))[1])
     check_cuda(2, 32, 32, 2, 8, 6, dtype, causal=True, chunk_size=8)
-    assert seen and all(qs[:2] == ks[:2] == (8, 8) for qs, ks in seen)  # every score block: 8 rows x 8 keys
+    assert score_blocks and all(qs[:2] == ks[:2] == (8, 8) for qs, ks in score_blocks)  # 2 x 4 chunk rows of 8 x 8
 
 
 @pytest.mark.parametrize("L,S,chunk,block_causal,n", [(33, 33, 8, False, 1), (32, 32, 8, True, 1),
@@ -731,25 +739,19 @@ def test_cuda_matmul_path_chunk_rows(L, S, chunk, block_causal, n):
 
 
 @pytest.mark.parametrize("dtype", [F32, BF16], ids=str)
-def test_cuda_matmul_path_chunk_rows_keep_the_dropkey_mask(matmul_path, monkeypatch, dtype):
+def test_cuda_matmul_path_chunk_rows_keep_the_dropkey_mask(matmul_path, score_blocks, dtype):
     # chunk rows hash DropKey's (b, h, i, j) of the whole call: each passes its batch and its start
-    from megalodon_kernels.ops.attention import cuda_impl
-
-    probs, seen = cuda_impl._probs, []
-    monkeypatch.setattr(cuda_impl, "_probs", lambda _l, q, *a: (seen.append(q.shape[1]), probs(_l, q, *a))[1])
     check_cuda(2, 32, 32, 2, 8, 6, dtype, causal=True, chunk_size=8, dropkey_p=0.3, seed=11)
-    assert seen and set(seen) == {8}
+    assert score_blocks and {qs[1] for qs, _ in score_blocks} == {8}
 
 
-def test_cuda_matmul_path_slices_batch_rows(matmul_path, monkeypatch):
+def test_cuda_matmul_path_slices_batch_rows(matmul_path, score_blocks, monkeypatch):
     # one batch row per slice: DropKey keeps each row's own mask (the slice passes its batch index)
     from megalodon_kernels.ops.attention import cuda_impl
 
     monkeypatch.setattr(cuda_impl, "SLICE_SCORE_BYTES", 1)
-    probs, seen = cuda_impl._probs, []
-    monkeypatch.setattr(cuda_impl, "_probs", lambda _l, q, *a: (seen.append(q.shape[0]), probs(_l, q, *a))[1])
     check_cuda(3, 17, 20, 2, 8, 5, F32, causal=True, dropkey_p=0.3, seed=7)
-    assert seen and set(seen) == {1}  # every score block is one batch row
+    assert score_blocks and {qs[0] for qs, _ in score_blocks} == {1}  # every score block is one batch row
 
 
 def test_cuda_auto_path_rule():

@@ -50,6 +50,15 @@ def _check_dtype(t: torch.Tensor, name: str) -> None:
         raise TypeError(f"the CUDA dropkey_softmax kernels take float32, bfloat16 or float64 {name}, got {t.dtype}")
 
 
+def _per_flat_batch(t: torch.Tensor | None, name: str, Bf: int, device) -> torch.Tensor | None:
+    """``t`` (Bf,) as the int64 array the kernel reads (None stays None: the kernel's default)."""
+    if t is None:
+        return None
+    if tuple(t.shape) != (Bf,):
+        raise ValueError(f"{name} must have shape ({Bf},), got {tuple(t.shape)}")
+    return t.to(device=device, dtype=torch.int64).contiguous()
+
+
 def softmax_fwd(launcher, scores: torch.Tensor, *, causal: bool, dropkey_p: float, seed: int,
                         batch_index: torch.Tensor | None = None,
                         index_offset: torch.Tensor | None = None) -> torch.Tensor:
@@ -65,16 +74,8 @@ def softmax_fwd(launcher, scores: torch.Tensor, *, causal: bool, dropkey_p: floa
     x = scores.contiguous()
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     Bf, H, Lq, S = _rows(x.shape)
-    bidx = None
-    if batch_index is not None:
-        if tuple(batch_index.shape) != (Bf,):
-            raise ValueError(f"batch_index must have shape ({Bf},), got {tuple(batch_index.shape)}")
-        bidx = batch_index.to(device=x.device, dtype=torch.int64).contiguous()
-    offs = None
-    if index_offset is not None:
-        if tuple(index_offset.shape) != (Bf,):
-            raise ValueError(f"index_offset must have shape ({Bf},), got {tuple(index_offset.shape)}")
-        offs = index_offset.to(device=x.device, dtype=torch.int64).contiguous()
+    bidx = _per_flat_batch(batch_index, "batch_index", Bf, x.device)
+    offs = _per_flat_batch(index_offset, "index_offset", Bf, x.device)
     rows = Bf * H * Lq
     if rows == 0 or S == 0:
         return y
