@@ -60,7 +60,7 @@ def quiet_masked_lanes():
 #: most shared memory (bytes) one block of any of its kernels asks for, per code-generation family.
 TRITON_NEEDS = {
     "attention": (True, {80: 82944, 90: 98304, 100: 131104}),
-    "cema": (True, {80: 28672, 90: 28672, 100: 34824}),
+    "cema": (True, {80: 30720, 90: 30720, 100: 34824}),
     "cema_kernel": (False, {75: 16384, 80: 16384, 90: 16384, 100: 16384}),
     "dropkey_softmax": (False, {75: 128, 80: 128, 90: 128, 100: 128}),
     "ema_hidden": (False, {75: 16384, 80: 16640, 90: 16640, 100: 16640}),

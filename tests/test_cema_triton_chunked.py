@@ -6,6 +6,7 @@ lane (N = 16), and the calls it leaves to the FFT form. Bounds from the referenc
 import pytest
 import torch
 
+from megalodon_kernels.ops._vandermonde import exact_powers
 from megalodon_kernels.ops.cema import triton_chunked, triton_impl
 from support import cema_coefficients, knobs
 from test_cema import F32, BF16, check_cema
@@ -60,3 +61,36 @@ def test_the_chunked_form_takes_what_the_fft_form_cannot_run(monkeypatch):
     assert triton_impl.form_chunk(x, c17.p, fft_config) == 0
     assert triton_impl.not_supported_reasons(**args(c4, x)) == []
     assert triton_impl.not_supported_reasons(**args(c17, x)) == ["the FFT form is pruned here"]
+
+
+def test_tables_are_exact_powers_rounded_once():
+    # the tables kernel (float64 powers, its own sine and cosine) against ops/_vandermonde's
+    # exact_powers (torch float64) rounded to fp32: equal; lanes n >= N zero
+    gen = torch.Generator().manual_seed(5)
+    D, N, C, BM, NP = 6, 13, 32, 16, triton_chunked.NP
+    p = torch.rand(D, N, generator=gen)
+    mag = torch.rand(D, N, generator=gen) * 0.5
+    mag[0, :2] = torch.tensor([1e-5, 30.0])                    # 1 - |q| ~ 1e-5, and powers that underflow
+    log_q = torch.complex(-mag, torch.rand(D, N, generator=gen) * 60 - 30)   # phases far beyond 2 pi
+    gamma = torch.randn(D, N, dtype=torch.complex64, generator=gen)
+    tab = triton_chunked.Tables(p, log_q, gamma, C, BM, with_P=True)
+    lq, p64, g128 = log_q.to(torch.complex128), p.double(), gamma.to(torch.complex128)
+    P = exact_powers(lq, torch.arange(C + 1))
+    A = exact_powers(lq, torch.arange(BM + 1) * C)
+    f32 = torch.float32
+    assert torch.equal(tab.k.view(D, C), ((p64 * g128).unsqueeze(-1) * P[..., :C]).real.sum(1).to(f32))
+    win = (p64.unsqueeze(-1) * P[..., :C].flip(-1)).transpose(1, 2)              # [D, C, N]
+    wout = g128.unsqueeze(-1) * P[..., 1:]                                        # [D, N, C]
+    pw = A.transpose(1, 2)                                                        # [D, BM+1, N]
+    hi = A[..., BM].to(torch.complex64)
+    for got, want in ((tab.win.view(D, 2, C, NP), win), (tab.wout.view(D, 2, NP, C).transpose(2, 3), wout.transpose(1, 2)),
+                      (tab.pw.view(D, 2, BM + 1, NP), pw)):
+        assert torch.equal(got[:, 0, :, :N], want.real.to(f32)) and torch.equal(got[:, 1, :, :N], want.imag.to(f32))
+        assert not got[..., N:].any()
+    a = tab.a.view(D, 6, NP)
+    assert torch.equal(a[:, 0, :N], A[..., 1].real.to(f32)) and torch.equal(a[:, 1, :N], A[..., 1].imag.to(f32))
+    assert torch.equal(a[:, 2, :N], hi.real) and torch.equal(a[:, 3, :N], hi.imag)
+    lo = A[..., BM] - hi.to(torch.complex128)                                     # a**BM's rounding error
+    assert (a[:, 4, :N] - lo.real).abs().max() <= 1e-15 and (a[:, 5, :N] - lo.imag).abs().max() <= 1e-15
+    assert not a[..., N:].any()
+    assert (tab.P - P).abs().max() <= 1e-15

@@ -41,7 +41,7 @@ from __future__ import annotations
 import torch
 
 from .._triton_common import HAVE_TRITON
-from .._vandermonde import exact_powers
+from .._vandermonde import _TWO_PI
 
 if HAVE_TRITON:
     import triton
@@ -49,10 +49,15 @@ if HAVE_TRITON:
 
     from .._triton_common import store_rounded
 
+    #: 2 pi in float64, the period exact_powers reduces the phase by
+    TWO_PI = tl.constexpr(_TWO_PI)
+
 #: the state lanes (N padded to a dot's minimum K of 16): N <= NP runs chunked
 NP = 16
 #: the dots' precision: fp32 accuracy from three TF32 tensor-core products
 PREC = "tf32x3"
+#: warps of the tables kernel (one small program per feature)
+TABLE_WARPS = 4
 
 
 def unserved_reasons(x, p) -> list[str]:
@@ -80,17 +85,19 @@ if HAVE_TRITON:
                 tl.load(wout_ptr + wout_off + NP * C))
 
     @triton.jit
-    def _load_powers(a_ptr, pw_ptr, d, BM: tl.constexpr, NP: tl.constexpr, FLIP: tl.constexpr):
-        """a = q**C re/im [NP]; a**i re/im [BM, NP] (row i, or row BM-1-i with FLIP); a**BM as
-        hi + lo pairs re/im [NP] (lo: the float64 value's rounding error, so the carry from block
-        to block has no systematic error from rounding a**BM)."""
+    def _load_powers(a_ptr, pw_ptr, d, BM: tl.constexpr, NP: tl.constexpr):
+        """a = q**C re/im [NP]; a**i and a**(BM-i) re/im [BM, NP] (row i); a**BM as hi + lo pairs
+        re/im [NP] (lo: the float64 value's rounding error, so the carry from block to block has no
+        systematic error from rounding a**BM)."""
         n_r = tl.arange(0, NP)
         m_r = tl.arange(0, BM)
         a_off = d * 6 * NP + n_r
-        rows = (BM - 1 - m_r) if FLIP else m_r
-        pw_off = (d * 2 * BM + rows[:, None]) * NP + n_r[None, :]
-        return (tl.load(a_ptr + a_off), tl.load(a_ptr + a_off + NP), tl.load(pw_ptr + pw_off),
-                tl.load(pw_ptr + pw_off + BM * NP), tl.load(a_ptr + a_off + 2 * NP), tl.load(a_ptr + a_off + 3 * NP),
+        pw_off = (d * 2 * (BM + 1) + m_r[:, None]) * NP + n_r[None, :]
+        pf_off = (d * 2 * (BM + 1) + BM - m_r[:, None]) * NP + n_r[None, :]
+        im = (BM + 1) * NP
+        return (tl.load(a_ptr + a_off), tl.load(a_ptr + a_off + NP),
+                tl.load(pw_ptr + pw_off), tl.load(pw_ptr + pw_off + im), tl.load(pw_ptr + pf_off),
+                tl.load(pw_ptr + pf_off + im), tl.load(a_ptr + a_off + 2 * NP), tl.load(a_ptr + a_off + 3 * NP),
                 tl.load(a_ptr + a_off + 4 * NP), tl.load(a_ptr + a_off + 5 * NP))
 
     @triton.jit
@@ -103,29 +110,49 @@ if HAVE_TRITON:
         return tl.zeros([NP], dtype=tl.float32), tl.zeros([NP], dtype=tl.float32)
 
     @triton.jit
-    def _block_states(U_re, U_im, S_re, S_im, a_re, a_im, P_re, P_im, ah_re, ah_im, al_re, al_im,
-                      BM: tl.constexpr, NP: tl.constexpr):
-        """The states entering the block's BM chunks (rows of [BM, NP]) from S entering its first,
-        and S after its last, in two levels (as ops/cema/chunked.py's chunk_scan): the block's
-        own scan from zero, loc[i+1] = a loc[i] + U[i] (at most BM steps with the rounded a), then
-        S_in[i] = a**i S + loc[i] with exact powers and S_next = a**BM S + loc[BM]."""
-        m_r = tl.arange(0, BM)
-        loc_re = tl.zeros([BM, NP], dtype=tl.float32)
-        loc_im = tl.zeros([BM, NP], dtype=tl.float32)
-        l_re = tl.zeros([NP], dtype=tl.float32)
-        l_im = tl.zeros([NP], dtype=tl.float32)
-        for i in tl.static_range(BM):
-            here = m_r[:, None] == i
-            loc_re = tl.where(here, l_re[None, :], loc_re)
-            loc_im = tl.where(here, l_im[None, :], loc_im)
-            u_re = tl.sum(tl.where(here, U_re, 0.0), axis=0)
-            u_im = tl.sum(tl.where(here, U_im, 0.0), axis=0)
-            l_re, l_im = a_re * l_re - a_im * l_im + u_re, a_re * l_im + a_im * l_re + u_im
-        Sin_re = P_re * S_re[None, :] - P_im * S_im[None, :] + loc_re
-        Sin_im = P_re * S_im[None, :] + P_im * S_re[None, :] + loc_im
-        c_re = al_re * S_re - al_im * S_im + l_re
-        c_im = al_re * S_im + al_im * S_re + l_im
-        return Sin_re, Sin_im, ah_re * S_re - ah_im * S_im + c_re, ah_re * S_im + ah_im * S_re + c_im
+    def _affine_then(ar1, ai1, br1, bi1, ar2, ai2, br2, bi2):
+        """Two affine maps of the state, S -> A S + b (complex A, b as re/im pairs), applied first the
+        left one, then the right one: S -> A2 (A1 S + b1) + b2. Associative: the scans' combine."""
+        return (ar1 * ar2 - ai1 * ai2, ar1 * ai2 + ai1 * ar2,
+                ar2 * br1 - ai2 * bi1 + br2, ar2 * bi1 + ai2 * br1 + bi2)
+
+    @triton.jit
+    def _block_scan(V_re, V_im, a_re, a_im, BM: tl.constexpr, NP: tl.constexpr, REVERSE: tl.constexpr):
+        """Per state lane, I[i] = sum over j <= i of a**(i-j) V[j] (REVERSE: over j >= i of
+        a**(j-i) V[j]) down the BM rows of V: a log-depth associative scan of the maps S -> a S + V[j]
+        (the exponents at most BM - 1: the rounding of a does not compound beyond one block)."""
+        A_re = tl.zeros([BM, NP], dtype=tl.float32) + a_re[None, :]
+        A_im = tl.zeros([BM, NP], dtype=tl.float32) + a_im[None, :]
+        _, _, I_re, I_im = tl.associative_scan((A_re, A_im, V_re, V_im), 0, _affine_then, reverse=REVERSE)
+        return I_re, I_im
+
+    @triton.jit
+    def _weighted_rows(W_re, W_im, V_re, V_im):
+        """sum over the rows i of W[i] V[i] (complex, per state lane): [NP] re, im."""
+        return tl.sum(W_re * V_re - W_im * V_im, axis=0), tl.sum(W_re * V_im + W_im * V_re, axis=0)
+
+    @triton.jit
+    def _fwd_states(x_ptr, base, t, L, Wi_re, Wi_im, a_re, a_im, P_re, P_im, Pf_re, Pf_im, ah_re, ah_im, al_re,
+                    al_im, R_re, R_im, C: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, PREC: tl.constexpr):
+        """The states entering the block's BM chunks and the carry R of the next block.
+
+        The chunks' inputs are taken one chunk late (xs = x at t - C, 0 before the row starts), so
+        the inclusive scan I of U' = xs Win gives the exclusive sums the states need:
+        S_in[i] = a**i R + I[i] (P = a**i), where R = hx in the first block, and the next block's
+        R = a**BM R + sum_j a**(BM-j) U'[j] (Pf = a**(BM-j)) carries everything before the chunk that
+        enters it as its row 0 of U'. Every power that crosses a block is exact (from float64; a**BM
+        as hi + lo: no systematic rounding error from block to block); only the block's own scan
+        runs through at most BM - 1 powers of the rounded a (ops/cema/chunked.py's two levels)."""
+        xs = tl.load(x_ptr + base + t - C, mask=(t >= C) & (t - C < L), other=0.0).to(tl.float32)
+        U_re = tl.dot(xs, Wi_re, input_precision=PREC)
+        U_im = tl.dot(xs, Wi_im, input_precision=PREC)
+        I_re, I_im = _block_scan(U_re, U_im, a_re, a_im, BM, NP, False)
+        Sin_re = P_re * R_re[None, :] - P_im * R_im[None, :] + I_re
+        Sin_im = P_re * R_im[None, :] + P_im * R_re[None, :] + I_im
+        c_re, c_im = _weighted_rows(Pf_re, Pf_im, U_re, U_im)
+        c_re += al_re * R_re - al_im * R_im
+        c_im += al_re * R_im + al_im * R_re
+        return Sin_re, Sin_im, ah_re * R_re - ah_im * R_im + c_re, ah_re * R_im + ah_im * R_re + c_im
 
     @triton.jit
     def _fwd_kernel(x_ptr, y_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr, hx_ptr, omega_ptr, D, L, N, nblk,
@@ -136,19 +163,18 @@ if HAVE_TRITON:
         s_r = tl.arange(0, C)
         m_r = tl.arange(0, BM)
         T, Wi_re, Wi_im, Wo_re, Wo_im = _load_tables(k_ptr, win_ptr, wout_ptr, d, C, NP)
-        a_re, a_im, P_re, P_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP, False)
+        a_re, a_im, P_re, P_im, Pf_re, Pf_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP)
         om = tl.load(omega_ptr + d)
-        S_re, S_im = _initial_state(hx_ptr, row, N, NP, HAS_HX)
+        R_re, R_im = _initial_state(hx_ptr, row, N, NP, HAS_HX)
         base = row.to(tl.int64) * L
         for blk in range(0, nblk):
             t = (blk * BM + m_r[:, None]) * C + s_r[None, :]
             tmask = t < L
             X = tl.load(x_ptr + base + t, mask=tmask, other=0.0).to(tl.float32)
             Y = tl.dot(X, T, input_precision=PREC)
-            U_re = tl.dot(X, Wi_re, input_precision=PREC)
-            U_im = tl.dot(X, Wi_im, input_precision=PREC)
-            Sin_re, Sin_im, S_re, S_im = _block_states(U_re, U_im, S_re, S_im, a_re, a_im, P_re, P_im,
-                                                       ah_re, ah_im, al_re, al_im, BM, NP)
+            Sin_re, Sin_im, R_re, R_im = _fwd_states(x_ptr, base, t, L, Wi_re, Wi_im, a_re, a_im, P_re, P_im,
+                                                     Pf_re, Pf_im, ah_re, ah_im, al_re, al_im, R_re, R_im,
+                                                     C, BM, NP, PREC)
             Y = tl.dot(Sin_re, Wo_re, Y, input_precision=PREC)
             Y = tl.dot(-Sin_im, Wo_im, Y, input_precision=PREC)
             store_rounded(y_ptr + base + t, Y + om * X, tmask, OUT_BF16)
@@ -165,59 +191,52 @@ if HAVE_TRITON:
         m_r = tl.arange(0, BM)
         T, Wi_re, Wi_im, Wo_re, Wo_im = _load_tables(k_ptr, win_ptr, wout_ptr, d, C, NP)
         om = tl.load(omega_ptr + d)
-        S_re, S_im = _initial_state(hx_ptr, row, N, NP, HAS_HX)
+        R_re, R_im = _initial_state(hx_ptr, row, N, NP, HAS_HX)
         base = row.to(tl.int64) * L
         # S and dU of chunk c at [row, c, (re, im), n]
         sbase = row.to(tl.int64) * nblk * BM * 2 * NP
+        a_re, a_im, P_re, P_im, Pf_re, Pf_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP)
         # pass 1: the state entering every chunk
-        a_re, a_im, P_re, P_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP, False)
         for blk in range(0, nblk):
             t = (blk * BM + m_r[:, None]) * C + s_r[None, :]
-            X = tl.load(x_ptr + base + t, mask=t < L, other=0.0).to(tl.float32)
-            U_re = tl.dot(X, Wi_re, input_precision=PREC)
-            U_im = tl.dot(X, Wi_im, input_precision=PREC)
-            Sin_re, Sin_im, S_re, S_im = _block_states(U_re, U_im, S_re, S_im, a_re, a_im, P_re, P_im,
-                                                       ah_re, ah_im, al_re, al_im, BM, NP)
+            Sin_re, Sin_im, R_re, R_im = _fwd_states(x_ptr, base, t, L, Wi_re, Wi_im, a_re, a_im, P_re, P_im,
+                                                     Pf_re, Pf_im, ah_re, ah_im, al_re, al_im, R_re, R_im,
+                                                     C, BM, NP, PREC)
             so = sbase + (blk * BM + m_r[:, None]) * 2 * NP + n_r[None, :]
             tl.store(s_ptr + so, Sin_re)
             tl.store(s_ptr + so + NP, Sin_im)
-        # pass 2: backwards over the chunks, the adjoint scan G[c] = dS[c] + conj(a) G[c+1] in the
-        # same two levels: the block's own scan from zero, then conj(a)**(BM-1-i) G entering from
-        # the next block (exact powers, Pf: the table's rows reversed) and the carry with conj(a**BM)
-        a_re, a_im, Pf_re, Pf_im, ah_re, ah_im, al_re, al_im = _load_powers(a_ptr, pw_ptr, d, BM, NP, True)
-        G_re = tl.zeros([NP], dtype=tl.float32)
-        G_im = tl.zeros([NP], dtype=tl.float32)
+        # pass 2: backwards over the chunks, the adjoint scan G[c] = dS[c] + conj(a) G[c+1] with
+        # dS = g Wout^H, and dU[c] = G[c+1]. Mirroring the forward: the chunks' dS are taken one
+        # chunk early (gs = g at t + C), so the reverse inclusive scan J of gs Wout^H gives
+        # dU[i] = J[i] + conj(a)**(BM-i) K with K = G[1] of the block after (exact powers, Pf),
+        # and this block's K = sum_j conj(a)**j dS'[j] + conj(a**BM) K (exact powers P; hi + lo).
+        K_re = tl.zeros([NP], dtype=tl.float32)
+        K_im = tl.zeros([NP], dtype=tl.float32)
         for j in range(0, nblk):
             blk = nblk - 1 - j
             t = (blk * BM + m_r[:, None]) * C + s_r[None, :]
             tmask = t < L
-            g = tl.load(g_ptr + base + t, mask=tmask, other=0.0).to(tl.float32)
-            dS_re = tl.dot(g, tl.trans(Wo_re), input_precision=PREC)     # g @ Wout^H, Wout^H = (Wo_re - i Wo_im)^T
-            dS_im = -tl.dot(g, tl.trans(Wo_im), input_precision=PREC)
-            loc_re = tl.zeros([BM, NP], dtype=tl.float32)
-            loc_im = tl.zeros([BM, NP], dtype=tl.float32)
-            l_re = tl.zeros([NP], dtype=tl.float32)
-            l_im = tl.zeros([NP], dtype=tl.float32)
-            for ii in tl.static_range(BM):
-                here = m_r[:, None] == BM - 1 - ii
-                loc_re = tl.where(here, l_re[None, :], loc_re)
-                loc_im = tl.where(here, l_im[None, :], loc_im)
-                ds_re = tl.sum(tl.where(here, dS_re, 0.0), axis=0)
-                ds_im = tl.sum(tl.where(here, dS_im, 0.0), axis=0)
-                l_re, l_im = a_re * l_re + a_im * l_im + ds_re, a_re * l_im - a_im * l_re + ds_im
-            # dU[i] = G[i+1] = loc[i+1] + conj(a**(BM-1-i)) G_next
-            dU_re = Pf_re * G_re[None, :] + Pf_im * G_im[None, :] + loc_re
-            dU_im = Pf_re * G_im[None, :] - Pf_im * G_re[None, :] + loc_im
-            c_re = al_re * G_re + al_im * G_im + l_re
-            c_im = al_re * G_im - al_im * G_re + l_im
-            G_re, G_im = ah_re * G_re + ah_im * G_im + c_re, ah_re * G_im - ah_im * G_re + c_im
+            gs = tl.load(g_ptr + base + t + C, mask=t + C < L, other=0.0).to(tl.float32)
+            dS_re = tl.dot(gs, tl.trans(Wo_re), input_precision=PREC)     # g @ Wout^H, Wout^H = (Wo_re - i Wo_im)^T
+            dS_im = -tl.dot(gs, tl.trans(Wo_im), input_precision=PREC)
+            J_re, J_im = _block_scan(dS_re, dS_im, a_re, -a_im, BM, NP, True)
+            dU_re = Pf_re * K_re[None, :] + Pf_im * K_im[None, :] + J_re
+            dU_im = Pf_re * K_im[None, :] - Pf_im * K_re[None, :] + J_im
+            l_re, l_im = _weighted_rows(P_re, -P_im, dS_re, dS_im)
+            K_re, K_im = (ah_re * K_re + ah_im * K_im + (al_re * K_re + al_im * K_im + l_re),
+                          ah_re * K_im - ah_im * K_re + (al_re * K_im - al_im * K_re + l_im))
             so = sbase + (blk * BM + m_r[:, None]) * 2 * NP + n_r[None, :]
             tl.store(du_ptr + so, dU_re)
             tl.store(du_ptr + so + NP, dU_im)
+            g = tl.load(g_ptr + base + t, mask=tmask, other=0.0).to(tl.float32)
             dxb = tl.dot(g, tl.trans(T), input_precision=PREC)
             dxb = tl.dot(dU_re, tl.trans(Wi_re), dxb, input_precision=PREC)
             dxb = tl.dot(dU_im, tl.trans(Wi_im), dxb, input_precision=PREC)
             store_rounded(dx_ptr + base + t, dxb + om * g, tmask, OUT_BF16)
+        # dhx = G[0] = dS[0] + conj(a) G[1], dS[0] = g[0:C] Wout^H of the row's first chunk
+        g0 = tl.load(g_ptr + base + s_r, mask=s_r < L, other=0.0).to(tl.float32)
+        G_re = tl.sum(Wo_re * g0[None, :], axis=1) + a_re * K_re + a_im * K_im
+        G_im = -tl.sum(Wo_im * g0[None, :], axis=1) + a_re * K_im - a_im * K_re
         po = row.to(tl.int64) * 2 * NP + n_r
         tl.store(dhx_ptr + po, G_re)
         tl.store(dhx_ptr + po + NP, G_im)
@@ -277,33 +296,112 @@ if HAVE_TRITON:
         tl.store(domega_ptr + d, tl.sum(om, axis=0))
 
 
+    @triton.jit
+    def _cos_sin(x):
+        """cos x and sin x in float64 for |x| < 2 pi (a phase after fmod), within ~2 ulp: x reduced
+        by the nearest multiple k of pi/2 (Cody-Waite: pi/2 in two parts, k pi/2's first part
+        exact for |k| <= 4) to |r| <= pi/4, where the Taylor series to r**17 / r**16 leave < 1e-17.
+        Triton's float64 sin/cos (libdevice) keep a local-memory array for huge arguments, which
+        the AOT discipline counts as spilling; phases here are never huge."""
+        k = tl.floor(x * 0.6366197723675814 + 0.5)                   # x / (pi/2), nearest
+        r = (x - k * 1.5707963267341256) - k * 6.077100506506192e-11
+        r2 = r * r
+        sn = r + r * r2 * (-1.6666666666666666e-01 + r2 * (8.3333333333333332e-03 + r2 * (
+            -1.9841269841269841e-04 + r2 * (2.7557319223985893e-06 + r2 * (-2.5052108385441720e-08 + r2 * (
+                1.6059043836821613e-10 + r2 * (-7.6471637318198164e-13 + r2 * 2.8114572543455206e-15)))))))
+        cs = 1.0 + r2 * (-0.5 + r2 * (4.1666666666666664e-02 + r2 * (-1.3888888888888889e-03 + r2 * (
+            2.4801587301587302e-05 + r2 * (-2.7557319223985888e-07 + r2 * (2.0876756987868100e-09 + r2 * (
+                -1.1470745597729725e-11 + r2 * 4.7794773323873853e-14)))))))
+        quad = k.to(tl.int32) & 3                                      # x = r + quad pi/2 (mod 2 pi)
+        c = tl.where(quad == 0, cs, tl.where(quad == 1, -sn, tl.where(quad == 2, -cs, sn)))
+        s = tl.where(quad == 0, sn, tl.where(quad == 1, cs, tl.where(quad == 2, -sn, -cs)))
+        return c, s
+
+    @triton.jit
+    def _power(lr, li, e):
+        """q**e = exp(e log_q) in float64 as ops/_vandermonde.exact_powers evaluates it: the
+        exponent formed in float64 (exact), the phase reduced by fmod(., 2 pi), exp clamped at -746."""
+        mag = tl.exp(tl.maximum(lr * e, -746.0))
+        ph = (li * e) % TWO_PI
+        c, s = _cos_sin(ph)
+        return mag * c, mag * s
+
+    @triton.jit
+    def _tables_kernel(p_ptr, lq_ptr, g_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr, P_ptr, N,
+                       C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, WITH_P: tl.constexpr):
+        """One program per feature d: the tables of :class:`Tables` from float64 powers, each entry
+        rounded once to fp32 (lanes n >= N zero); with WITH_P also q**0 .. q**C in float64 for the
+        host finish, P [D, 2, NP, C+1]."""
+        d = tl.program_id(0)
+        n_r = tl.arange(0, NP)
+        s_r = tl.arange(0, C)
+        i_r = tl.arange(0, 2 * BM)   # a**i for i <= BM (BM + 1 is no power of two)
+        nm = n_r < N
+        lr = tl.load(lq_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
+        li = tl.load(lq_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        pv = tl.load(p_ptr + d * N + n_r, mask=nm, other=0.0)[:, None]
+        gr = tl.load(g_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
+        gi = tl.load(g_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        e = s_r.to(tl.float64)[None, :]
+        Pr, Pi = _power(lr, li, e)                                   # q**s [NP, C]
+        tl.store(k_ptr + d * C + s_r, tl.sum(pv * (gr * Pr - gi * Pi), axis=0).to(tl.float32))
+        Pr1, Pi1 = _power(lr, li, e + 1.0)                           # q**(s+1)
+        wo = (d * 2 * NP + n_r[:, None]) * C + s_r[None, :]
+        tl.store(wout_ptr + wo, (gr * Pr1 - gi * Pi1).to(tl.float32))
+        tl.store(wout_ptr + wo + NP * C, (gr * Pi1 + gi * Pr1).to(tl.float32))
+        Fr, Fi = _power(lr, li, (C - 1.0) - e)                       # q**(C-1-s)
+        wi = (d * 2 * C + s_r[None, :]) * NP + n_r[:, None]                  # win[d, ., s, n]
+        tl.store(win_ptr + wi, (pv * Fr).to(tl.float32))
+        tl.store(win_ptr + wi + C * NP, (pv * Fi).to(tl.float32))
+        Ar, Ai = _power(lr, li, (i_r * C).to(tl.float64)[None, :])  # a**i [NP, 2 BM]
+        Ar = tl.where(nm[:, None], Ar, 0.0)   # lanes n >= N: 0, as every other table there
+        Ai = tl.where(nm[:, None], Ai, 0.0)
+        po = (d * 2 * (BM + 1) + i_r[None, :]) * NP + n_r[:, None]           # pw[d, ., i, n]
+        im = i_r[None, :] <= BM
+        tl.store(pw_ptr + po, Ar.to(tl.float32), mask=im)
+        tl.store(pw_ptr + po + (BM + 1) * NP, Ai.to(tl.float32), mask=im)
+        ar, ai = _power(lr, li, C * 1.0)
+        ar, ai = tl.where(nm[:, None], ar, 0.0), tl.where(nm[:, None], ai, 0.0)
+        lr_, li_ = _power(lr, li, BM * C * 1.0)                      # a**BM: hi + lo
+        lr_, li_ = tl.where(nm[:, None], lr_, 0.0), tl.where(nm[:, None], li_, 0.0)
+        hr, hi_ = lr_.to(tl.float32), li_.to(tl.float32)
+        ao = d * 6 * NP + n_r[:, None]
+        tl.store(a_ptr + ao, ar.to(tl.float32))
+        tl.store(a_ptr + ao + NP, ai.to(tl.float32))
+        tl.store(a_ptr + ao + 2 * NP, hr)
+        tl.store(a_ptr + ao + 3 * NP, hi_)
+        tl.store(a_ptr + ao + 4 * NP, (lr_ - hr.to(tl.float64)).to(tl.float32))
+        tl.store(a_ptr + ao + 5 * NP, (li_ - hi_.to(tl.float64)).to(tl.float32))
+        if WITH_P:
+            pp = (d * 2 * NP + n_r[:, None]) * (C + 1) + s_r[None, :]
+            tl.store(P_ptr + pp, Pr)
+            tl.store(P_ptr + pp + NP * (C + 1), Pi)
+            last = s_r[None, :] == C - 1                                       # q**C
+            tl.store(P_ptr + pp + 1, Pr1, mask=last)
+            tl.store(P_ptr + pp + 1 + NP * (C + 1), Pi1, mask=last)
+
+
 class Tables:
     """The per-feature tables both passes read, from exact float64 powers rounded once to fp32:
     k [D, C] = k[:C], win [D, 2, C, NP] (re, im of Win), wout [D, 2, NP, C]; a [D, 6, NP]: re, im
-    of a = q**C, then of a**BM rounded (hi) and of its rounding error (lo); pw [D, 2, BM, NP] =
-    a**0 .. a**(BM-1); P c(D N C+1) = q**0 .. q**C (complex128) for the host finish."""
+    of a = q**C, then of a**BM rounded (hi) and of its rounding error (lo); pw [D, 2, BM+1, NP] =
+    a**0 .. a**BM; with ``with_P`` P c(D N C+1) = q**0 .. q**C (complex128) for the host finish.
+    One launch (:func:`_tables_kernel`) writes them all into one buffer."""
 
-    def __init__(self, p, log_q, gamma, C, BM):
+    def __init__(self, p, log_q, gamma, C, BM, with_P=False):
         D, N = p.shape
-        self.P = P = exact_powers(log_q.to(torch.complex128), torch.arange(C + 1, device=p.device))
-        self.p, self.gamma = p.to(torch.float64), gamma.to(torch.complex128)
-        k = ((self.p * self.gamma).unsqueeze(-1) * P[..., :C]).real.sum(1)                       # [D, C]
-        win = (self.p.unsqueeze(-1) * P[..., :C].flip(-1)).transpose(1, 2)                       # [D, C, N]
-        wout = self.gamma.unsqueeze(-1) * P[..., 1:]                                            # [D, N, C]
-        pad = NP - N
-        win = torch.nn.functional.pad(win, (0, pad))
-        wout = torch.nn.functional.pad(wout, (0, 0, 0, pad))
-        f32 = torch.float32
-        A = exact_powers(log_q.to(torch.complex128), torch.arange(BM + 1, device=p.device) * C)  # a**0 .. a**BM
-        A = torch.nn.functional.pad(A, (0, 0, 0, pad))                                      # [D, NP, BM+1]
-        a, last = A[..., 1], A[..., BM]
-        hi = last.to(torch.complex64).to(torch.complex128)
-        self.k = k.to(f32).contiguous()
-        self.win = torch.stack((win.real, win.imag), 1).to(f32).contiguous()
-        self.wout = torch.stack((wout.real, wout.imag), 1).to(f32).contiguous()
-        self.a = torch.stack((a.real, a.imag, hi.real, hi.imag, (last - hi).real, (last - hi).imag),
-                             1).to(f32).contiguous()
-        self.pw = torch.stack((A[..., :BM].real, A[..., :BM].imag), 1).transpose(2, 3).to(f32).contiguous()
+        f32, f64 = torch.float32, torch.float64
+        self.p, self.gamma = p.to(f64).contiguous(), gamma.to(torch.complex128).contiguous()
+        lq = torch.view_as_real(log_q.to(torch.complex128).contiguous())
+        # one buffer, one allocation: k [D, C], win [D, 2, C, NP], wout [D, 2, NP, C], a [D, 6, NP],
+        # pw [D, 2, BM+1, NP]
+        sizes = (C, 2 * C * NP, 2 * NP * C, 6 * NP, 2 * (BM + 1) * NP)
+        buf = torch.empty(D * sum(sizes), dtype=f32, device=p.device)
+        self.k, self.win, self.wout, self.a, self.pw = (t.view(D, -1) for t in buf.split([D * n for n in sizes]))
+        P = torch.empty(D, 2, NP, C + 1, dtype=f64, device=p.device) if with_P else self.p
+        _tables_kernel[(D,)](self.p, lq, torch.view_as_real(self.gamma), self.k, self.win, self.wout, self.a,
+                             self.pw, P, N, C=C, NP=NP, BM=BM, WITH_P=with_P, num_warps=TABLE_WARPS)
+        self.P = torch.complex(P[:, 0, :N], P[:, 1, :N]) if with_P else None
 
 
 def _hx_pairs(hx, tab):
@@ -338,7 +436,7 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
     N = p.shape[1]
     C, BM = chunk, chunk_block
     x, dy = x.contiguous(), dy.contiguous()
-    tab = Tables(p, log_q, gamma, C, BM)
+    tab = Tables(p, log_q, gamma, C, BM, with_P=need_p or need_lq or need_gamma or need_omega)
     nblk = _blocks(L, C, BM)
     dev, f32 = x.device, torch.float32
     R = B * D
