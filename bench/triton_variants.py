@@ -505,7 +505,7 @@ def _cema_chunked_variants(space):
                 args = ((("x_ptr", "*" + xdt), ("g_ptr", "*" + xdt), ("dx_ptr", "*" + dxdt), ("s_ptr", "*fp32"),
                          ("du_ptr", "*fp32"), ("dhx_ptr", "*fp32")) + tables
                         + (("D", "i32"), ("L", "i32"), ("N", "i32"), ("nblk", "i32")))
-                fl = (("HAS_HX", has_hx), ("OUT_BF16", dxdt == "bf16"), ("PREC", ck.PREC))
+                fl = (("HAS_HX", has_hx), ("OUT_BF16", dxdt == "bf16"), ("PREC", ck.PREC), ("X_EXACT", xdt == "bf16"))
                 out.append(Variant(op="cema", kernel="_bwd_scan_kernel", fn=ck._bwd_scan_kernel, arg_types=args,
                                    constexprs=tiles + fl, div16=frozenset({"L", "D"}), num_warps=nw,
                                    label=f"chunked {tag} dx={dxdt}"))
@@ -522,7 +522,8 @@ def _cema_chunked_variants(space):
                                                     "domega_ptr"))
                     + (("B", "i32"), ("D", "i32"), ("L", "i32"), ("nblk", "i32")))
             out.append(Variant(op="cema", kernel="_bwd_sums_kernel", fn=ck._bwd_sums_kernel, arg_types=args,
-                               constexprs=tiles + (("PREC", ck.PREC),), div16=frozenset({"L", "D"}), num_warps=nw,
+                               constexprs=tiles + (("PREC", ck.PREC), ("X_EXACT", xdt == "bf16")),
+                               div16=frozenset({"L", "D"}), num_warps=nw,
                                label=f"chunked C={C} BM={BM} x={xdt} warps={nw}"))
     return out
 

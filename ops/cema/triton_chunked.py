@@ -110,6 +110,30 @@ if HAVE_TRITON:
         return tl.zeros([NP], dtype=tl.float32), tl.zeros([NP], dtype=tl.float32)
 
     @triton.jit
+    def _tf32(v):
+        """v rounded to the nearest TF32 value (10 mantissa bits, ties away: cvt.rna.tf32.f32)."""
+        return ((v.to(tl.uint32, bitcast=True) + 0x1000) & 0xFFFFE000).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def _dot(A, B, acc, A_EXACT: tl.constexpr, B_EXACT: tl.constexpr, PREC: tl.constexpr):
+        """acc + A @ B to fp32 accuracy. An operand marked exact holds TF32 values (a bfloat16 x or
+        dy read as fp32); the other one is split into TF32 hi + lo, so that every product's operands
+        are TF32 values (the hardware's operand rounding changes nothing): two TF32 products, or
+        one when both are exact, instead of tf32x3's three and its split of both operands."""
+        if A_EXACT and B_EXACT:
+            return tl.dot(A, B, acc, input_precision="tf32")
+        elif A_EXACT:
+            hi = _tf32(B)
+            acc = tl.dot(A, hi, acc, input_precision="tf32")
+            return tl.dot(A, _tf32(B - hi), acc, input_precision="tf32")
+        elif B_EXACT:
+            hi = _tf32(A)
+            acc = tl.dot(hi, B, acc, input_precision="tf32")
+            return tl.dot(_tf32(A - hi), B, acc, input_precision="tf32")
+        else:
+            return tl.dot(A, B, acc, input_precision=PREC)
+
+    @triton.jit
     def _affine_then(ar1, ai1, br1, bi1, ar2, ai2, br2, bi2):
         """Two affine maps of the state, S -> A S + b (complex A, b as re/im pairs), applied first the
         left one, then the right one: S -> A2 (A1 S + b1) + b2. Associative: the scans' combine."""
@@ -133,7 +157,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _fwd_states(x_ptr, base, t, L, Wi_re, Wi_im, a_re, a_im, P_re, P_im, Pf_re, Pf_im, ah_re, ah_im, al_re,
-                    al_im, R_re, R_im, C: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, PREC: tl.constexpr):
+                    al_im, R_re, R_im, C: tl.constexpr, BM: tl.constexpr, NP: tl.constexpr, PREC: tl.constexpr,
+                    X_EXACT: tl.constexpr):
         """The states entering the block's BM chunks and the carry R of the next block.
 
         The chunks' inputs are taken one chunk late (xs = x at t - C, 0 before the row starts), so
@@ -144,8 +169,9 @@ if HAVE_TRITON:
         as hi + lo: no systematic rounding error from block to block); only the block's own scan
         runs through at most BM - 1 powers of the rounded a (ops/cema/chunked.py's two levels)."""
         xs = tl.load(x_ptr + base + t - C, mask=(t >= C) & (t - C < L), other=0.0).to(tl.float32)
-        U_re = tl.dot(xs, Wi_re, input_precision=PREC)
-        U_im = tl.dot(xs, Wi_im, input_precision=PREC)
+        zero = tl.zeros([BM, NP], dtype=tl.float32)
+        U_re = _dot(xs, Wi_re, zero, X_EXACT, False, PREC)
+        U_im = _dot(xs, Wi_im, zero, X_EXACT, False, PREC)
         I_re, I_im = _block_scan(U_re, U_im, a_re, a_im, BM, NP, False)
         Sin_re = P_re * R_re[None, :] - P_im * R_im[None, :] + I_re
         Sin_im = P_re * R_im[None, :] + P_im * R_re[None, :] + I_im
@@ -171,10 +197,10 @@ if HAVE_TRITON:
             t = (blk * BM + m_r[:, None]) * C + s_r[None, :]
             tmask = t < L
             X = tl.load(x_ptr + base + t, mask=tmask, other=0.0).to(tl.float32)
-            Y = tl.dot(X, T, input_precision=PREC)
+            Y = _dot(X, T, tl.zeros([BM, C], dtype=tl.float32), OUT_BF16, False, PREC)
             Sin_re, Sin_im, R_re, R_im = _fwd_states(x_ptr, base, t, L, Wi_re, Wi_im, a_re, a_im, P_re, P_im,
                                                      Pf_re, Pf_im, ah_re, ah_im, al_re, al_im, R_re, R_im,
-                                                     C, BM, NP, PREC)
+                                                     C, BM, NP, PREC, OUT_BF16)
             Y = tl.dot(Sin_re, Wo_re, Y, input_precision=PREC)
             Y = tl.dot(-Sin_im, Wo_im, Y, input_precision=PREC)
             store_rounded(y_ptr + base + t, Y + om * X, tmask, OUT_BF16)
@@ -183,7 +209,7 @@ if HAVE_TRITON:
     def _bwd_scan_kernel(x_ptr, g_ptr, dx_ptr, s_ptr, du_ptr, dhx_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr,
                          hx_ptr, omega_ptr, D, L, N, nblk,
                          C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, HAS_HX: tl.constexpr,
-                         OUT_BF16: tl.constexpr, PREC: tl.constexpr):
+                         OUT_BF16: tl.constexpr, PREC: tl.constexpr, X_EXACT: tl.constexpr):
         row = tl.program_id(0)
         d = row % D
         s_r = tl.arange(0, C)
@@ -201,7 +227,7 @@ if HAVE_TRITON:
             t = (blk * BM + m_r[:, None]) * C + s_r[None, :]
             Sin_re, Sin_im, R_re, R_im = _fwd_states(x_ptr, base, t, L, Wi_re, Wi_im, a_re, a_im, P_re, P_im,
                                                      Pf_re, Pf_im, ah_re, ah_im, al_re, al_im, R_re, R_im,
-                                                     C, BM, NP, PREC)
+                                                     C, BM, NP, PREC, X_EXACT)
             so = sbase + (blk * BM + m_r[:, None]) * 2 * NP + n_r[None, :]
             tl.store(s_ptr + so, Sin_re)
             tl.store(s_ptr + so + NP, Sin_im)
@@ -217,8 +243,9 @@ if HAVE_TRITON:
             t = (blk * BM + m_r[:, None]) * C + s_r[None, :]
             tmask = t < L
             gs = tl.load(g_ptr + base + t + C, mask=t + C < L, other=0.0).to(tl.float32)
-            dS_re = tl.dot(gs, tl.trans(Wo_re), input_precision=PREC)     # g @ Wout^H, Wout^H = (Wo_re - i Wo_im)^T
-            dS_im = -tl.dot(gs, tl.trans(Wo_im), input_precision=PREC)
+            zero = tl.zeros([BM, NP], dtype=tl.float32)
+            dS_re = _dot(gs, tl.trans(Wo_re), zero, X_EXACT, False, PREC)   # g @ Wout^H, Wout^H = (Wo_re - i Wo_im)^T
+            dS_im = -_dot(gs, tl.trans(Wo_im), zero, X_EXACT, False, PREC)
             J_re, J_im = _block_scan(dS_re, dS_im, a_re, -a_im, BM, NP, True)
             dU_re = Pf_re * K_re[None, :] + Pf_im * K_im[None, :] + J_re
             dU_im = Pf_re * K_im[None, :] - Pf_im * K_re[None, :] + J_im
@@ -229,7 +256,7 @@ if HAVE_TRITON:
             tl.store(du_ptr + so, dU_re)
             tl.store(du_ptr + so + NP, dU_im)
             g = tl.load(g_ptr + base + t, mask=tmask, other=0.0).to(tl.float32)
-            dxb = tl.dot(g, tl.trans(T), input_precision=PREC)
+            dxb = _dot(g, tl.trans(T), tl.zeros([BM, C], dtype=tl.float32), X_EXACT, False, PREC)
             dxb = tl.dot(dU_re, tl.trans(Wi_re), dxb, input_precision=PREC)
             dxb = tl.dot(dU_im, tl.trans(Wi_im), dxb, input_precision=PREC)
             store_rounded(dx_ptr + base + t, dxb + om * g, tmask, OUT_BF16)
@@ -243,7 +270,8 @@ if HAVE_TRITON:
 
     @triton.jit
     def _bwd_sums_kernel(x_ptr, g_ptr, s_ptr, du_ptr, dk_ptr, aw_ptr, wi_ptr, pc_ptr, domega_ptr, B, D, L, nblk,
-                         C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr):
+                         C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, PREC: tl.constexpr,
+                         X_EXACT: tl.constexpr):
         d = tl.program_id(0)
         s_r = tl.arange(0, C)
         n_r = tl.arange(0, NP)
@@ -270,11 +298,11 @@ if HAVE_TRITON:
                 S_im = tl.load(s_ptr + so + NP)
                 dU_re = tl.load(du_ptr + so)
                 dU_im = tl.load(du_ptr + so + NP)
-                dT = tl.dot(tl.trans(g), X, dT, input_precision=PREC)
-                A_re = tl.dot(tl.trans(S_re), g, A_re, input_precision=PREC)
-                A_im = tl.dot(tl.trans(S_im), g, A_im, input_precision=PREC)
-                Wa_re = tl.dot(tl.trans(X), dU_re, Wa_re, input_precision=PREC)
-                Wa_im = tl.dot(tl.trans(X), dU_im, Wa_im, input_precision=PREC)
+                dT = _dot(tl.trans(g), X, dT, X_EXACT, X_EXACT, PREC)
+                A_re = _dot(tl.trans(S_re), g, A_re, False, X_EXACT, PREC)
+                A_im = _dot(tl.trans(S_im), g, A_im, False, X_EXACT, PREC)
+                Wa_re = _dot(tl.trans(X), dU_re, Wa_re, X_EXACT, False, PREC)
+                Wa_im = _dot(tl.trans(X), dU_im, Wa_im, X_EXACT, False, PREC)
                 pc_re += tl.sum(dU_re * S_re + dU_im * S_im, axis=0)
                 pc_im += tl.sum(dU_im * S_re - dU_re * S_im, axis=0)
                 om += tl.sum(g * X, axis=0)
@@ -448,7 +476,8 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
     _bwd_scan_kernel[(R,)](x, dy, dx, S, dU, dhx, tab.k, tab.win, tab.wout, tab.a, tab.pw,
                            _hx_pairs(hx, tab), omega32,
                            D, L, N, nblk, C=C, NP=NP, BM=BM, HAS_HX=hx is not None,
-                           OUT_BF16=dx_dtype == torch.bfloat16, PREC=PREC, num_warps=chunk_warps)
+                           OUT_BF16=dx_dtype == torch.bfloat16, PREC=PREC, X_EXACT=x.dtype == torch.bfloat16,
+                           num_warps=chunk_warps)
     dp = dlq = dgamma = domega = None
     if need_p or need_lq or need_gamma or need_omega:
         dk = torch.empty(D, C, dtype=f32, device=dev)
@@ -457,6 +486,7 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
         pc = torch.empty(D, 2, NP, dtype=f32, device=dev)
         dom = torch.empty(D, dtype=f32, device=dev)
         _bwd_sums_kernel[(D,)](x, dy, S, dU, dk, aw, wi, pc, dom, B, D, L, nblk, C=C, NP=NP, BM=BM, PREC=PREC,
+                               X_EXACT=x.dtype == torch.bfloat16,
                                num_warps=chunk_warps)
         dp, dlq, dgamma = finish(tab, N, dk, aw, wi, pc)
         domega = dom
