@@ -774,10 +774,11 @@ def test_cuda_kernels_workspace_chunks_give_identical_results(ext):
 @pytest.mark.parametrize("L", [1000, 16385])
 def test_cuda_kernels_block_size_changes_no_bit(ext, L):
     # butterflies_per_thread only changes how many threads stride over each stage's butterflies
-    # (L 1000, N 1024: 512 threads or 64; the multi-pass column and row blocks likewise): every
+    # (L 1000, N 1024: 512 threads or 128; the multi-pass column and row blocks likewise): every
     # butterfly, split and product is the same arithmetic, so the results are bit-identical.
     x, k, dy = _inputs(6, 2, 2, L, F32)
-    assert C.fft_threads(C.log2n_of(1000, F32), 1) == 512 and C.fft_threads(C.log2n_of(1000, F32), 8) == 64
+    assert C.fft_threads(C.log2n_of(1000, F32), 1) == 512 and C.fft_threads(C.log2n_of(1000, F32), 8) == 128
+    assert [C.fft_threads(n, 8) for n in (5, 8, 9, 12, 13, 14)] == [32, 128, 128, 256, 512, 1024]
     runs = [(C.launch_fwd(emu(ext), x, k, butterflies=b), *C.launch_bwd(emu(ext), dy, x, k, butterflies=b))
             for b in C.BUTTERFLIES_PER_THREAD]
     assert len(runs) == 2 and all(torch.equal(a, b) for a, b in zip(*runs))

@@ -161,10 +161,16 @@ def fft_size(L_: int) -> int:
 BUTTERFLIES_PER_THREAD = (8, 1)
 
 
+#: Small transforms keep blocks of at least this many threads (up to N / 2): an SM holds at most
+#: 32 blocks, so smaller ones would leave it below its 2048 resident threads.
+MIN_BLOCK_THREADS = 128
+
+
 def fft_threads(log2n: int, butterflies: int = 1) -> int:
     """Threads of the block of a 2^log2n-point transform with ``butterflies`` butterflies per thread
     and stage (the kernels stride over any multiple of 32 threads)."""
-    return max(32, min((1 << (log2n - 1)) // butterflies, MAX_THREADS))
+    half = 1 << (log2n - 1)
+    return max(32, min(max(half // butterflies, min(half, MIN_BLOCK_THREADS)), MAX_THREADS))
 
 
 def fft_smem_bytes(real: torch.dtype, log2n: int) -> int:
