@@ -484,7 +484,7 @@ def _cema_chunked_variants(space):
     """The chunked form's kernels (ops/cema/triton_chunked.py) for every chunk > 0 of the space: the
     forward and the backward's scan kernel per x dtype and with/without hx (the scan kernel's dx in
     x's dtype, or fp32 when a state gradient is added to it), the sums kernel per x dtype, the tables
-    kernel with and without the finish's float64 powers."""
+    and the finish kernels."""
     ck = cema_chunked
     tables = (("k_ptr", "*fp32"), ("win_ptr", "*fp32"), ("wout_ptr", "*fp32"), ("a_ptr", "*fp32"),
               ("pw_ptr", "*fp32"), ("hx_ptr", "*fp32"), ("omega_ptr", "*fp32"))
@@ -509,13 +509,15 @@ def _cema_chunked_variants(space):
                 out.append(Variant(op="cema", kernel="_bwd_scan_kernel", fn=ck._bwd_scan_kernel, arg_types=args,
                                    constexprs=tiles + fl, div16=frozenset({"L", "D"}), num_warps=nw,
                                    label=f"chunked {tag} dx={dxdt}"))
-        for with_p in (False, True):
-            args = tuple((n, "*fp64") for n in ("p_ptr", "lq_ptr", "g_ptr")) + tuple(
-                (n, "*fp32") for n in ("k_ptr", "win_ptr", "wout_ptr", "a_ptr", "pw_ptr")) + (("P_ptr", "*fp64"),
-                                                                                            ("N", "i32"))
-            out.append(Variant(op="cema", kernel="_tables_kernel", fn=ck._tables_kernel, arg_types=args,
-                               constexprs=tiles + (("WITH_P", with_p),), div16=frozenset(), num_warps=ck.TABLE_WARPS,
-                               label=f"chunked tables C={C} BM={BM} P={with_p}"))
+        f64 = tuple((n, "*fp64") for n in ("p_ptr", "lq_ptr", "g_ptr"))
+        args = f64 + tuple((n, "*fp32") for n in ("k_ptr", "win_ptr", "wout_ptr", "a_ptr", "pw_ptr")) + (("N", "i32"),)
+        out.append(Variant(op="cema", kernel="_tables_kernel", fn=ck._tables_kernel, arg_types=args, constexprs=tiles,
+                           div16=frozenset(), num_warps=ck.TABLE_WARPS, label=f"chunked tables C={C} BM={BM}"))
+        args = f64 + tuple((n, "*fp32") for n in ("dk_ptr", "aw_ptr", "wi_ptr", "pc_ptr")) + tuple(
+            (n, "*fp64") for n in ("dp_ptr", "dlq_ptr", "dg_ptr")) + (("N", "i32"),)
+        out.append(Variant(op="cema", kernel="_finish_kernel", fn=ck._finish_kernel, arg_types=args,
+                           constexprs=(("C", C), ("NP", ck.NP)), div16=frozenset(), num_warps=ck.TABLE_WARPS,
+                           label=f"chunked finish C={C}"))
         for xdt in ("bf16", "fp32"):
             args = ((("x_ptr", "*" + xdt), ("g_ptr", "*" + xdt))
                     + tuple((n, "*fp32") for n in ("s_ptr", "du_ptr", "dk_ptr", "aw_ptr", "wi_ptr", "pc_ptr",

@@ -355,11 +355,10 @@ if HAVE_TRITON:
         return mag * c, mag * s
 
     @triton.jit
-    def _tables_kernel(p_ptr, lq_ptr, g_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr, P_ptr, N,
-                       C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr, WITH_P: tl.constexpr):
+    def _tables_kernel(p_ptr, lq_ptr, g_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr, N,
+                       C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
         """One program per feature d: the tables of :class:`Tables` from float64 powers, each entry
-        rounded once to fp32 (lanes n >= N zero); with WITH_P also q**0 .. q**C in float64 for the
-        host finish, P [D, 2, NP, C+1]."""
+        rounded once to fp32 (lanes n >= N zero)."""
         d = tl.program_id(0)
         n_r = tl.arange(0, NP)
         s_r = tl.arange(0, C)
@@ -400,36 +399,84 @@ if HAVE_TRITON:
         tl.store(a_ptr + ao + 3 * NP, hi_)
         tl.store(a_ptr + ao + 4 * NP, (lr_ - hr.to(tl.float64)).to(tl.float32))
         tl.store(a_ptr + ao + 5 * NP, (li_ - hi_.to(tl.float64)).to(tl.float32))
-        if WITH_P:
-            pp = (d * 2 * NP + n_r[:, None]) * (C + 1) + s_r[None, :]
-            tl.store(P_ptr + pp, Pr)
-            tl.store(P_ptr + pp + NP * (C + 1), Pi)
-            last = s_r[None, :] == C - 1                                       # q**C
-            tl.store(P_ptr + pp + 1, Pr1, mask=last)
-            tl.store(P_ptr + pp + 1 + NP * (C + 1), Pi1, mask=last)
+
+    @triton.jit
+    def _finish_kernel(p_ptr, lq_ptr, g_ptr, dk_ptr, aw_ptr, wi_ptr, pc_ptr, dp_ptr, dlq_ptr, dg_ptr, N,
+                       C: tl.constexpr, NP: tl.constexpr):
+        """One program per feature d: (dp, dlog_q, dgamma) in float64 from the sums kernel's dk[:C],
+        A = sum S^T g (dWout = A_re - i A_im), Wi = sum X^T dU (dWin) and pc, through
+        k[:C] = Re sum p gamma q**j, Wout = gamma q**(s+1), Win = p q**(C-1-s) and a = q**C
+        (ops/cema/chunked.py's chunked_conv_bwd): with dP[j] the gradient of q**j,
+        dlog_q = sum_j j dP[j] conj(q**j), each of dP's four sources summed over its own index."""
+        d = tl.program_id(0)
+        n_r = tl.arange(0, NP)
+        s_r = tl.arange(0, C)
+        nm = n_r < N
+        lr = tl.load(lq_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
+        li = tl.load(lq_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        pv = tl.load(p_ptr + d * N + n_r, mask=nm, other=0.0)[:, None]
+        gr = tl.load(g_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
+        gi = tl.load(g_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        e = s_r.to(tl.float64)[None, :]
+        Pr, Pi = _power(lr, li, e)                                           # q**s
+        P1r, P1i = _power(lr, li, e + 1.0)                                   # q**(s+1)
+        Fr, Fi = _power(lr, li, (C - 1.0) - e)                               # q**(C-1-s)
+        dk = tl.load(dk_ptr + d * C + s_r).to(tl.float64)[None, :]
+        wo = (d * 2 * NP + n_r[:, None]) * C + s_r[None, :]
+        awr = tl.load(aw_ptr + wo).to(tl.float64)
+        awi = tl.load(aw_ptr + wo + NP * C).to(tl.float64)
+        wi = (d * 2 * C + s_r[None, :]) * NP + n_r[:, None]
+        wir = tl.load(wi_ptr + wi).to(tl.float64)
+        wii = tl.load(wi_ptr + wi + C * NP).to(tl.float64)
+        # d(p gamma) = dA = sum_s dk[s] conj(q**s)
+        dAr = tl.sum(dk * Pr, axis=1)[:, None]
+        dAi = -tl.sum(dk * Pi, axis=1)[:, None]
+        # dWout conj(q**(s+1)) and dWin conj(q**(C-1-s)), per (n, s)
+        Wr = awr * P1r - awi * P1i
+        Wi = -awr * P1i - awi * P1r
+        Vr = wir * Fr + wii * Fi
+        Vi = wii * Fr - wir * Fi
+        dp = dAr * gr + dAi * gi + tl.sum(Vr, axis=1)[:, None]
+        dgr = dAr * pv + tl.sum(Wr, axis=1)[:, None]
+        dgi = dAi * pv + tl.sum(Wi, axis=1)[:, None]
+        # dlog_q: j conj(p gamma) dk[j] conj(q**j) (j = s), (s+1) conj(gamma) dWout[s] conj(q**(s+1)),
+        # (C-1-s) p dWin[s] conj(q**(C-1-s)), and C pc conj(q**C)
+        kr = pv * dk * (gr * Pr - gi * Pi)
+        ki = -pv * dk * (gr * Pi + gi * Pr)
+        lqr = tl.sum(e * kr + (e + 1.0) * (gr * Wr + gi * Wi) + ((C - 1.0) - e) * pv * Vr, axis=1)
+        lqi = tl.sum(e * ki + (e + 1.0) * (gr * Wi - gi * Wr) + ((C - 1.0) - e) * pv * Vi, axis=1)
+        Cr, Ci = _power(lr, li, C * 1.0)
+        pcr = tl.load(pc_ptr + d * 2 * NP + n_r).to(tl.float64)[:, None]
+        pci = tl.load(pc_ptr + d * 2 * NP + NP + n_r).to(tl.float64)[:, None]
+        lqr += tl.sum(C * (pcr * Cr + pci * Ci), axis=1)
+        lqi += tl.sum(C * (pci * Cr - pcr * Ci), axis=1)
+        o = d * N + n_r
+        tl.store(dp_ptr + o, tl.sum(dp, axis=1), mask=nm)
+        tl.store(dlq_ptr + o * 2, lqr, mask=nm)
+        tl.store(dlq_ptr + o * 2 + 1, lqi, mask=nm)
+        tl.store(dg_ptr + o * 2, tl.sum(dgr, axis=1), mask=nm)
+        tl.store(dg_ptr + o * 2 + 1, tl.sum(dgi, axis=1), mask=nm)
 
 
 class Tables:
     """The per-feature tables both passes read, from exact float64 powers rounded once to fp32:
     k [D, C] = k[:C], win [D, 2, C, NP] (re, im of Win), wout [D, 2, NP, C]; a [D, 6, NP]: re, im
     of a = q**C, then of a**BM rounded (hi) and of its rounding error (lo); pw [D, 2, BM+1, NP] =
-    a**0 .. a**BM; with ``with_P`` P c(D N C+1) = q**0 .. q**C (complex128) for the host finish.
-    One launch (:func:`_tables_kernel`) writes them all into one buffer."""
+    a**0 .. a**BM. One launch (:func:`_tables_kernel`) writes them all into one buffer; the float64
+    coefficients stay for :func:`finish`."""
 
-    def __init__(self, p, log_q, gamma, C, BM, with_P=False):
+    def __init__(self, p, log_q, gamma, C, BM):
         D, N = p.shape
         f32, f64 = torch.float32, torch.float64
         self.p, self.gamma = p.to(f64).contiguous(), gamma.to(torch.complex128).contiguous()
-        lq = torch.view_as_real(log_q.to(torch.complex128).contiguous())
+        self.lq = torch.view_as_real(log_q.to(torch.complex128).contiguous())
         # one buffer, one allocation: k [D, C], win [D, 2, C, NP], wout [D, 2, NP, C], a [D, 6, NP],
         # pw [D, 2, BM+1, NP]
         sizes = (C, 2 * C * NP, 2 * NP * C, 6 * NP, 2 * (BM + 1) * NP)
         buf = torch.empty(D * sum(sizes), dtype=f32, device=p.device)
         self.k, self.win, self.wout, self.a, self.pw = (t.view(D, -1) for t in buf.split([D * n for n in sizes]))
-        P = torch.empty(D, 2, NP, C + 1, dtype=f64, device=p.device) if with_P else self.p
-        _tables_kernel[(D,)](self.p, lq, torch.view_as_real(self.gamma), self.k, self.win, self.wout, self.a,
-                             self.pw, P, N, C=C, NP=NP, BM=BM, WITH_P=with_P, num_warps=TABLE_WARPS)
-        self.P = torch.complex(P[:, 0, :N], P[:, 1, :N]) if with_P else None
+        _tables_kernel[(D,)](self.p, self.lq, torch.view_as_real(self.gamma), self.k, self.win, self.wout, self.a,
+                             self.pw, N, C=C, NP=NP, BM=BM, num_warps=TABLE_WARPS)
 
 
 def _hx_pairs(hx, tab):
@@ -464,7 +511,7 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
     N = p.shape[1]
     C, BM = chunk, chunk_block
     x, dy = x.contiguous(), dy.contiguous()
-    tab = Tables(p, log_q, gamma, C, BM, with_P=need_p or need_lq or need_gamma or need_omega)
+    tab = Tables(p, log_q, gamma, C, BM)
     nblk = _blocks(L, C, BM)
     dev, f32 = x.device, torch.float32
     R = B * D
@@ -497,26 +544,12 @@ def conv_bwd(dy, x, p, log_q, gamma, omega, hx, needs, dx_dtype, *, chunk, chunk
 
 
 def finish(tab: Tables, N, dk, aw, wi, pc):
-    """(dp, dlog_q, dgamma) from the kernels' per-feature sums, in float64 (ops/cema/chunked.py's
-    chunked_conv_bwd formulas): through k[:C] = Re sum p gamma q**j, Wout = gamma q**(s+1),
-    Win = p q**(C-1-s') and the chunk step a = q**C; the adjoint of q**j = exp(j log_q) is
-    j conj(q**j)."""
-    P, p, gamma = tab.P, tab.p, tab.gamma
-    C = P.shape[-1] - 1
-    f64 = torch.float64
-    dk, aw, wi, pc = dk.to(f64), aw.to(f64)[:, :, :N], wi.to(f64)[..., :N], pc.to(f64)[..., :N]
-    dP = torch.zeros_like(P)
-    dA = (dk.unsqueeze(1) * P[..., :C].conj()).sum(-1)                                 # d(p gamma) [D, N]
-    dP[..., :C] += (p * gamma).conj().unsqueeze(-1) * dk.unsqueeze(1)
-    dp = (dA * gamma.conj()).real
-    dgamma = dA * p
-    dWo = torch.complex(aw[:, 0], -aw[:, 1])                                             # [D, N, C]
-    dgamma = dgamma + (dWo * P[..., 1:].conj()).sum(-1)
-    dP[..., 1:] += gamma.conj().unsqueeze(-1) * dWo
-    dWi = torch.complex(wi[:, 0], wi[:, 1]).transpose(1, 2)                              # [D, N, C]
-    dp = dp + (dWi * P[..., :C].flip(-1).conj()).sum(-1).real
-    dP[..., :C] += (p.unsqueeze(-1) * dWi).flip(-1)
-    dP[..., C] += torch.complex(pc[:, 0], pc[:, 1])
-    j = torch.arange(C + 1, device=P.device, dtype=f64)
-    dlq = (dP * P.conj() * j).sum(-1)
+    """(dp r(D N) float64, dlog_q and dgamma c(D N) complex128) from the sums kernel's per-feature
+    sums: one launch of :func:`_finish_kernel`."""
+    D, C = dk.shape
+    dp = torch.empty(D, N, dtype=torch.float64, device=dk.device)
+    dlq = torch.empty(D, N, dtype=torch.complex128, device=dk.device)
+    dgamma = torch.empty_like(dlq)
+    _finish_kernel[(D,)](tab.p, tab.lq, torch.view_as_real(tab.gamma), dk, aw, wi, pc, dp, torch.view_as_real(dlq),
+                         torch.view_as_real(dgamma), N, C=C, NP=NP, num_warps=TABLE_WARPS)
     return dp, dlq, dgamma
