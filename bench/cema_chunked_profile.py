@@ -26,9 +26,11 @@ from megalodon_kernels.bench.sass_profile import issue_bound_ms, parse, regions,
 
 #: (name, B, D, L, x dtype): the H100 probe and the paper-7B shape of bench gpu's CEMA rows
 SHAPES = (("probe B2 D256 L4096", 2, 256, 4096, "fp32"), ("7B B4 D4096 L4096", 4, 4096, 4096, "bf16"))
-#: kernel -> the variant label's pattern (x dtype filled in); the tables kernel as the forward runs it
-KERNELS = (("_tables_kernel", r"P=False"), ("_fwd_kernel", r"x={x} hx=False"),
-           ("_bwd_scan_kernel", r"x={x} hx=False warps=\d+ dx={x}"), ("_bwd_sums_kernel", r"x={x} "))
+#: kernel -> its variant label's pattern ({C}, {BM}, {x}: the chunk, block and the shape's x dtype);
+#: the tables and the finish kernel run once per pass (the finish in the backward only)
+KERNELS = (("_tables_kernel", r"tables C={C} BM={BM}$"), ("_fwd_kernel", r"C={C} BM={BM} x={x} hx=False"),
+           ("_bwd_scan_kernel", r"C={C} BM={BM} x={x} hx=False warps=\d+ dx={x}"),
+           ("_bwd_sums_kernel", r"C={C} BM={BM} x={x} "), ("_finish_kernel", r"finish C={C}$"))
 REGISTERS_PER_SM, MAX_WARPS_PER_SM = 65536, 64
 
 
@@ -80,13 +82,13 @@ def main(argv=None) -> int:
         nblk = -(-L // (C * BM))
         bounds = {}
         for kernel, pattern in KERNELS:
-            match = f"^{kernel} .*C={C} BM={BM} " + pattern.format(x=x)
+            match = f"^{kernel} .*" + pattern.format(C=C, BM=BM, x=x)
             try:
                 variant, sass, res = compiled(match, a.arch)
             except ValueError:
                 continue  # a kernel this version does not have
             n, loops, ops = per_program(kernel, sass, B, nblk)
-            progs = D if kernel in ("_tables_kernel", "_bwd_sums_kernel") else B * D
+            progs = D if kernel in ("_tables_kernel", "_bwd_sums_kernel", "_finish_kernel") else B * D
             bound = issue_bound_ms(progs * variant.num_warps * n, a.arch)
             bounds[kernel] = bound
             lines.append(f"| {name} | {kernel} | {progs} | {res.regs} | "
@@ -95,8 +97,8 @@ def main(argv=None) -> int:
                          f"{bound:.3f} |")
         tables = bounds.get("_tables_kernel", 0.0)  # one launch per pass
         lines.append(f"| {name} | forward (tables + fwd) | | | | | | | {tables + bounds['_fwd_kernel']:.3f} |")
-        lines.append(f"| {name} | backward (tables + scan + sums) | | | | | | | "
-                     f"{tables + bounds['_bwd_scan_kernel'] + bounds['_bwd_sums_kernel']:.3f} |")
+        backward = tables + bounds["_bwd_scan_kernel"] + bounds["_bwd_sums_kernel"] + bounds.get("_finish_kernel", 0.0)
+        lines.append(f"| {name} | backward (tables + scan + sums + finish) | | | | | | | {backward:.3f} |")
     text = "\n".join(lines) + "\n"
     if a.out:
         with open(a.out, "w") as f:
