@@ -82,17 +82,22 @@ MAX_KEPT = 64
 _FILLED = weakref.WeakValueDictionary()
 
 
-def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+_ASK, _FRESH = object(), object()  # filled()'s place: not given (ask fill_place); a tracer's (a new tensor)
+
+
+def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device, place=_ASK) -> torch.Tensor:
     """A tensor of ``shape`` holding ``fill``: what a public function passes for an input the caller
     left out (timestep_norm's initial state) and the op only reads. In plain eager mode one kept
     tensor per (shape, fill, dtype, :func:`kept_place`) serves every call, rebuilt if anything wrote
     to it (its version counter); it never reaches the caller (an op's outputs are fresh tensors, see
     _fresh). On a GPU that saves a fill launch per tensor and call. Under a tracer, while a CUDA
     graph is captured, or on another device it is a new tensor. In plain eager mode :func:`is_filled`
-    then knows it, for as long as it is unchanged."""
-    if not plain_eager(profiler_ok=True):
+    then knows it, for as long as it is unchanged. ``place``: :func:`fill_place` of ``device``, asked
+    once by a caller that fills several tensors."""
+    if place is _ASK:
+        place = fill_place(device)
+    if place is _FRESH:
         return torch.full(shape, fill, dtype=dtype, device=device)
-    place = kept_place(device)
     if place is not None:
         t = _KEPT.get((shape, fill, dtype, place))
         if t is not None and t._version == 0:
@@ -108,6 +113,12 @@ def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device) -> torc
         _KEPT[(shape, fill, dtype, place)] = t
     _FILLED[id(t)] = t
     return t
+
+
+def fill_place(device: torch.device):
+    """The ``place`` argument of :func:`filled` for this call: a tracer's (new tensors, never known to
+    is_filled) outside plain eager mode, else :func:`kept_place`."""
+    return kept_place(device) if plain_eager(profiler_ok=True) else _FRESH
 
 
 def kept_place(device: torch.device):

@@ -32,7 +32,7 @@ from torch import Tensor
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_int, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import as_dtype, custom_op, empty_like, filled, is_filled
+from .._library import as_dtype, custom_op, empty_like, fill_place, filled, is_filled
 from .._host_sync import check_on_device
 from .._packing import check_cu_seqlens, check_per_document, document_bounds
 
@@ -254,21 +254,24 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
     check_tensor("scale", scale, (D,), REAL_DTYPES, device=dev, dims="(D,)")
     check_tensor("bias", bias, (D,), REAL_DTYPES, device=dev, dims="(D,)")
     acc = acc_dtype(x.dtype)
+    # where the defaults come from (kept tensors in plain eager mode: see filled), asked once
+    place = (fill_place(dev) if prev_count is None or prev_mean is None or prev_var is None or padding_mask is None
+             else None)
     if prev_count is None:
-        prev_count = filled((n,), 0, torch.int64, dev)
+        prev_count = filled((n,), 0, torch.int64, dev, place)
     else:
         _check_state("prev_count", prev_count, (n,), INT_DTYPES, dev, cu_seqlens)
         # its values (>= 0) are checked inside the op, where reading them traces nothing
     if prev_mean is None:
-        prev_mean = filled((n, G), 0.0, acc, dev)
+        prev_mean = filled((n, G), 0.0, acc, dev, place)
     else:
         _check_state("prev_mean", prev_mean, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if prev_var is None:
-        prev_var = filled((n, G), 1.0, acc, dev)
+        prev_var = filled((n, G), 1.0, acc, dev, place)
     else:
         _check_state("prev_var", prev_var, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if padding_mask is None:
-        padding_mask = filled((B, L), False, torch.bool, dev)
+        padding_mask = filled((B, L), False, torch.bool, dev, place)
     else:
         check_tensor("padding_mask", padding_mask, (B, L), (torch.bool,), device=dev, dims="(B, L)")
     eps = check_float("eps", eps, low=0.0, low_open=True)
