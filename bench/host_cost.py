@@ -721,7 +721,10 @@ def verdict(r, phase) -> str:
         notes.append(f"torch.library's own road for this signature alone {twin:.0f}"
                      + (" (ours is below it)" if ours <= twin else ""))
     if not notes:
-        return "over: ours"
+        if "glue" not in r:
+            return "over: ours"
+        return (f"over: ours ({r['glue']:.0f} alone, {ours - r['glue']:.0f} more when run between the math's calls; "
+                f"torch.library's road {twin:.0f})" if twin is not None else f"over: ours ({r['glue']:.0f} alone)")
     return "over: " + "; ".join(notes) + ("" if phase != "forward" or (twin is not None and ours <= twin)
                                           else "; ours is above it too")
 
@@ -764,23 +767,30 @@ def table(result) -> list[str]:
 
 def compare(before: dict, after: dict) -> list[str]:
     """Markdown: our part (public - direct) per op, backend and phase in two results (--json
-    files of two trees), and after's split of forward + backward into torch's autograd around
-    the math and ours beyond it."""
+    files of two trees), with after's split: our code alone (glue), torch.library's own road for
+    the signature (twin), for forward + backward torch's autograd around the math and ours beyond
+    it, and the verdict."""
     lines = [f"before: commit {before['commit']}, load `{before['load_before']}`; after: commit {after['commit']}, "
-             f"load `{after['load_before']}`", "",
-             "| op | backend | forward: ours before | after | forward + backward: ours before | after | "
-             "of which torch's autograd around the math (after) | ours beyond it (after) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for op, by_backend in after["ops"].items():
-        for name, row in by_backend.items():
-            old = before["ops"].get(op, {}).get(name, {})
-            if "skipped" in row or "skipped" in old or not old:
-                continue
-            f0, f1 = (r["forward"]["public"] - r["forward"]["direct"] for r in (old, row))
-            b0, b1 = (r["forward+backward"]["public"] - r["forward+backward"]["direct"] for r in (old, row))
-            a = row["forward+backward"]
-            lines.append(f"| {op} | {name} | {f0:.1f} | {f1:.1f} | {b0:.1f} | {b1:.1f} | {a['bare'] - a['direct']:.1f} | "
-                         f"{a['public'] - a['bare']:.1f} |")
+             f"load `{after['load_before']}`"]
+    for phase, target in (("forward", TARGET_FWD_US), ("forward+backward", TARGET_BOTH_US)):
+        both = phase != "forward"
+        lines += ["", f"#### {phase} (target: ours <= {target:.0f} us)", "",
+                  "| op | backend | ours before | **ours after** | of which our code alone (no math) | "
+                  + ("torch's autograd around the math | ours beyond it | " if both else "")
+                  + "torch.library's own road, same signature, empty body | verdict (after) |",
+                  "|---|---|---:|---:|---:|" + ("---:|---:|" if both else "") + "---:|---|"]
+        for op, by_backend in after["ops"].items():
+            for name, row in by_backend.items():
+                old = before["ops"].get(op, {}).get(name, {})
+                if "skipped" in row or "skipped" in old or not old:
+                    continue
+                r0, r = old[phase], row[phase]
+                cells = [f"{r0['public'] - r0['direct']:.1f}", f"**{r['public'] - r['direct']:.1f}**",
+                         f"{r['glue']:.1f}" if "glue" in r else "-"]
+                if both:
+                    cells += [f"{r['bare'] - r['direct']:.1f}", f"{r['public'] - r['bare']:.1f}"]
+                cells += [f"{r['twin'] - r['twin clones']:.1f}" if "twin" in r else "-", verdict(r, phase)]
+                lines.append(f"| {op} | {name} | " + " | ".join(cells) + " |")
     return lines
 
 

@@ -125,10 +125,19 @@ def kept_place(device: torch.device):
     """Where a kept tensor of :func:`filled` may serve calls on ``device``: "cpu"; on a CUDA device
     (device, current stream), so that no stream reads one before the stream that filled it has
     run; None (keep nothing) while the current stream captures a CUDA graph (a graph must not read
-    a tensor that a later eviction frees) and on other devices. Tests fake a stream here."""
+    a tensor that a later eviction frees), for a device other than the current one (whose capture
+    state torch does not answer for) and on other device types. Tests fake a stream here."""
     if device.type == "cpu":
         return "cpu"
-    if device.type != "cuda" or torch.cuda.is_current_stream_capturing():
+    return cuda_stream_place(device)
+
+
+def cuda_stream_place(device: torch.device):
+    """(device, its current stream) for a CUDA ``device`` that is the current device and not
+    capturing a CUDA graph; None otherwise: where a tensor made in one eager call may serve the
+    next ones (filled's defaults, rotary's tables)."""
+    if (device.type != "cuda" or (device.index is not None and device.index != torch.cuda.current_device())
+            or torch.cuda.is_current_stream_capturing()):
         return None
     return device, torch.cuda.current_stream(device).cuda_stream
 

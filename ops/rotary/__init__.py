@@ -36,7 +36,7 @@ from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_ten
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._host_sync import check_on_device
-from .._library import as_dtype, custom_op, empty_like, plain_eager, plain_tensor
+from .._library import as_dtype, cuda_stream_place, custom_op, empty_like, plain_eager, plain_tensor
 from . import table_cache
 from .table_cache import TABLES as _TABLES
 
@@ -180,13 +180,12 @@ def _tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype, refere
 def _identity_place(positions: torch.Tensor):
     """(device, stream) under which a GPU call's tables are cached by the positions tensor's identity
     (ops/rotary/table_cache.py); None for CPU positions (compared by value), while the current stream
-    captures a CUDA graph (the graph must compute its tables at every replay) or with the identity
-    entries turned off (table_cache.IDENTITY). Tests fake a place here to run the GPU road on the CPU."""
-    if positions.is_cpu or not table_cache.IDENTITY or not positions.is_cuda:
+    captures a CUDA graph (the graph must compute its tables at every replay), for positions on a
+    device other than the current one (see cuda_stream_place) or with the identity entries turned
+    off (table_cache.IDENTITY). Tests fake a place here to run the GPU road on the CPU."""
+    if positions.is_cpu or not table_cache.IDENTITY:
         return None
-    if torch.cuda.is_current_stream_capturing():
-        return None
-    return positions.device, torch.cuda.current_stream(positions.device).cuda_stream
+    return cuda_stream_place(positions.device)
 
 
 def _like(x, *_):
