@@ -65,11 +65,6 @@ constexpr int kFftMaxThreads = 1024;
 constexpr int kFft4MaxLog2 = FftCfg<float>::k4MaxLog2;     // float / bf16 multi-pass limit
 
 template <class R>
-__host__ __device__ __forceinline__ int fft_threads(int log2n) {
-  const int half = 1 << (log2n - 1);
-  return half < 32 ? 32 : (half > FftCfg<R>::kMaxThreads ? FftCfg<R>::kMaxThreads : half);
-}
-template <class R>
 __host__ __device__ __forceinline__ std::size_t fft_smem_bytes(int log2n) {
   return sizeof(cplx_t<R>) * (std::size_t(1) << log2n);
 }
@@ -257,8 +252,9 @@ __device__ __forceinline__ void fft_store_real(T* __restrict__ dst, const C* a, 
 }
 
 // ------------------------------------------------------------------------------------------------
-// Kernels (one block per row, blockDim.x = fft_threads<R>(log2n), dynamic smem = fft_smem_bytes<R>;
-// tw: the twiddle table above, covering spans up to N, or nullptr).
+// Kernels (one block per row, dynamic smem = fft_smem_bytes<R>; blockDim.x any multiple of 32 up to
+// kMaxThreads, since every stage strides over its butterflies: the launcher gives N / 16 threads, so
+// several rows' blocks share an SM; tw: the twiddle table above, covering spans up to N, or nullptr).
 // T is the element type of x / y (float, bf16, double); TK the type k / dk / the spectra are
 // computed in (float or double = acc_t<T>: the Python side converts k to it).
 // ------------------------------------------------------------------------------------------------
