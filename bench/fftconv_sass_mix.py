@@ -35,6 +35,7 @@ from .sass_profile import parse, regions
 ROLES = {
     "dot prep": ("mm_right", "mm_left", "level16", "level8", "stage_a"),
     "layout": ("rot", "unrot", "radix4", "radix2"),
+    # table_twiddle: the per-level table gathers before the contiguous tiles (listings of a0f4572)
     "twiddle": ("table_tile", "table_twiddle", "twiddle_a", "twiddle_n", "dft16", "opaque_zero", "tile_offsets",
                 "slice_offsets", "twiddle", "sincos_quarter", "table_root"),
     "pointwise": ("cmul",),
