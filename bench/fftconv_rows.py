@@ -19,6 +19,9 @@ import torch
 GPU_CASES = ((8, 1024, 1024), (8, 1024, 4096), (8, 1024, 16384))
 DRY_CASES = ((2, 4, 64),)
 BACKENDS = ("torch", "cuda", "triton")
+#: further providers: a backend forced to one config beside its default, timed in the same run
+#: ("cuda b1": the CUDA FFT blocks at one butterfly per thread, the launch before BUTTERFLIES_PER_THREAD)
+FORCED = {"cuda b1": ("cuda", {"butterflies_per_thread": 1})}
 DTYPES = ("bfloat16", "float32")
 #: timed modes (forward alone; forward + backward, the training step's cost)
 MODES = ("fwd", "fwd+bwd")
@@ -35,7 +38,10 @@ def measure(device, peak, end, time_case, no_cuda=None, budget_s=0.05, min_reps=
     is the ops step's timer; ``end`` its perf_counter deadline; ``peak`` the copy bandwidth (bytes/s)."""
     import time
 
+    import contextlib
+
     from megalodon_kernels import ops
+    from megalodon_kernels.autotune import registry
     from megalodon_kernels.bench import roofline
     from megalodon_kernels.ops.fftconv import BACKENDS as FFTCONV
 
@@ -44,12 +50,13 @@ def measure(device, peak, end, time_case, no_cuda=None, budget_s=0.05, min_reps=
     # the library backends at every point first, then Triton's (its first calls JIT-compile the new
     # tile sizes, tens of seconds on the host): a share spent compiling costs Triton points, never
     # the baselines they are compared with
-    points = [(backend, B, D, L, dtype_name) for group in (BACKENDS[:-1], BACKENDS[-1:])
+    points = [(backend, B, D, L, dtype_name) for group in (BACKENDS[:-1] + tuple(FORCED), BACKENDS[-1:])
               for B, D, L in cases for dtype_name in DTYPES for backend in group]
-    for backend, B, D, L, dtype_name in points:
+    for provider, B, D, L, dtype_name in points:
+        backend, knobs = FORCED.get(provider, (provider, None))
         dtype = getattr(torch, dtype_name)
         shp = {"B": B, "D": D, "L": L}
-        key = f"fftconv rows={B * D} L={L} {dtype_name} {backend}"
+        key = f"fftconv rows={B * D} L={L} {dtype_name} {provider}"
         if time.perf_counter() > end:
             skipped[key] = "not reached in the step's time"
             continue
@@ -61,8 +68,12 @@ def measure(device, peak, end, time_case, no_cuda=None, budget_s=0.05, min_reps=
             if why:
                 skipped[key] = "; ".join(why)
                 continue
-            t = time_case(lambda x=x, k=k, b=backend: ops.fftconv(x, k, backend=b), [x, k], device,
-                          budget_s, min_reps, max_reps)
+            pinned = (contextlib.nullcontext() if knobs is None else
+                      registry.force("fftconv", backend, {**{n: v[0] for n, v in FFTCONV.config_spaces()[backend].items()},
+                                                         **knobs}))
+            with pinned:  # the forward and the backward both dispatch under it
+                t = time_case(lambda x=x, k=k, b=backend: ops.fftconv(x, k, backend=b), [x, k], device,
+                              budget_s, min_reps, max_reps)
         except Exception as exc:
             skipped[key] = f"ERROR {type(exc).__name__}: {str(exc)[:300]}"
             continue
@@ -74,7 +85,7 @@ def measure(device, peak, end, time_case, no_cuda=None, budget_s=0.05, min_reps=
         for mode in MODES:
             med = statistics.median(t[mode])
             nb = ideal["fwd"][0] + (ideal["bwd"][0] if mode == "fwd+bwd" else 0)
-            rows.append(dict(op="fftconv", provider=backend, mode=mode, B=B, D=D, L=L, dtype=dtype_name,
+            rows.append(dict(op="fftconv", provider=provider, mode=mode, B=B, D=D, L=L, dtype=dtype_name,
                              median=med, reps=len(t[mode]), ideal_bytes=nb, bytes_per_s=nb / med,
                              of_peak=(nb / med / peak) if peak else None))
     return rows, skipped, summarize(rows)

@@ -17,6 +17,9 @@ GPU measures it.
 
     python -m megalodon_kernels.bench.sass_profile --op cema --match "_fwd_kernel .*fp32 hx=False" \\
         --arch 90 --programs 16384 --iterations 8
+    python -m megalodon_kernels.bench.sass_profile --op fftconv --cuda --match "fftconv_fwd_kernel<float>"
+
+The CUDA kernels (``--cuda``) are compiled by nvcc from the ops' instantiations (cuda/build.py).
 """
 from __future__ import annotations
 
@@ -200,10 +203,56 @@ def variant_sass(op: str, match: str, cc: int = 90) -> list[tuple[object, str]]:
     return [(variants[i], s) for i, s in zip(chosen, sass)]
 
 
-def describe(variant, sass: str, cc: int, programs: int | None = None, iterations: float | None = None) -> str:
+def split_functions(sass: str) -> dict:
+    """{mangled kernel name: its listing} of a multi-kernel ``nvdisasm`` listing."""
+    out, name, buf = {}, None, []
+    for raw in sass.splitlines():
+        m = re.match(r"\s*//-+ \.text\.(\S+)\s+-+", raw)
+        if m:
+            if name is not None:
+                out[name] = "\n".join(buf)
+            name, buf = m.group(1), []
+        elif name is not None:
+            buf.append(raw)
+    if name is not None:
+        out[name] = "\n".join(buf)
+    return out
+
+
+def cuda_sass(op: str, match: str, cc: int = 90) -> list[tuple[str, str]]:
+    """[(kernel, SASS)] of the CUDA kernels of ``op`` (ops/<op>/cuda_impl.py KERNELS) whose name
+    expression ``match`` finds, compiled by nvcc for sm_<cc> with line info (no GPU needed)."""
+    import importlib
+
+    from ..cuda import build
+
+    nvcc = build.nvcc_path()
+    if nvcc is None:
+        raise RuntimeError("nvcc not found (set NVCC or put the CUDA toolkit's bin on PATH)")
+    kernels = [k for k in importlib.import_module(f"megalodon_kernels.ops.{op}.cuda_impl").KERNELS
+               if re.search(match, k.name)]
+    if not kernels:
+        raise ValueError(f"match={match!r} selects no CUDA kernel of {op}")
+    out = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for src in build.nvcc_sources(kernels):
+            cubin = os.path.join(tmp, "k.cubin")
+            build.run_tool([nvcc, *build.NVCC_FLAGS, f"-arch=sm_{cc}", f"-I{build.CUDA_DIR}", str(src),
+                            "-o", cubin], f"nvcc {src.name} sm_{cc}")
+            with open(cubin, "rb") as f:
+                listing = disassemble(f.read())
+            for mangled, text in split_functions(listing).items():
+                out.append((build._demangle([mangled])[0], text))
+    return out
+
+
+def describe(title: str, warps: int, sass: str, cc: int, programs: int | None = None,
+             iterations: float | None = None) -> str:
+    """The regions' counts of one kernel; with ``programs``: the launch's warp-instructions and issue
+    bound, its largest outer loop run ``iterations`` times per program (block)."""
     instrs, labels = parse(sass)
     rs = regions(instrs, labels)
-    lines = [f"{variant.kernel} [{variant.label}] sm_{cc}, {variant.num_warps} warps"]
+    lines = [f"{title} sm_{cc}, {warps} warps"]
     for r in rs:
         lines.append(f"  {r.name:7s} depth {r.depth}: {r.count:5d} instructions  {r.by_class()}")
         lines.append(f"           opcodes {r.by_opcode()}")
@@ -211,8 +260,8 @@ def describe(variant, sass: str, cc: int, programs: int | None = None, iteration
     loops = [r for r in rs if r.depth == 1]
     if programs is not None:
         loop = max(loops, key=lambda r: r.count) if loops else None
-        n = launch_warp_instructions(rs[0], loop, variant.num_warps, programs, iterations or 0)
-        lines.append(f"  launch: {programs} programs x {variant.num_warps} warps, "
+        n = launch_warp_instructions(rs[0], loop, warps, programs, iterations or 0)
+        lines.append(f"  launch: {programs} programs x {warps} warps, "
                      f"{iterations or 0:g} iterations of {loop.name if loop else 'no loop'}: {n:.3g} warp-instructions, "
                      f"issue bound {issue_bound_ms(n, cc):.3f} ms on {SMS[cc]} SMs at {CLOCK_GHZ[cc]} GHz")
     return "\n".join(lines)
@@ -223,17 +272,25 @@ def main(argv=None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--op", required=True)
-    ap.add_argument("--match", required=True, help="regular expression on 'kernel label'")
+    ap.add_argument("--match", required=True, help="regular expression on 'kernel label' (Triton) or on the "
+                                                     "kernel's name expression (--cuda)")
+    ap.add_argument("--cuda", action="store_true", help="the op's CUDA kernels (nvcc) instead of its Triton variants")
+    ap.add_argument("--warps", type=int, default=None, help="--cuda: warps per block of the launch")
     ap.add_argument("--arch", type=int, default=90, choices=sorted(SMS))
-    ap.add_argument("--programs", type=int, default=None, help="programs in the launch (for the issue bound)")
+    ap.add_argument("--programs", type=int, default=None, help="programs (blocks) in the launch, for the issue bound")
     ap.add_argument("--iterations", type=float, default=None, help="iterations of the largest outer loop per program")
-    ap.add_argument("--dump", default=None, help="directory to write each variant's SASS into")
+    ap.add_argument("--dump", default=None, help="directory to write each kernel's SASS into")
     args = ap.parse_args(argv)
-    for v, sass in variant_sass(args.op, args.match, args.arch):
-        print(describe(v, sass, args.arch, args.programs, args.iterations))
+    if args.cuda:
+        found = [(name, args.warps or 1, sass) for name, sass in cuda_sass(args.op, args.match, args.arch)]
+    else:
+        found = [(f"{v.kernel} [{v.label}]", v.num_warps, sass)
+                 for v, sass in variant_sass(args.op, args.match, args.arch)]
+    for title, warps, sass in found:
+        print(describe(title, warps, sass, args.arch, args.programs, args.iterations))
         if args.dump:
             os.makedirs(args.dump, exist_ok=True)
-            name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{v.kernel}_{v.label}_sm{args.arch}") + ".sass"
+            name = re.sub(r"[^A-Za-z0-9_.=-]+", "_", f"{title}_sm{args.arch}")[:150] + ".sass"
             with open(os.path.join(args.dump, name), "w") as f:
                 f.write(sass)
     return 0

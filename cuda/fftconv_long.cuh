@@ -62,10 +62,6 @@ __host__ __device__ __forceinline__ Fft4Plan fft4_plan(int log2n) {
   return p;
 }
 template <class R>
-__host__ __device__ __forceinline__ int fft4_col_threads(const Fft4Plan& p) { return fft_threads<R>(p.log2n1 + p.log2c); }
-template <class R>
-__host__ __device__ __forceinline__ int fft4_row_threads(const Fft4Plan& p) { return fft_threads<R>(p.log2n2 + 1); }
-template <class R>
 __host__ __device__ __forceinline__ std::size_t fft4_col_smem_bytes(const Fft4Plan& p) {
   return fft_smem_bytes<R>(p.log2n1 + p.log2c);
 }
@@ -99,7 +95,7 @@ __device__ __forceinline__ std::int64_t fft4_pos(int k, const Fft4Plan& p) {
 }
 
 // ------------------------------------------------------------------------------------------------
-// Column passes. grid = (rows, N2 / C); blockDim = fft4_col_threads<R>; smem fft4_col_smem_bytes<R>.
+// Column passes. grid = (rows, N2 / C); any multiple of 32 threads; smem fft4_col_smem_bytes<R>.
 // a[c * N1 + i] holds column col0 + c; thread i -> (c = i mod C, n1 = i / C) so consecutive threads
 // touch consecutive columns (contiguous in global memory).
 // ------------------------------------------------------------------------------------------------
@@ -166,7 +162,7 @@ __global__ void __launch_bounds__(FftCfg<acc_t<T>>::kMaxThreads)
 
 // ------------------------------------------------------------------------------------------------
 // Row passes. grid = (rows, N1 / 2 + 1); block j owns rows j and N1 - j (j = 0 and N1 / 2: one
-// row); a[0, N2) = row j, a[N2, 2 N2) = row N1 - j. blockDim = fft4_row_threads<R>, smem
+// row); a[0, N2) = row j, a[N2, 2 N2) = row N1 - j. Any multiple of 32 threads, smem
 // fft4_row_smem_bytes<R>.
 // ------------------------------------------------------------------------------------------------
 

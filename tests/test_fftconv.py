@@ -806,6 +806,40 @@ def test_cuda_kernels_workspace_chunks_give_identical_results(ext):
     assert none is None and torch.equal(dx_only, dx)
 
 
+@pytest.mark.parametrize("L", [1000, 16385])
+def test_cuda_kernels_block_size_changes_no_bit(ext, L):
+    # butterflies_per_thread only changes how many threads stride over each stage's butterflies
+    # (L 1000, N 1024: 512 threads or 128; the multi-pass column and row blocks likewise): every
+    # butterfly, split and product is the same arithmetic, so the results are bit-identical.
+    x, k, dy = _inputs(6, 2, 2, L, F32)
+    assert C.fft_threads(C.log2n_of(1000, F32), 1) == 512 and C.fft_threads(C.log2n_of(1000, F32), 8) == 128
+    assert [C.fft_threads(n, 8) for n in (5, 8, 9, 12, 13, 14)] == [32, 128, 128, 256, 512, 1024]
+    runs = [(C.launch_fwd(emu(ext), x, k, butterflies=b), *C.launch_bwd(emu(ext), dy, x, k, butterflies=b))
+            for b in C.BUTTERFLIES_PER_THREAD]
+    assert len(runs) == 2 and all(torch.equal(a, b) for a, b in zip(*runs))
+    _check_kernels(ext, x, k, dy, F32)
+
+
+def test_fftconv_rows_bench_times_the_forced_block_size(use_emulated_cuda, ext, monkeypatch):
+    # bench gpu's fftconv_rows: the "cuda b1" provider runs the cuda backend with
+    # butterflies_per_thread = 1 for its forward and backward (registry.force raises if the
+    # dispatcher never applied it), beside the default; here over the emulator on CPU tensors.
+    from megalodon_kernels.bench import fftconv_rows, gpu_steps
+
+    seen = []
+    launch = C.launch_fwd
+    monkeypatch.setattr(C, "launch_fwd", lambda *a, **kw: seen.append(a[4] if len(a) > 4 else kw) or launch(*a, **kw))
+    monkeypatch.setattr(fftconv_rows, "BACKENDS", ("torch", "cuda"))
+    monkeypatch.setattr(fftconv_rows, "DTYPES", ("float32",))
+    monkeypatch.setattr(fftconv_rows, "DRY_CASES", ((1, 2, 40),))
+    rows, skipped, lines = fftconv_rows.measure(torch.device("cpu"), None, float("inf"), gpu_steps._time_case,
+                                                min_reps=1, max_reps=1, budget_s=0)
+    assert not skipped, skipped
+    assert {r["provider"] for r in rows} == {"torch", "cuda", "cuda b1"}
+    assert set(seen) == {8, 1}
+    assert any("cuda b1" in line and "cuda/cuda b1" in line for line in lines)
+
+
 def test_cuda_kernels_one_block_boundary_still_one_block(ext):
     # 16384 stays on the one-block kernels (no workspace row), its neighbour 16385 is multi-pass;
     # the two paths meet float64 with the same budget on either side of the switch

@@ -7,6 +7,8 @@ import inspect
 
 import pytest
 
+from megalodon_kernels.cuda import build
+
 from megalodon_kernels.bench import sass_profile as sp
 
 LISTING = """
@@ -71,5 +73,18 @@ def test_compiled_cema_forward_loop_holds_its_dots():
     src, first = inspect.getsourcelines(triton_chunked._fwd_kernel.fn)
     dot_line = first + next(i for i, s in enumerate(src) if "Y = tl.dot(X, T" in s)
     assert f"triton_chunked.py:{dot_line}" in {i.line for i in loop.instrs}
-    text = sp.describe(variant, sass, 90, programs=16384, iterations=8)
+    text = sp.describe(f"{variant.kernel} [{variant.label}]", variant.num_warps, sass, 90, programs=16384, iterations=8)
     assert "issue bound" in text and "loop0" in text
+
+
+@pytest.mark.skipif(build.nvcc_path() is None, reason="nvcc not found (CUDA toolkit)")
+def test_cuda_fftconv_forward_has_its_stage_loops():
+    (name, sass), = sp.cuda_sass("fftconv", r"^mk::fftconv_fwd_kernel<float>$", 90)
+    assert name.startswith("void mk::fftconv_fwd_kernel<float>")
+    instrs, labels = sp.parse(sass)
+    loops = [r for r in sp.regions(instrs, labels) if r.depth >= 1]
+    # the warp-shuffle stages (span 1..16) and the shared-memory stages each run in a loop
+    assert any("shuffle" in r.by_class() for r in loops)
+    assert any("shared" in r.by_class() and "sync" not in r.by_class() and r.count < 64 for r in loops)
+    # line info: most instructions come from the header's own lines (the rest: CUDA's intrinsics headers)
+    assert sum(1 for i in instrs if (i.line or "").startswith("fftconv.cuh:")) > len(instrs) / 2

@@ -31,7 +31,7 @@ from .compose import Needs, Saved, add_optional
 class CemaBackend(Backend):
     """cema as the CUDA stage kernels of cema_kernel, fftconv and ema_hidden."""
 
-    #: fftconv's workspace cap is the one knob of the stages
+    #: fftconv's knobs (its workspace cap and FFT block size) are the stages' only ones
     CONFIG_SPACE: dict = dict(FftconvBackend.CONFIG_SPACE)
     DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
     FP64 = True
@@ -57,13 +57,13 @@ class CemaBackend(Backend):
             why += [r for r in self._device_reasons({"omega": omega}) if r not in why]
         return why
 
-    def forward(self, x, p, log_q, gamma, omega, hx, return_state, weighted=False, *, max_workspace_bytes):
+    def forward(self, x, p, log_q, gamma, omega, hx, return_state, weighted=False, **conv_config):
         """-> (y r(B D L) in x's dtype, h c(B D N) or None, Saved)."""
         L = x.shape[-1]
         cd = compute_dtype(x.dtype, p.dtype)
         k, b = self.kernel.forward(p, log_q, gamma, L, hx)
         xc = x.to(cd).contiguous()                       # a copy only for bfloat16 x (or a strided view)
-        y = self.conv.forward(xc, k, max_workspace_bytes=max_workspace_bytes)   # new, in cd
+        y = self.conv.forward(xc, k, **conv_config)   # new, in cd
         y = y.addcmul_(omega.to(cd)[:, None], xc)
         if b is not None:
             y = y.add_(b)
@@ -72,7 +72,7 @@ class CemaBackend(Backend):
             h, V, W = self.hidden.forward(x.contiguous(), p, log_q, hx, weighted)
         return y.to(x.dtype), h, Saved(k, V, W)
 
-    def backward(self, dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *, max_workspace_bytes):
+    def backward(self, dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **conv_config):
         """-> (dx, dp, dlog_q, dgamma, domega, dhx), any of them None when not needed; dy/dh may be None."""
         need_x, need_p, need_lq, need_gamma, need_omega, need_hx = Needs(*needs)
         k, V, W = saved
@@ -84,7 +84,7 @@ class CemaBackend(Backend):
             xc = x.to(cd).contiguous()
             need_k = need_p or need_lq or need_gamma
             if need_x or need_k:
-                dx, dk = self.conv.backward(dyc, xc, k, need_x, need_k, max_workspace_bytes=max_workspace_bytes)
+                dx, dk = self.conv.backward(dyc, xc, k, need_x, need_k, **conv_config)
             else:
                 dk = None
             if need_x:
@@ -116,13 +116,9 @@ def not_supported_reasons(*args, **inputs) -> list[str]:
     return _GPU.not_supported_reasons(*args, **inputs)
 
 
-def forward(x, p, log_q, gamma, omega, hx, return_state, weighted=False, *,
-            max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-    return _GPU.forward(x, p, log_q, gamma, omega, hx, return_state, weighted,
-                        max_workspace_bytes=max_workspace_bytes)
+def forward(x, p, log_q, gamma, omega, hx, return_state, weighted=False, **conv_config):
+    return _GPU.forward(x, p, log_q, gamma, omega, hx, return_state, weighted, **conv_config)
 
 
-def backward(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, *,
-             max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-    return _GPU.backward(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs,
-                         max_workspace_bytes=max_workspace_bytes)
+def backward(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **conv_config):
+    return _GPU.backward(dy, dh, x, p, log_q, gamma, omega, hx, saved, needs, **conv_config)

@@ -152,8 +152,25 @@ def fft_size(L_: int) -> int:
     return max(1 << MIN_LOG2, 1 << max(0, (int(L_) - 1).bit_length()))
 
 
-def fft_threads(log2n: int) -> int:
-    return max(32, min(1 << (log2n - 1), MAX_THREADS))
+#: Butterflies each thread owns per FFT stage: the block of an N-point transform has N / (2 x this)
+#: threads (at least a warp, at most 1024). With one butterfly per thread (N / 2 threads) every
+#: transform of N >= 2048 points filled an SM with one 1024-thread block (42 registers per thread),
+#: so each of its ~20 barriers idled the whole SM; with 8, an SM holds several rows' blocks
+#: (N = 4096: 256 threads, 32 KiB; five blocks by registers) and one block's barrier leaves the others
+#: issuing. A tuning knob (1 reproduces the former launch): the GPU run times both.
+BUTTERFLIES_PER_THREAD = (8, 1)
+
+
+#: Small transforms keep blocks of at least this many threads (up to N / 2): an SM holds at most
+#: 32 blocks, so smaller ones would leave it below its 2048 resident threads.
+MIN_BLOCK_THREADS = 128
+
+
+def fft_threads(log2n: int, butterflies: int = 1) -> int:
+    """Threads of the block of a 2^log2n-point transform with ``butterflies`` butterflies per thread
+    and stage (the kernels stride over any multiple of 32 threads)."""
+    half = 1 << (log2n - 1)
+    return max(32, min(max(half // butterflies, min(half, MIN_BLOCK_THREADS)), MAX_THREADS))
 
 
 def fft_smem_bytes(real: torch.dtype, log2n: int) -> int:
@@ -217,20 +234,21 @@ class FftConfig:
     (multi-pass only), threads and dynamic shared memory of each kernel kind. A pure function of
     its inputs (:func:`config`), which the launch path and the device-profile tests both call."""
 
-    def __init__(self, caps, L_: int, dtype: torch.dtype):
+    def __init__(self, caps, L_: int, dtype: torch.dtype, butterflies: int = BUTTERFLIES_PER_THREAD[0]):
         self.real = real_of(dtype)
         self.log2n = log2n_of(L_, self.real, caps)
         self.path = "multi_pass" if multi_pass(self.log2n, self.real, caps) else "one_block"
         if self.path == "one_block":
             self.plan = None
-            self.launches = {"one_block": (fft_threads(self.log2n), fft_smem_bytes(self.real, self.log2n))}
+            self.launches = {"one_block": (fft_threads(self.log2n, butterflies), fft_smem_bytes(self.real, self.log2n))}
         else:
             p = self.plan = plan(self.log2n, self.real, caps)
             if min(p.log2n1, p.log2n2) < MIN_LOG2:
                 raise ValueError(f"fftconv: L = {L_} needs a multi-pass FFT with both factors >= 32 points, which "
                                  f"does not fit{_where(self.real, caps)}; use backend='torch'")
-            self.launches = {"col": (fft_threads(p.log2n1 + p.log2c), fft_smem_bytes(self.real, p.log2n1 + p.log2c)),
-                             "row": (fft_threads(p.log2n2 + 1), fft_smem_bytes(self.real, p.log2n2 + 1))}
+            self.launches = {"col": (fft_threads(p.log2n1 + p.log2c, butterflies),
+                                     fft_smem_bytes(self.real, p.log2n1 + p.log2c)),
+                             "row": (fft_threads(p.log2n2 + 1, butterflies), fft_smem_bytes(self.real, p.log2n2 + 1))}
 
     @property
     def smem(self) -> int:
@@ -276,13 +294,13 @@ def _workspace(L_: int, rows: int, max_workspace_bytes: int, real: torch.dtype, 
 class _Passes:
     """Launches of the four-step passes for one length and arithmetic type."""
 
-    def __init__(self, launcher, log2n: int, real: torch.dtype, device):
+    def __init__(self, launcher, log2n: int, real: torch.dtype, device, butterflies: int):
         self.launcher, self.real, self.device = launcher, real, device
         self.p = plan(log2n, real, _caps(device))
         self.col_groups = 1 << (self.p.log2n2 - self.p.log2c)
         self.row_blocks = (1 << (self.p.log2n1 - 1)) + 1
-        self.col_threads = fft_threads(self.p.log2n1 + self.p.log2c)
-        self.row_threads = fft_threads(self.p.log2n2 + 1)
+        self.col_threads = fft_threads(self.p.log2n1 + self.p.log2c, butterflies)
+        self.row_threads = fft_threads(self.p.log2n2 + 1, butterflies)
         self.col_smem = fft_smem_bytes(real, self.p.log2n1 + self.p.log2c)
         self.row_smem = fft_smem_bytes(real, self.p.log2n2 + 1)
         self.bins = (1 << log2n) + 1
@@ -322,7 +340,8 @@ def _check_ws(ws, ws_rows):
 
 # --- launch descriptions ------------------------------------------------------------------------------
 
-def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tensor | None = None):
+def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tensor | None = None,
+             butterflies: int = BUTTERFLIES_PER_THREAD[0]):
     """rfft of each kernel row, zero-padded to 2N: (D, N + 1) complex64, or complex128 when ``like``
     (x) is float64 (multi-pass layout of the bins above the one-block limit)."""
     D, L_ = k.shape
@@ -337,13 +356,13 @@ def spectrum(launcher, k, max_workspace_bytes: int = 256 << 20, like: torch.Tens
     if D >= 2**31:
         raise ValueError("fftconv: D must be < 2^31")
     if not multi_pass(log2n, real, caps):
-        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_spectrum_kernel<{_R[real]}>"), D, fft_threads(log2n),
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_spectrum_kernel<{_R[real]}>"), D, fft_threads(log2n, butterflies),
                  fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(kc)), ("ptr", cuda_launch.ptr(kf)), ("i32", L_), ("i32", log2n),
                                                ("ptr", cuda_launch.ptr(twiddles(real, k.device)))], k.device)
         return kf
     ws, ws_rows = _workspace(L_, D, max_workspace_bytes, real, k.device)
     _check_ws(ws, ws_rows)
-    passes = _Passes(launcher, log2n, real, k.device)
+    passes = _Passes(launcher, log2n, real, k.device, butterflies)
     for d0 in range(0, D, ws_rows):
         rows = min(ws_rows, D - d0)
         passes.col_fwd(_R[real], False, cuda_launch.ptr(kc) + d0 * L_ * kc.element_size(), cuda_launch.ptr(ws), rows, L_)
@@ -359,7 +378,7 @@ def _x_checks(x, name="x"):
         raise ValueError("fftconv: need B * D < 2^31")
 
 
-def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20):
+def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20, butterflies: int = BUTTERFLIES_PER_THREAD[0]):
     """y (x's dtype), computed in float32 (float64 for float64 x). Above the one-block limit a
     workspace of at most ``max_workspace_bytes`` (at least one row) is walked in row chunks."""
     _x_checks(x)
@@ -370,18 +389,18 @@ def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20):
     caps = _caps(x.device)
     log2n = log2n_of(L_, real, caps)
     xc = x.contiguous()
-    kf = spectrum(launcher, k, max_workspace_bytes, like=x)
+    kf = spectrum(launcher, k, max_workspace_bytes, like=x, butterflies=butterflies)
     y = torch.empty(xc.shape, dtype=x.dtype, device=x.device)
     cpp = cuda_launch.CPP_TYPES[x.dtype]
     if not multi_pass(log2n, real, caps):
-        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_fwd_kernel<{cpp}>"), B * D, fft_threads(log2n),
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_fwd_kernel<{cpp}>"), B * D, fft_threads(log2n, butterflies),
                  fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(xc)), ("ptr", cuda_launch.ptr(kf)), ("ptr", cuda_launch.ptr(y)), ("i32", D),
                                                ("i32", L_), ("i32", log2n), ("ptr", cuda_launch.ptr(twiddles(real, x.device)))],
                  x.device)
         return y
     ws, ws_rows = _workspace(L_, B * D, max_workspace_bytes, real, x.device)
     _check_ws(ws, ws_rows)
-    passes, es = _Passes(launcher, log2n, real, x.device), xc.element_size()
+    passes, es = _Passes(launcher, log2n, real, x.device, butterflies), xc.element_size()
     for r0 in range(0, B * D, ws_rows):
         rows = min(ws_rows, B * D - r0)
         passes.col_fwd(cpp, False, cuda_launch.ptr(xc) + r0 * L_ * es, cuda_launch.ptr(ws), rows, L_)
@@ -390,20 +409,21 @@ def launch_fwd(launcher, x, k, max_workspace_bytes: int = 256 << 20):
     return y
 
 
-def _bwd_dx(launcher, dyc, xc, kf, dx, prod, D, L_, log2n, real, ws, ws_rows):
+def _bwd_dx(launcher, dyc, xc, kf, dx, prod, D, L_, log2n, real, ws, ws_rows,
+            butterflies=BUTTERFLIES_PER_THREAD[0]):
     """dx (or nothing) and the product spectra prod (or nothing) of the rows of dyc / xc."""
     B = xc.shape[0]
     if B == 0 or D == 0 or (dx is None and prod is None):
         return
     cpp, dev, es = cuda_launch.CPP_TYPES[xc.dtype], xc.device, xc.element_size()
     if not multi_pass(log2n, real, _caps(dev)):
-        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dx_kernel<{cpp}>"), B * D, fft_threads(log2n),
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dx_kernel<{cpp}>"), B * D, fft_threads(log2n, butterflies),
                  fft_smem_bytes(real, log2n), [("ptr", cuda_launch.ptr(dyc)), ("ptr", cuda_launch.ptr(xc)), ("ptr", cuda_launch.ptr(kf)),
                                                ("ptr", cuda_launch.ptr(dx)), ("ptr", cuda_launch.ptr(prod)), ("i32", D), ("i32", L_),
                                                ("i32", log2n), ("ptr", cuda_launch.ptr(twiddles(real, dev)))], dev)
         return
     _check_ws(ws, ws_rows)
-    passes = _Passes(launcher, log2n, real, dev)
+    passes = _Passes(launcher, log2n, real, dev, butterflies)
     for r0 in range(0, B * D, ws_rows):
         rows = min(ws_rows, B * D - r0)
         at = r0 * passes.bins * passes.cbytes
@@ -417,13 +437,14 @@ def _bwd_dx(launcher, dyc, xc, kf, dx, prod, D, L_, log2n, real, ws, ws_rows):
             passes.col_inv(cpp, True, cuda_launch.ptr(ws), cuda_launch.ptr(dx) + r0 * L_ * es, rows, L_)
 
 
-def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finalize, ws, ws_rows):
+def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finalize, ws, ws_rows,
+            butterflies=BUTTERFLIES_PER_THREAD[0]):
     """Sums the nb product spectra into acc and, when finalize, writes dk (D, L) in the arithmetic type."""
     if D == 0:
         return
     dev = prod.device
     if not multi_pass(log2n, real, _caps(dev)):
-        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dk_kernel<{_R[real]}>"), D, fft_threads(log2n),
+        cuda_launch.launch(launcher, _k(_ONE, f"fftconv_bwd_dk_kernel<{_R[real]}>"), D, fft_threads(log2n, butterflies),
                  fft_smem_bytes(real, log2n) if finalize else 0,
                  [("ptr", cuda_launch.ptr(prod)), ("ptr", cuda_launch.ptr(acc)), ("ptr", cuda_launch.ptr(dk)), ("i32", nb), ("i32", D),
                   ("i32", L_), ("i32", log2n), ("bool", accumulate), ("bool", finalize),
@@ -431,7 +452,7 @@ def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finaliz
         return
     if finalize:
         _check_ws(ws, ws_rows)
-    passes = _Passes(launcher, log2n, real, dev)
+    passes = _Passes(launcher, log2n, real, dev, butterflies)
     chunk = ws_rows if finalize else D
     for d0 in range(0, D, chunk):
         rows = min(chunk, D - d0)
@@ -440,7 +461,8 @@ def _bwd_dk(launcher, prod, acc, dk, nb, D, L_, log2n, real, accumulate, finaliz
             passes.col_inv(_R[real], True, cuda_launch.ptr(ws), cuda_launch.ptr(dk) + d0 * L_ * dk.element_size(), rows, L_)
 
 
-def launch_bwd(launcher, dy, x, k, need_x: bool = True, need_k: bool = True, max_workspace_bytes: int = 256 << 20):
+def launch_bwd(launcher, dy, x, k, need_x: bool = True, need_k: bool = True, max_workspace_bytes: int = 256 << 20,
+               butterflies: int = BUTTERFLIES_PER_THREAD[0]):
     """(dx in x's dtype or None, dk or None): dk float32, or float64 for float64 x. The dk product
     spectra are summed over batch slices so the workspace stays under ``max_workspace_bytes`` (at
     least one slice; above the one-block limit the multi-pass row workspace is capped by the same)."""
@@ -455,12 +477,12 @@ def launch_bwd(launcher, dy, x, k, need_x: bool = True, need_k: bool = True, max
     N = 1 << log2n
     cplx = torch.complex128 if real == torch.float64 else torch.complex64
     xc, dyc = x.contiguous(), dy.to(x.dtype).contiguous()
-    kf = spectrum(launcher, k, max_workspace_bytes, like=x)
+    kf = spectrum(launcher, k, max_workspace_bytes, like=x, butterflies=butterflies)
     dx = torch.empty(xc.shape, dtype=x.dtype, device=dev) if need_x else None
     dk = torch.empty(D, L_, dtype=real, device=dev) if need_k else None
     if not need_k:
         ws, ws_rows = _workspace(L_, B * D, max_workspace_bytes, real, dev)
-        _bwd_dx(launcher, dyc, xc, kf, dx, None, D, L_, log2n, real, ws, ws_rows)
+        _bwd_dx(launcher, dyc, xc, kf, dx, None, D, L_, log2n, real, ws, ws_rows, butterflies)
         return dx, None
     row_bytes = D * (N + 1) * kf.element_size()
     nb = max(1, min(B, max_workspace_bytes // max(1, row_bytes)))
@@ -470,8 +492,9 @@ def launch_bwd(launcher, dy, x, k, need_x: bool = True, need_k: bool = True, max
     for b0 in range(0, B, nb):
         b1 = min(B, b0 + nb)
         _bwd_dx(launcher, dyc[b0:b1], xc[b0:b1], kf, dx[b0:b1] if dx is not None else None, prod, D, L_, log2n, real,
-                ws, ws_rows)
-        _bwd_dk(launcher, prod[: b1 - b0], acc, dk, b1 - b0, D, L_, log2n, real, b0 > 0, b1 == B, ws, ws_rows)
+                ws, ws_rows, butterflies)
+        _bwd_dk(launcher, prod[: b1 - b0], acc, dk, b1 - b0, D, L_, log2n, real, b0 > 0, b1 == B, ws, ws_rows,
+                butterflies)
     return dx, dk
 
 
@@ -495,8 +518,9 @@ def twiddle_probe(launcher, a: torch.Tensor, s: int, sign: float, real: torch.dt
 class FftconvBackend(Backend):
     #: max_workspace_bytes: cap of the (batch slice, D, N + 1) complex product spectra of dk,
     #: and of the multi-pass FFT's row workspace above the one-block limit (at least one row either way).
-    CONFIG_SPACE: dict = {"max_workspace_bytes": (256 << 20,)}
-    DEFAULT_CONFIG: dict = {"max_workspace_bytes": 256 << 20}
+    #: butterflies_per_thread: the FFT blocks' size (BUTTERFLIES_PER_THREAD above).
+    CONFIG_SPACE: dict = {"max_workspace_bytes": (256 << 20,), "butterflies_per_thread": BUTTERFLIES_PER_THREAD}
+    DEFAULT_CONFIG: dict = {name: values[0] for name, values in CONFIG_SPACE.items()}
     #: float64 x runs the kernels in double (complex128 spectra, double twiddles)
     FP64 = True
 
@@ -526,14 +550,16 @@ class FftconvBackend(Backend):
                            f"got L = {x.shape[-1]} with x {x.dtype} (use backend='torch')")
         return reasons
 
-    def forward(self, x, k, out_dtype=None, *, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
+    def forward(self, x, k, out_dtype=None, *, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"],
+                butterflies_per_thread=DEFAULT_CONFIG["butterflies_per_thread"]):
         """y in x's dtype, or ``out_dtype`` (as the other backends)."""
-        y = launch_fwd(self.ext, x, k, max_workspace_bytes)
+        y = launch_fwd(self.ext, x, k, max_workspace_bytes, butterflies_per_thread)
         return y if out_dtype is None or y.dtype == out_dtype else y.to(out_dtype)
 
     def backward(self, dy, x, k, need_x=True, need_k=True, *,
-                 max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-        return launch_bwd(self.ext, dy, x, k, need_x, need_k, max_workspace_bytes)
+                 max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"],
+                 butterflies_per_thread=DEFAULT_CONFIG["butterflies_per_thread"]):
+        return launch_bwd(self.ext, dy, x, k, need_x, need_k, max_workspace_bytes, butterflies_per_thread)
 
 
 # The backend module's names over the GPU launcher (tests build FftconvBackend over the emulator).
@@ -546,9 +572,9 @@ def not_supported_reasons(*args, **inputs) -> list[str]:
     return _GPU.not_supported_reasons(*args, **inputs)
 
 
-def forward(x, k, out_dtype=None, *, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-    return _GPU.forward(x, k, out_dtype, max_workspace_bytes=max_workspace_bytes)
+def forward(x, k, out_dtype=None, **config):
+    return _GPU.forward(x, k, out_dtype, **config)
 
 
-def backward(dy, x, k, need_x=True, need_k=True, *, max_workspace_bytes=DEFAULT_CONFIG["max_workspace_bytes"]):
-    return _GPU.backward(dy, x, k, need_x, need_k, max_workspace_bytes=max_workspace_bytes)
+def backward(dy, x, k, need_x=True, need_k=True, **config):
+    return _GPU.backward(dy, x, k, need_x, need_k, **config)
