@@ -206,7 +206,10 @@ if HAVE_TRITON:
     @triton.jit
     def table_tile(tw_ptr, OFF: tl.constexpr, M: tl.constexpr, K: tl.constexpr):
         """The [M, K] cos and sin tiles stored row-major at ``OFF`` and ``OFF + M K`` of the table
-        (positions rooted in ``opaque_zero``: re-read per use, never hoisted or held)."""
+        (positions rooted in ``opaque_zero``: re-read per use, never hoisted or held). The opaque term
+        sits on the column index, which also keeps the loads scalar: rooting the rows only (4-wide
+        vector loads) spilled the bf16 N = 2048 backward on sm_90, and both indices the fp32 one on
+        sm_80 (16 B), with Triton 3.9; this form spills in neither."""
         o = tl.arange(0, M)[:, None] * K + (tl.arange(0, K)[None, :] + opaque_zero(tw_ptr))
         return tl.load(tw_ptr + OFF + o), tl.load(tw_ptr + OFF + M * K + o)
 
