@@ -3,8 +3,8 @@
     TRITON_INTERPRET=1 python -m megalodon_kernels.bench.fftconv_data_bytes
 
 The interpreter's byte counter (bench/triton_bytes.py) counts every load and store; this report
-drops the accesses that fall in the twiddle table (the DFT matrices and twiddles are gathered from
-it per level: 32 KB that stays in L1/L2 on a GPU, excepted by issue 39's criterion), so what is
+drops the accesses that fall in the twiddle table (the DFT matrices and twiddles are read from it
+per level: at most 66 KB at one tile size, L1/L2 hits on a GPU, excepted by issue 39's criterion), so what is
 left is the traffic of x, k, dy, y, dx, dk, any partial sums and the slice path's workspaces (k's
 slice spectra, the slices' inverse transforms, the parked spectra). Ideal: forward x and k read once,
 y written once; backward dy, x and k read once, dx and dk written once (fp32 here).

@@ -25,7 +25,22 @@ Each call is timed at five levels, the same inputs, interleaved round by round (
 
 so that ``public - op`` is the public function's checks and glue, ``op - real`` the custom-op and
 autograd plumbing, ``real - direct - select`` the wrapper, and ``public - direct`` our part (the
-issue's target: at most 25 us forward, 80 us forward + backward). Inside ``direct``, one extra
+issue's target: at most 25 us forward, 80 us forward + backward). Three more levels in the same
+rounds:
+
+* ``glue``: the public function with every backend call answered by its recorded output (no
+  math): our code alone. ``public - direct - glue`` is how much slower our code runs between the
+  math's ATen calls than alone (on this CPU the math's kernels leave caches and branch predictors
+  cold for the Python between them);
+* ``twin`` and ``twin clones``: a torch.library custom op with the op's schema and an empty body
+  (it returns copies of the recorded outputs; with autograd, it saves as many tensors, marks the
+  same outputs non-differentiable and returns precomputed gradients), called through the
+  dispatcher, and the copies alone: ``twin - twin clones`` is torch's own custom-op machinery for
+  a call of this signature (the road compile, export and every non-plain eager call take).
+
+Each row ends with a verdict: within the target, or which torch part alone costs more than the
+target (torch's autograd around the math, ``bare - direct``; torch.library's road,
+``twin - twin clones``) with its figure, and whether ours is above it too. Inside ``direct``, one extra
 instrumented pass times the launch road (Triton's ``JITFunction.run`` / our ``GpuLauncher``),
 its argument packing (Triton's binder / the C values and pointer array) and the allocations
 (``torch.empty*``, ``zeros*``, ``new_empty``, ``new_zeros``); the timers' own cost, measured, is
@@ -144,6 +159,7 @@ class Recorder:
 
     def __init__(self, module, calls):
         self._module, self._calls, self._depth = module, calls, [0]
+        self.outputs = []  # what each kept call returned, in the same order
 
     def __getattr__(self, name):
         value = getattr(self._module, name)
@@ -151,19 +167,38 @@ class Recorder:
             return value
 
         def call(*args, **kwargs):
-            if self._depth[0] == 0:
+            outer = self._depth[0] == 0
+            if outer:
                 self._calls.append((name, args, kwargs))
+                self.outputs.append(None)
+                at = len(self.outputs) - 1
             self._depth[0] += 1
             try:
-                return value(*args, **kwargs)
+                out = value(*args, **kwargs)
+                if outer:
+                    self.outputs[at] = out
+                return out
             finally:
                 self._depth[0] -= 1
         return call
 
 
+def _detached(out):
+    """``out`` with every tensor in it detached (tuples, named tuples and lists rebuilt)."""
+    if isinstance(out, torch.Tensor):
+        return out.detach()
+    if isinstance(out, tuple):
+        items = [_detached(v) for v in out]
+        return type(out)(*items) if hasattr(out, "_fields") else tuple(items)
+    if isinstance(out, list):
+        return [_detached(v) for v in out]
+    return out
+
+
 @contextlib.contextmanager
 def recording(op_backends, name, module):
-    """-> (op_calls, backend_calls, select_calls) filled while the block runs."""
+    """-> (op_calls, backend_calls, select_calls, backend_outputs) filled while the block runs
+    (backend_outputs[i]: what backend_calls[i] returned)."""
     op_calls, backend_calls, select_calls = [], [], []
     depth = [0]
     op_call, select = _library.Op.__call__, _dispatch.OpBackends.select
@@ -182,9 +217,10 @@ def recording(op_backends, name, module):
         return select(self, backend, inputs, **kw)
 
     _library.Op.__call__, _dispatch.OpBackends.select = recorded_op_call, recorded_select
+    recorder = Recorder(module, backend_calls)
     try:
-        with op_backends.use(name, Recorder(module, backend_calls)):
-            yield op_calls, backend_calls, select_calls
+        with op_backends.use(name, recorder):
+            yield op_calls, backend_calls, select_calls, recorder.outputs
     finally:
         _library.Op.__call__, _dispatch.OpBackends.select = op_call, select
 
@@ -352,6 +388,106 @@ def replay_select(calls):
     return run
 
 
+def call_signature(op, args, kwargs):
+    """(multi, templates, nondiff, saved, grads) of one recorded op call (autograd records it):
+    whether it returns a tuple, a copy of each output, the outputs the op's setup_context marks
+    non-differentiable (residuals), as many tensors to save as its autograd node saves, and a
+    gradient (zeros) for each input that requires one (None for the others)."""
+    out = op(*args, **kwargs)
+    multi = isinstance(out, tuple)
+    outs = out if multi else (out,)
+    templates = [t.detach().clone() for t in outs]
+    nondiff = tuple(i for i, t in enumerate(outs) if t.is_floating_point() or t.is_complex()
+                    if not t.requires_grad)
+    node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
+    n_saved = len(node.saved_tensors) if node is not None else 0
+    tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
+    pool = tensors + templates
+    saved = [pool[i % len(pool)] for i in range(n_saved)]
+    grads = tuple(torch.zeros_like(a) if isinstance(a, torch.Tensor) and a.requires_grad else None
+                  for a in (*args, *kwargs.values()))
+    return multi, templates, nondiff, saved, grads
+
+
+_TWINS = [0]  # twin ops registered in this process (each needs a name of its own)
+
+
+def library_twin(op, args, kwargs, graded):
+    """(twin, clones): ``twin`` calls a torch.library custom op with the schema of ``op`` whose
+    implementation only returns copies of the recorded outputs (and, for a call autograd records,
+    whose registered setup_context saves as many tensors and marks the same outputs
+    non-differentiable, and whose backward returns precomputed gradients), through the
+    dispatcher; ``clones`` makes the same copies. ``twin - clones`` is what torch's custom-op
+    machinery (the dispatcher, torch.library's autograd kernel, its generated autograd.Function)
+    costs for a call of this signature, none of our code: the road torch.compile, export and every
+    non-plain eager call take, which our eager roads go around."""
+    with torch.enable_grad() if graded else torch.no_grad():
+        multi, templates, nondiff, saved, grads = call_signature(op, args, kwargs)
+    schema = str(op._opoverload._schema)
+    _TWINS[0] += 1
+    name = f"host_cost_twin::{op._name.split('::')[-1]}_{os.getpid()}_{_TWINS[0]}"
+
+    def impl(*a, **k):
+        res = tuple(t.clone() for t in templates)
+        return res if multi else res[0]
+
+    twin = torch.library.custom_op(name, impl, mutates_args=(), schema=schema[schema.index("("):])
+    twin.register_fake(impl)
+
+    def setup_context(ctx, inputs, output):
+        ctx.save_for_backward(*saved)
+        if nondiff:
+            outs = output if multi else (output,)
+            ctx.mark_non_differentiable(*(outs[i] for i in nondiff))
+
+    def backward(ctx, *g):
+        ctx.saved_tensors
+        return grads
+
+    twin.register_autograd(backward, setup_context=setup_context)
+    values = (*args, *kwargs.values())
+    if not graded:
+        return (lambda: twin(*values)), (lambda: impl())
+    out_grads = grads_for(twin(*values))[1]
+    return (lambda: torch.autograd.backward(grads_for(twin(*values))[0], out_grads)), (lambda: impl())
+
+
+def glue_level(public, module, backend_calls, outputs, detach):
+    """``public`` with every backend call answered by the output the recorded call gave (no math):
+    what our code costs alone, not interleaved with the math's own work (the public level minus
+    this is how much slower our code runs between the math's ATen calls: caches and branch
+    predictors the math used). With ``detach`` each returned tensor is a new detached view
+    (autograd wraps a new tensor per call, as it does a backend's output; ~0.5 us each, counted
+    here)."""
+    names = sorted({c[0] for c in backend_calls})
+    own = {n: vars(module)[n] for n in names if n in vars(module)}
+    at = [0]
+
+    def answer(name):
+        def call(*args, **kwargs):
+            i = at[0]
+            if backend_calls[i][0] != name:  # the call took another road than the recorded one
+                raise RuntimeError(f"glue level: backend call {i} is {name}, recorded {backend_calls[i][0]}")
+            at[0] = i + 1
+            return _detached(outputs[i]) if detach else outputs[i]
+        return call
+    answers = {n: answer(n) for n in names}
+
+    def run():
+        at[0] = 0
+        for n, f in answers.items():
+            setattr(module, n, f)
+        try:
+            public()
+        finally:
+            for n in names:
+                if n in own:
+                    setattr(module, n, own[n])
+                else:
+                    delattr(module, n)
+    return run
+
+
 def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
     """(empty, clones, bare): torch's own autograd cost for a call of this signature.
 
@@ -368,20 +504,7 @@ def autograd_floor(fwd_calls, module, fwd_backend, bwd_backend):
     fwd_fns = [(getattr(module, name), args, kwargs) for name, args, kwargs in fwd_backend]
     bwd_fns = [(getattr(module, name), args, kwargs) for name, args, kwargs in bwd_backend]
     for op, args, kwargs in fwd_calls:
-        out = op(*args, **kwargs)
-        multi = isinstance(out, tuple)
-        outs = out if multi else (out,)
-        templates = [t.detach().clone() for t in outs]
-        # the outputs the op's setup_context marks non-differentiable (residuals), marked alike
-        nondiff = tuple(i for i, t in enumerate(outs) if t.is_floating_point() or t.is_complex()
-                        if not t.requires_grad)
-        node = next((t.grad_fn for t in outs if t.grad_fn is not None), None)
-        n_saved = len(node.saved_tensors) if node is not None else 0
-        tensors = [a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)]
-        pool = tensors + templates
-        saved = [pool[i % len(pool)] for i in range(n_saved)]
-        grads = tuple(torch.zeros_like(a) if isinstance(a, torch.Tensor) and a.requires_grad else None
-                      for a in (*args, *kwargs.values()))
+        multi, templates, nondiff, saved, grads = call_signature(op, args, kwargs)
 
         def make(math_fwd, math_bwd, templates=templates, saved=saved, multi=multi, grads=grads, nondiff=nondiff):
             def forward(ctx, *a):
@@ -448,7 +571,7 @@ def measure(op, name, build, calls, rounds, clock, stubs, timer_us):
     for phase in ("forward", "forward+backward"):
         fn = nograd if phase == "forward" else graded
         grad_ctx = torch.no_grad if phase == "forward" else contextlib.nullcontext
-        with grad_ctx(), recording(backends, name, module) as (op_calls, backend_calls, select_calls):
+        with grad_ctx(), recording(backends, name, module) as (op_calls, backend_calls, select_calls, backend_outputs):
             out = fn(name)
             n_fwd = len(backend_calls)  # the backend calls of the forward; the rest are the backward's
             if phase != "forward":
@@ -473,6 +596,11 @@ def measure(op, name, build, calls, rounds, clock, stubs, timer_us):
                 if phase != "forward":
                     levels["floor"], levels["floor clones"], levels["bare"] = autograd_floor(
                         fwd_ops, module, backend_calls[:n_fwd], backend_calls[n_fwd:])
+                levels["glue"] = glue_level(public, module, backend_calls, backend_outputs, phase != "forward")
+                twins = [library_twin(op_, a, k, phase != "forward") for op_, a, k in op_calls
+                         if not op_._name.endswith("_bwd")]
+                levels["twin"] = lambda: [t() for t, _ in twins]
+                levels["twin clones"] = lambda: [c() for _, c in twins]
                 got = interleaved(levels, calls, rounds, clock)
                 # the instrumented pass over the direct calls
                 timers = Timers(clock)
@@ -577,60 +705,92 @@ def commit() -> str:
         return "?"
 
 
+def verdict(r, phase) -> str:
+    """Whether our part of one row is within the issue's target; if not, the torch part that alone
+    costs more than the target, with its figure, and whether ours is above that torch part too."""
+    target = TARGET_FWD_US if phase == "forward" else TARGET_BOTH_US
+    ours = r["public"] - r["direct"]
+    if ours <= target:
+        return "within"
+    twin = r["twin"] - r["twin clones"] if "twin" in r else None
+    notes = []
+    if phase != "forward" and r["bare"] - r["direct"] > target:
+        notes.append(f"torch's autograd around the math alone {r['bare'] - r['direct']:.0f} (ours beyond it "
+                     f"{r['public'] - r['bare']:.0f})")
+    if twin is not None and twin > target:
+        notes.append(f"torch.library's own road for this signature alone {twin:.0f}"
+                     + (" (ours is below it)" if ours <= twin else ""))
+    if not notes:
+        if "glue" not in r:
+            return "over: ours"
+        return (f"over: ours ({r['glue']:.0f} alone, {ours - r['glue']:.0f} more when run between the math's calls; "
+                f"torch.library's road {twin:.0f})" if twin is not None else f"over: ours ({r['glue']:.0f} alone)")
+    return "over: " + "; ".join(notes) + ("" if phase != "forward" or (twin is not None and ours <= twin)
+                                          else "; ours is above it too")
+
+
 def table(result) -> list[str]:
     lines = []
     for phase, target in (("forward", TARGET_FWD_US), ("forward+backward", TARGET_BOTH_US)):
         both = phase != "forward"
         lines += ["", f"### {phase} (target: ours <= {target:.0f} us)", "",
-                  "| op | backend | public | direct (the math) | **ours = public - direct** | checks + glue | "
-                  "custom-op + autograd plumbing | wrapper | select | launch road (its packing) | allocations (n) | "
+                  "| op | backend | public | direct (the math) | **ours = public - direct** | ours alone (no math) | "
+                  "checks + glue | custom-op + autograd plumbing | wrapper | select | launch road (its packing) | "
+                  "allocations (n) | "
                   + ("autograd, empty body | **autograd around the math (bare - direct)** | **ours beyond it "
                      "(public - bare)** | " if both else "")
-                  + "torch math direct | native op, same arity |",
-                  "|---|---|" + "---:|" * (14 if both else 11)]
+                  + "torch.library op, same signature, empty body | native op, same arity | verdict |",
+                  "|---|---|" + "---:|" * (15 if both else 12) + "---|"]
         for op, by_backend in result["ops"].items():
-            torch_direct = by_backend.get("torch", {}).get(phase, {}).get("direct")
             for name, row in by_backend.items():
                 if "skipped" in row:
-                    lines.append(f"| {op} | {name} | skipped: {row['skipped']} |" + " |" * (13 if both else 10))
+                    lines.append(f"| {op} | {name} | skipped: {row['skipped']} |" + " |" * (15 if both else 12))
                     continue
                 r = row[phase]
                 p = r["pieces"]
                 ours = r["public"] - r["direct"]
                 launch = (f"{p['launch road']:.1f} ({p.get('argument packing', 0):.1f})" if "launch road" in p else "-")
-                mark = "" if ours <= target else " (over)"
                 native = result["native"][str(result["arity"][op])][1 if both else 0]
                 floor = r["floor"] - r["floor clones"] if both else None
                 around = r["bare"] - r["direct"] if both else None
+                glue = f"{r['glue']:.1f}" if "glue" in r else "-"
+                twin = f"{r['twin'] - r['twin clones']:.1f}" if "twin" in r else "-"
                 lines.append(
-                    f"| {op} | {name} | {r['public']:.1f} | {r['direct']:.1f} | **{ours:.1f}**{mark} | "
+                    f"| {op} | {name} | {r['public']:.1f} | {r['direct']:.1f} | **{ours:.1f}** | {glue} | "
                     f"{r['public'] - r['op']:.1f} | {r['op'] - r['real']:.1f} | "
                     f"{r['real'] - r['direct'] - r['select']:.1f} | {r['select']:.1f} | {launch} | "
                     f"{p.get('allocations', 0):.1f} ({p.get('allocations (count)', 0):.0f}) | "
                     + (f"{floor:.1f} | **{around:.1f}** | **{r['public'] - r['bare']:.1f}** | " if both else "")
-                    + f"{'-' if torch_direct is None else f'{torch_direct:.1f}'} | {native:.1f} |")
+                    + f"{twin} | {native:.1f} | {verdict(r, phase)} |")
     return lines
 
 
 def compare(before: dict, after: dict) -> list[str]:
     """Markdown: our part (public - direct) per op, backend and phase in two results (--json
-    files of two trees), and after's split of forward + backward into torch's autograd around
-    the math and ours beyond it."""
+    files of two trees), with after's split: our code alone (glue), torch.library's own road for
+    the signature (twin), for forward + backward torch's autograd around the math and ours beyond
+    it, and the verdict."""
     lines = [f"before: commit {before['commit']}, load `{before['load_before']}`; after: commit {after['commit']}, "
-             f"load `{after['load_before']}`", "",
-             "| op | backend | forward: ours before | after | forward + backward: ours before | after | "
-             "of which torch's autograd around the math (after) | ours beyond it (after) |",
-             "|---|---|---:|---:|---:|---:|---:|---:|"]
-    for op, by_backend in after["ops"].items():
-        for name, row in by_backend.items():
-            old = before["ops"].get(op, {}).get(name, {})
-            if "skipped" in row or "skipped" in old or not old:
-                continue
-            f0, f1 = (r["forward"]["public"] - r["forward"]["direct"] for r in (old, row))
-            b0, b1 = (r["forward+backward"]["public"] - r["forward+backward"]["direct"] for r in (old, row))
-            a = row["forward+backward"]
-            lines.append(f"| {op} | {name} | {f0:.1f} | {f1:.1f} | {b0:.1f} | {b1:.1f} | {a['bare'] - a['direct']:.1f} | "
-                         f"{a['public'] - a['bare']:.1f} |")
+             f"load `{after['load_before']}`"]
+    for phase, target in (("forward", TARGET_FWD_US), ("forward+backward", TARGET_BOTH_US)):
+        both = phase != "forward"
+        lines += ["", f"#### {phase} (target: ours <= {target:.0f} us)", "",
+                  "| op | backend | ours before | **ours after** | of which our code alone (no math) | "
+                  + ("torch's autograd around the math | ours beyond it | " if both else "")
+                  + "torch.library's own road, same signature, empty body | verdict (after) |",
+                  "|---|---|---:|---:|---:|" + ("---:|---:|" if both else "") + "---:|---|"]
+        for op, by_backend in after["ops"].items():
+            for name, row in by_backend.items():
+                old = before["ops"].get(op, {}).get(name, {})
+                if "skipped" in row or "skipped" in old or not old:
+                    continue
+                r0, r = old[phase], row[phase]
+                cells = [f"{r0['public'] - r0['direct']:.1f}", f"**{r['public'] - r['direct']:.1f}**",
+                         f"{r['glue']:.1f}" if "glue" in r else "-"]
+                if both:
+                    cells += [f"{r['bare'] - r['direct']:.1f}", f"{r['public'] - r['bare']:.1f}"]
+                cells += [f"{r['twin'] - r['twin clones']:.1f}" if "twin" in r else "-", verdict(r, phase)]
+                lines.append(f"| {op} | {name} | " + " | ".join(cells) + " |")
     return lines
 
 

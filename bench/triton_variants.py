@@ -427,15 +427,13 @@ def _fftconv_config_variants(cfg, direct_tiles):
 
 
 def fftconv_table_bytes(a: int) -> int:
-    """Bytes of the distinct twiddle-table entries (cos and sin) the N = 256 a point tile transform
-    reads: the 16-point DFT matrix, the W_16a twiddles (b f0) and the W_N twiddles (c (f0 + a f1));
-    the table's other entries are never touched at this size, so they are not part of the ideal."""
-    n, log_a = 256 * a, a.bit_length() - 1
-    idx = {(f * m % 16) * 256 for f in range(16) for m in range(16)}
-    if a > 1:
-        idx |= {(b * f0 % (16 * a)) << (8 - log_a) for b in range(16) for f0 in range(a)}
-    idx |= {(c * (f0 + a * f1) % n) << (4 - log_a) for c in range(16) for f0 in range(a) for f1 in range(16)}
-    return 2 * 4 * len(idx)
+    """Bytes of the distinct twiddle-table entries the N = 256 a point tile transform reads (the
+    contiguous tiles of ``twiddle_table``): the 16-point DFT matrix, the block-diagonal diag(F_8, F_8)
+    at a = 8, the W_16a twiddle tile (a > 1) and the W_N twiddle tile, cos and sin, plus the one entry
+    that ``opaque_zero`` reads; the table's other entries are never touched at this size, so they are
+    not part of the ideal."""
+    floats = 1 + 2 * 256 + (2 * 256 if a == 8 else 0) + (2 * 256 * a if a > 1 else 0) + 2 * 256 * a
+    return 4 * floats
 
 
 def _fftconv_bytes():

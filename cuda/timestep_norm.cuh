@@ -13,8 +13,8 @@
 // x - K is exact (Sterbenz) and the running mean is a small offset from K, so x - mu_t keeps the
 // precision of the data's spread instead of its magnitude (an unshifted fp32 mean near 1e3 alone
 // costs ~3e-5 absolute). cummean is relative to K; the returned mean adds K back. tsn_shift_kernel
-// writes K per (s, g) and per step (the row kernels read it at their (step, g) row); the backward
-// recomputes it from x (the same reads, the same K) instead of saving it.
+// writes K per (s, g) and per step (the row kernels read it at their (step, g) row); the forward
+// saves both for the backward (ops/timestep_norm/cuda_impl.py).
 //   0. tsn_shift_kernel     one warp per (s, g): K, and K at each of the row's steps
 //   1. tsn_moments_kernel   one warp per (step, g) row: gmu_t, gvar_t of x - K (two passes, fp32)
 //   2. tsn_scan_fwd_kernel  one block per (s, g), thread c owns the time chunk c: a Kahan-

@@ -69,6 +69,32 @@ MAX_LOGGED = 4096
 _MISSING = object()
 
 
+def env_reader(name: str):
+    """A function returning environment variable ``name`` ("" when unset), for the per-call cache
+    key of :meth:`OpBackends.select`. ``os.environ.get`` of an unset name raises and catches a
+    KeyError inside (``os._Environ`` has no ``get`` of its own): ~1 us alone and 4-6 us between a
+    backend's ATen calls on this CPU (bench/results/host_cost.md, round 3). The reader looks the
+    encoded name up in ``os.environ``'s own mapping instead (the one every ``os.environ[...] = ``
+    and ``del`` updates), while ``os.environ`` is still the object it was made for; elsewhere (a
+    Python without that mapping, or a test that replaced ``os.environ``) it calls ``os.environ.get``."""
+    env = os.environ
+    data, encodekey, decodevalue = (getattr(env, a, None) for a in ("_data", "encodekey", "decodevalue"))
+    if type(data) is not dict or not callable(encodekey) or not callable(decodevalue):
+        return lambda: os.environ.get(name, "")
+    key = encodekey(name)
+
+    def read() -> str:
+        if os.environ is not env:
+            return os.environ.get(name, "")
+        value = data.get(key)
+        return "" if value is None else decodevalue(value)
+    return read
+
+
+_READ_BACKEND_ENV = env_reader(ENV_VAR)
+_READ_CACHE_ENV = env_reader(autotune_cache.ENV_CACHE)
+
+
 @dataclass(frozen=True)
 class Choice:
     """A resolved backend: its name, its implementation module and the knob values to use.
@@ -191,8 +217,8 @@ class OpBackends:
             if self.reasons(name, inputs):
                 raise self._error(inputs, f"{self.op}: backend {name!r} (forced by the tuner) cannot run these inputs:")
             return self._finish(name, "autotune override", device, dtype, config)
-        env = os.environ.get(ENV_VAR, "") if backend == "auto" else ""
-        memo = (backend, env, os.environ.get(autotune_cache.ENV_CACHE, ""), device, dtype, cuda_device.generation(),
+        env = _READ_BACKEND_ENV() if backend == "auto" else ""
+        memo = (backend, env, _READ_CACHE_ENV(), device, dtype, cuda_device.generation(),
                 signature(inputs))
         version = autotune_cache.version()
         if version != self._version:

@@ -75,25 +75,31 @@ def empty_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty_like(t, memory_format=torch.contiguous_format)
 
 
-#: filled(): the kept CPU defaults, (shape, fill, dtype) -> tensor, at most MAX_KEPT
+#: filled(): the kept defaults, (shape, fill, dtype, place) -> tensor, at most MAX_KEPT
 _KEPT: dict = {}
 MAX_KEPT = 64
 #: id -> a tensor filled() made, while it lives (an op's value check may skip it: see is_filled)
 _FILLED = weakref.WeakValueDictionary()
 
 
-def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+_ASK, _FRESH = object(), object()  # filled()'s place: not given (ask fill_place); a tracer's (a new tensor)
+
+
+def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device, place=_ASK) -> torch.Tensor:
     """A tensor of ``shape`` holding ``fill``: what a public function passes for an input the caller
-    left out (timestep_norm's initial state) and the op only reads. In plain eager mode on the CPU
-    one kept tensor per (shape, fill, dtype) serves every call, rebuilt if anything wrote to it; it
-    never reaches the caller (an op's outputs are fresh tensors, see _fresh). On another device (a
-    kept tensor would need its stream's bookkeeping) or under a tracer it is a new tensor. In plain
-    eager mode :func:`is_filled` then knows it, for as long as it is unchanged."""
-    if not plain_eager(profiler_ok=True):
+    left out (timestep_norm's initial state) and the op only reads. In plain eager mode one kept
+    tensor per (shape, fill, dtype, :func:`kept_place`) serves every call, rebuilt if anything wrote
+    to it (its version counter); it never reaches the caller (an op's outputs are fresh tensors, see
+    _fresh). On a GPU that saves a fill launch per tensor and call. Under a tracer, while a CUDA
+    graph is captured, or on another device it is a new tensor. In plain eager mode :func:`is_filled`
+    then knows it, for as long as it is unchanged. ``place``: :func:`fill_place` of ``device``, asked
+    once by a caller that fills several tensors."""
+    if place is _ASK:
+        place = fill_place(device)
+    if place is _FRESH:
         return torch.full(shape, fill, dtype=dtype, device=device)
-    cpu = device.type == "cpu"
-    if cpu:
-        t = _KEPT.get((shape, fill, dtype))
+    if place is not None:
+        t = _KEPT.get((shape, fill, dtype, place))
         if t is not None and t._version == 0:
             return t
     if torch.is_inference_mode_enabled():
@@ -101,12 +107,39 @@ def filled(shape: tuple, fill, dtype: torch.dtype, device: torch.device) -> torc
             t = torch.full(shape, fill, dtype=dtype, device=device)
     else:
         t = torch.full(shape, fill, dtype=dtype, device=device)
-    if cpu:
+    if place is not None:
         if len(_KEPT) >= MAX_KEPT:
             _KEPT.clear()
-        _KEPT[(shape, fill, dtype)] = t
+        _KEPT[(shape, fill, dtype, place)] = t
     _FILLED[id(t)] = t
     return t
+
+
+def fill_place(device: torch.device):
+    """The ``place`` argument of :func:`filled` for this call: a tracer's (new tensors, never known to
+    is_filled) outside plain eager mode, else :func:`kept_place`."""
+    return kept_place(device) if plain_eager(profiler_ok=True) else _FRESH
+
+
+def kept_place(device: torch.device):
+    """Where a kept tensor of :func:`filled` may serve calls on ``device``: "cpu"; on a CUDA device
+    (device, current stream), so that no stream reads one before the stream that filled it has
+    run; None (keep nothing) while the current stream captures a CUDA graph (a graph must not read
+    a tensor that a later eviction frees), for a device other than the current one (whose capture
+    state torch does not answer for) and on other device types. Tests fake a stream here."""
+    if device.type == "cpu":
+        return "cpu"
+    return cuda_stream_place(device)
+
+
+def cuda_stream_place(device: torch.device):
+    """(device, its current stream) for a CUDA ``device`` that is the current device and not
+    capturing a CUDA graph; None otherwise: where a tensor made in one eager call may serve the
+    next ones (filled's defaults, rotary's tables)."""
+    if (device.type != "cuda" or (device.index is not None and device.index != torch.cuda.current_device())
+            or torch.cuda.is_current_stream_capturing()):
+        return None
+    return device, torch.cuda.current_stream(device).cuda_stream
 
 
 def is_filled(t: torch.Tensor) -> bool:

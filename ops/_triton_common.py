@@ -138,12 +138,12 @@ RELEASE_PRUNES: tuple = (
                  variants=(("_tile_bwd_kernel", "tile bwd x=fp32 N=4096 warps=8"),
                            ("_tile_bwd_kernel", "tile bwd x=bf16 N=4096 warps=8")),
                  why=f"the backward of the 4096-point FFT tile (1024 < L <= 2048) {_SPILL_36_80} "
-                     "(96-136 B per thread)"),
+                     "(96-152 B per thread)"),
     ReleasePrune("fftconv", (3, 7), launch={"path": "tile", "N": 2048}, families=(80,),
                  variants=(("_tile_bwd_kernel", "tile bwd x=fp32 N=2048 warps=4"),
                            ("_tile_bwd_kernel", "tile bwd x=bf16 N=2048 warps=4")),
                  why=f"the backward of the 2048-point FFT tile (512 < L <= 1024) {_SPILL_36_80} "
-                     "(40 B per thread)"),
+                     "(40-48 B per thread)"),
     ReleasePrune("cema", (3, 7), launch={"path": "tile", "N": 4096}, families=(80,),
                  variants=(("_tile_bwd_kernel", "fused tile bwd x=bf16 N=4096 warps=8"),),
                  why=f"the fused convolution backward of the 4096-point FFT tile (1024 < L <= 2048) "

@@ -208,6 +208,20 @@ def _table_entry(x, backend, config):
         "candidate_set": autotune_cache.candidate_set(registry.get(OP).space, x.device.type)}}
 
 
+def test_env_reader_sees_every_change_without_raising(monkeypatch):
+    # select's key reads the environment on every call, without os.environ.get's KeyError when unset
+    name = "MEGALODON_KERNELS_TEST_ENV_READER"
+    read = _dispatch.env_reader(name)
+    monkeypatch.delenv(name, raising=False)
+    assert read() == ""
+    monkeypatch.setenv(name, "cuda é")
+    assert read() == "cuda é"
+    monkeypatch.delenv(name)
+    assert read() == ""
+    monkeypatch.setattr(_dispatch.os, "environ", {name: "replaced"})  # a test that swaps os.environ itself
+    assert read() == "replaced"
+
+
 def test_table_write_and_clear_drop_the_cached_choices(fakes, tables):
     backends, cuda, torch_ = fakes
     user, shipped = tables

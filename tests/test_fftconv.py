@@ -272,11 +272,13 @@ def test_triton_default_path_choice():
     limit = conv_triton.DEFAULT_CONFIG["direct_max_len"]
     assert conv_triton._plan(limit, limit)[0] == "direct"
     assert conv_triton._plan(limit + 1, limit)[0] == "tile"
-    assert conv_triton._plan(2048, limit)[0] == "tile" and conv_triton._plan(2049, limit) == ("slice", 8, 4, 16)
-    # N = 2**18: 128 slices of C = 2048, 64 output blocks per combine program
+    assert conv_triton._plan(2048, limit)[0] == "tile" and conv_triton._plan(2049, limit) == ("slice", 8, 4, 2)
+    # N = 2**18: 128 slices of C = 2048, 64 output blocks per combine program (dots from R = 16 on)
     assert conv_triton._plan(conv_triton.MAX_LENGTH, limit) == ("slice", 8, 128, 64)
+    assert conv_triton._plan(8192, limit) == ("slice", 8, 8, 4) and conv_triton._plan(8193, limit)[3] == 16
     # the shipped combine tile loops over several column tiles per row pair (the case "L2049-shipped-work_bc")
     assert conv_triton.combine_cols(16, conv_triton.DEFAULT_CONFIG["work_bc"], conv_triton.SLICE_C) < 2048
+    assert conv_triton.combine_cols(2, conv_triton.DEFAULT_CONFIG["work_bc"], conv_triton.SLICE_C) == 1024
 
 
 # ------------------------------------------------------------------------------------------------
@@ -308,6 +310,34 @@ def test_triton_tile_sizes():
     assert conv_triton._plan(2048, 0) == ("tile", 16)
     lengths = (31, 128, 129, 256, 257, 512, 513, 1024, 1025, 2048)
     assert [conv_triton._plan(L, 0)[1] for L in lengths] == [1, 1, 2, 2, 4, 4, 8, 8, 16, 16]
+
+
+def test_triton_twiddle_table_tiles_are_the_rounded_roots():
+    """The tile transform reads its DFT matrices and twiddles as pre-arranged contiguous tiles; each
+    entry must be the very fp32 root W_M^e (cos, sin of 2 pi e / M) that the [2, 4096] roots hold."""
+    T = conv_triton
+    tab = T.twiddle_table(torch.device("cpu"))
+    assert tab.numel() == T.TW_SIZE
+    roots = tab[:8192].view(2, 4096)
+    e = torch.arange(4096, dtype=torch.float64) * (2 * math.pi / 4096)
+    assert torch.equal(roots, torch.stack([torch.cos(e), torch.sin(e)]).float())
+
+    def expect(exp, log_m):
+        return roots[:, (exp % (1 << log_m)) * (4096 >> log_m)]
+
+    def tile(off, m, k):
+        return tab[off:off + 2 * m * k].view(2, m, k)
+
+    o = torch.arange(16)
+    assert torch.equal(tile(T.TW_F16, 16, 16), expect(o[:, None] * o[None, :], 4))
+    diag = (o[:, None] // 8 == o[None, :] // 8).float()
+    assert torch.equal(tile(T.TW_F8, 16, 16), expect((o[:, None] % 8) * (o[None, :] % 8), 3) * diag)
+    for a in T.TILE_FACTORS:
+        base, log_a = T.TW_PLANES + 1024 * (a - 1), a.bit_length() - 1
+        b = torch.arange(256)[:, None] // 16
+        assert torch.equal(tile(base, 256, a), expect(b * torch.arange(a)[None, :], log_a + 4)), a
+        r = torch.arange(16 * a)[:, None]
+        assert torch.equal(tile(base + 512 * a, 16 * a, 16), expect((r // a) * (r % a + a * o[None, :]), log_a + 8)), a
 
 
 def test_triton_row_chunks():
@@ -352,19 +382,24 @@ def test_triton_batch_split_over_programs(monkeypatch, xdtype, L):
     assert_close("dx fused", dx, to_np(dx_ref), tol("triton", xdtype, "bwd"))
 
 
-@pytest.mark.parametrize("xdtype, L", [(F32, 200), (BF16, 500)], ids=["float32-R2", "bfloat16-R4"])
-def test_triton_slice_path(monkeypatch, xdtype, L):
+@pytest.mark.parametrize("xdtype, L, dots", [(F32, 200, False), (BF16, 500, False), (F32, 500, True)],
+                         ids=["float32-R2", "bfloat16-R4", "float32-R4-combine-dots"])
+def test_triton_slice_path(monkeypatch, xdtype, L, dots):
     """The slice path (N > MAX_TILE_FFT) at small sizes: the threshold and the slice tile lowered to
     256 points, so N = 512 / 1024 run R = 2 / 4 slices (R = 4 ... 128 at the shipped sizes: the
     L2049 cases and test_triton_long_length); the batch split over 3 chunks of
     one pair (the unpaired last row in the last), the fused bias and skip terms, domega, and each
-    gradient alone."""
+    gradient alone. The combine sums the slices with multiply-adds below 8 output blocks (R < 16)
+    and with dots from there on (``dots``: that form forced at R = 4)."""
     monkeypatch.setattr(conv_triton, "MAX_TILE_FFT", 256)
     monkeypatch.setattr(conv_triton, "SLICE_C", 256)
     monkeypatch.setattr(conv_triton, "MIN_CHUNK_PAIRS", 1)
     monkeypatch.setattr(conv_triton, "INTERPRETER_SMS", 16)
+    if dots:
+        monkeypatch.setattr(conv_triton, "COMBINE_DOT_BJ", 1)
     plan = conv_triton._plan(L, 0)
     assert plan[0] == "slice" and plan[2] == conv_triton.fft_size(L) // 256
+    assert (plan[3] >= 16) == dots
     assert conv_triton.row_chunks(5, 2 * plan[2], conv_triton.INTERPRETER_SMS)[0] == 3
     check_fftconv("triton", 5, 2, L, xdtype, F32, seed=10, **PATHS["fft"]["triton"])
     gen = torch.Generator().manual_seed(11)

@@ -191,6 +191,51 @@ def test_cuda_graph_capture_and_replay(backend):
         assert torch.equal(e, c)
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_rotary_tables_cached_by_identity_on_the_gpu(backend):
+    """GPU calls with the same positions tensor share one table build (issue 41), per stream; an
+    in-place write rebuilds; a captured graph computes its own tables from its static positions at
+    every replay (a later write to them is seen), and so do timestep_norm's captured defaults."""
+    from megalodon_kernels.ops.rotary import rotary_op, rotation_tables
+    from megalodon_kernels.ops.rotary.table_cache import TABLES
+
+    TABLES.clear()
+    d = torch.device("cuda")
+    x = torch.randn(2, 64, 2, 32, device=d)
+    pos = torch.arange(64, device=d) + 1000
+
+    def fresh(positions):
+        return rotary_op(x, *rotation_tables(positions, 32, 10000.0, None, False, torch.float32), backend)
+
+    for _ in range(3):
+        assert torch.equal(ops.rotary(x, pos, backend=backend), fresh(pos))
+    assert len([e for e in TABLES.entries() if e.positions is pos]) == 1
+    pos.add_(7)  # in place: rebuilt
+    assert torch.equal(ops.rotary(x, pos, backend=backend), fresh(pos))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        y = ops.rotary(x, pos, backend=backend)
+    torch.cuda.current_stream().wait_stream(side)
+    assert torch.equal(y, fresh(pos)) and len([e for e in TABLES.entries() if e.positions is pos]) == 2
+    static = torch.arange(64, device=d)
+    xs = torch.randn(2, 64, 8, device=d)
+    ops.rotary(x, static, backend=backend)  # warm-up (cached eagerly; the capture must not use it)
+    ops.timestep_norm(xs, torch.ones(8, device=d), torch.zeros(8, device=d), 2, backend=backend)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = ops.rotary(x, static, backend=backend)
+        normed = ops.timestep_norm(xs, torch.ones(8, device=d), torch.zeros(8, device=d), 2, backend=backend)[0]
+    static.copy_(torch.arange(64, device=d) + 5000)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured, fresh(static))
+    assert torch.equal(normed, ops.timestep_norm(xs, torch.ones(8, device=d), torch.zeros(8, device=d), 2,
+                                                 backend=backend)[0])
+    TABLES.clear()
+
+
 def test_packed_attention_matches_per_document():
     torch.manual_seed(3)
     lengths = [37, 500, 3, 1200]

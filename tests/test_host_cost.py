@@ -53,8 +53,15 @@ def test_one_row_records_the_levels_of_a_call(bench_modules):
     assert row["forward"]["calls"] == {"op": ["fftconv"], "backend": ["forward"], "select": 1}
     both = row["forward+backward"]
     assert both["calls"] == {"op": ["fftconv", "fftconv_bwd"], "backend": ["forward", "backward"], "select": 2}
-    for level in ("public", "op", "real", "direct", "select", "floor", "floor clones", "bare"):
+    for level in ("public", "op", "real", "direct", "select", "floor", "floor clones", "bare", "glue", "twin",
+                  "twin clones"):
         assert both[level] > 0, level
+    assert {"glue", "twin", "twin clones"} <= set(row["forward"])
+    assert host_cost.verdict({"public": 30.0, "direct": 10.0}, "forward") == "within"
+    over = {"public": 300.0, "direct": 100.0, "bare": 190.0, "twin": 95.0, "twin clones": 5.0}
+    assert host_cost.verdict(over, "forward+backward") == (
+        "over: torch's autograd around the math alone 90 (ours beyond it 110); "
+        "torch.library's own road for this signature alone 90")
     assert both["pieces"]["launch road (count)"] >= 2  # a forward and a backward launch at least
     assert host_cost.measure("rotary", "cpu", host_cost.cases(torch.device("cpu")), 2, 1, clock, stubs, 0.0) == {
         "skipped": "no cpu backend of rotary"}

@@ -187,6 +187,26 @@ def test_filled_defaults_are_kept_on_the_cpu_and_rebuilt_after_a_write():
         assert counts[0].tolist() == counts[1].tolist() == [5, 5]
 
 
+def test_filled_defaults_are_kept_per_stream_and_not_while_capturing(monkeypatch):
+    """On a GPU (faked: kept_place answers a (device, stream) place for CPU tensors) one kept tensor
+    per stream; no kept tensor at all while a CUDA graph is captured (kept_place None)."""
+    real_place = _library.kept_place
+    place = [("faked-gpu", 1)]
+    monkeypatch.setattr(_library, "kept_place", lambda device: place[0])
+    monkeypatch.setattr(_library, "_KEPT", {})
+    cpu = torch.device("cpu")
+    a = _library.filled((3,), 1.0, torch.float32, cpu)
+    assert _library.filled((3,), 1.0, torch.float32, cpu) is a
+    place[0] = ("faked-gpu", 2)
+    b = _library.filled((3,), 1.0, torch.float32, cpu)
+    assert b is not a and _library.filled((3,), 1.0, torch.float32, cpu) is b and _library.is_filled(b)
+    place[0] = None  # capturing
+    c, d = (_library.filled((3,), 1.0, torch.float32, cpu) for _ in range(2))
+    assert len({id(a), id(b), id(c), id(d)}) == 4 and _library.is_filled(c) and len(_library._KEPT) == 2
+    assert all(torch.equal(t, torch.ones(3)) for t in (a, b, c, d))
+    assert real_place(cpu) == "cpu" and real_place(torch.device("meta")) is None
+
+
 def test_timestep_norm_defaults_skip_only_their_own_check():
     x, w, b = torch.randn(2, 5, 4), torch.randn(4), torch.randn(4)
     y, count, mean, var = ops.timestep_norm(x, w, b, 2, backend="torch")

@@ -155,6 +155,100 @@ def test_table_cache_is_bounded_and_marks_no_tensor(monkeypatch):
         assert not any(vars(t) for t in (e.cos, e.sin, e.table, x, y)), "an attribute on a tensor"
 
 
+@pytest.fixture
+def identity_tables(monkeypatch):
+    """The GPU road of the table cache on CPU tensors: a faked (device, stream) place, a cache of
+    its own, and a count of the tables built."""
+    rotary_module = importlib.import_module("megalodon_kernels.ops.rotary")
+    from megalodon_kernels.ops.rotary import table_cache
+
+    cache = table_cache.TableCache(4)
+    stream = ["stream-1"]
+    monkeypatch.setattr(table_cache, "TABLES", cache)
+    monkeypatch.setattr(rotary_module, "_TABLES", cache)
+    monkeypatch.setattr(importlib.import_module("megalodon_kernels.ops.rotary.torch_impl"), "TABLES", cache)
+    monkeypatch.setattr(rotary_module, "_identity_place", lambda positions: ("faked-gpu", stream[0]))
+    built = []
+    real = rotary_module.rotation_tables
+    monkeypatch.setattr(rotary_module, "rotation_tables", lambda *a, **k: built.append(a[0]) or real(*a, **k))
+    return cache, built, stream, real
+
+
+@pytest.mark.parametrize("xpos", [None, 512.0], ids=["rope", "xpos"])
+def test_identity_cache_rebuilds_on_any_change(identity_tables, xpos):
+    # the GPU road (faked on the CPU): q and k of every layer share one build per positions
+    # tensor; an in-place write (also through a view), a new tensor with the same values, a
+    # tensor reference written to, another stream or an inference tensor build again; results and
+    # gradients equal those of fresh tables throughout
+    from megalodon_kernels.ops.rotary import rotary_op
+
+    cache, built, stream, rotation_tables = identity_tables
+    gen = torch.Generator().manual_seed(5)
+    B, L, H, d = 2, 7, 2, 8
+    x = torch.randn(B, L, H, d, generator=gen, requires_grad=True)
+    dy = torch.randn(B, L, H, d, generator=gen)
+    pos = torch.arange(L) + 40
+    ref_pos = torch.tensor([[41], [43]])
+
+    def check(positions, reference=None, downscale=False):
+        kw = dict(xpos_scale_base=xpos, xpos_downscale=downscale, xpos_reference=reference if xpos else None)
+        y = ops.rotary(x, positions, **kw, backend="torch")
+        got = (y, *torch.autograd.grad(y, x, dy))
+        cos, sin = rotation_tables(positions, d, 10000.0, xpos, downscale, F32, kw["xpos_reference"], F32)
+        y0 = rotary_op(x, cos.clone(), sin.clone(), "torch")
+        for a, b in zip(got, (y0, *torch.autograd.grad(y0, x, dy))):
+            torch.testing.assert_close(a, b, rtol=4e-7, atol=4e-7)
+
+    for _ in range(3):  # "q and k of three layers": one build
+        check(pos)
+    assert len(built) == 1
+    pos.add_(5)  # in place
+    check(pos)
+    assert len(built) == 2
+    pos[3:].fill_(2)  # through a view
+    check(pos)
+    check(pos)
+    assert len(built) == 3
+    check(pos.clone())  # equal values, another tensor (it takes the key's entry)
+    assert len(built) == 4
+    check(pos)
+    stream[0] = "stream-2"  # another stream: an entry of its own
+    check(pos)
+    stream[0] = "stream-1"
+    check(pos)
+    stream[0] = "stream-2"
+    check(pos)
+    assert len(built) == 6
+    if xpos:
+        check(pos, ref_pos)
+        check(pos, ref_pos)
+        ref_pos.add_(1)
+        check(pos, ref_pos)
+        assert len(built) == 8
+    with torch.inference_mode():
+        frozen = torch.arange(L)
+    n = len(built)
+    check(frozen)
+    check(frozen)  # an inference tensor has no version counter: never cached
+    assert len(built) == n + 2
+    assert all(e.stamp is not None for e in cache.entries())
+
+
+def test_identity_cache_off_builds_every_call(identity_tables, monkeypatch):
+    from megalodon_kernels.ops.rotary import table_cache
+
+    cache, built, _, _ = identity_tables
+    rotary_module = importlib.import_module("megalodon_kernels.ops.rotary")
+    monkeypatch.setattr(rotary_module, "_identity_place", lambda positions: None)  # e.g. capturing a graph
+    monkeypatch.setattr(rotary_module, "plain_tensor", lambda t: False)  # and no value cache either
+    pos = torch.arange(5)
+    x = torch.randn(1, 5, 1, 4)
+    ops.rotary(x, pos, backend="torch")
+    ops.rotary(x, pos, backend="torch")
+    assert len(built) == 2 and not cache.entries()
+    assert table_cache.IDENTITY
+
+
 def test_xpos_scores_depend_on_distance_only():
     # q_t . k_u must equal q_{t+s} . k_{u+s}: the defining property of RoPE and xPos (one call per
     # position, so the reference position is passed: the same for q and k)

@@ -63,6 +63,11 @@ INTERPRETER_SMS = 1
 SLICE_C = 2048
 #: the most outputs (BJ blocks x BC columns) per combine program (``combine_cols``)
 COMBINE_TILE = 2048
+#: the combine kernel sums over the slices with [BJ, 16] @ [16, BC] dots (BJ >= 16) from this many
+#: output blocks R / 2 on, below it with broadcast multiply-adds (BJ = R / 2, no padding): at R = 4
+#: and 8 that issues 9x and 3x fewer instructions than the dots; at R = 16 about as many (sm_90 SASS,
+#: docs/fft.md "Cost"), so the dots stay from there on
+COMBINE_DOT_BJ = 8
 #: software-pipelining depth of the FFT kernels: 1 (no prefetch buffers: the column passes' chunk
 #: loads feed dots, and a second stage holds the next chunk in registers next to the accumulators)
 FFT_STAGES = 1
@@ -99,13 +104,45 @@ def tile_factor(N: int) -> int:
 
 _TABLES: dict = {}
 
+#: layout of the flat fp32 twiddle table (``twiddle_table``): the 4096th roots of unity (cos at 0,
+#: sin at 4096: the slice path's W_R roots and ``opaque_zero``), then every factor of the tile
+#: transform pre-arranged in the order of the tile that it multiplies, so that each level reads it
+#: as a contiguous tile (a few cache lines per warp) instead of gathering scattered table entries
+#: (up to 32 lines per warp-wide load, one L1 wavefront each: the gathers that bounded the
+#: measured tile kernels, docs/fft.md "Cost"): the 16-point DFT matrix, the block-diagonal
+#: diag(F_8, F_8), and per tile size A the W_16A twiddle of the [256, A] tile and the W_N twiddle of
+#: the [16 A, 16] tile (cos then sin, 1024 A floats per A at ``TW_PLANES + 1024 (A - 1)``)
+TW_F16 = 8192
+TW_F8 = TW_F16 + 512
+TW_PLANES = TW_F8 + 512
+TW_SIZE = TW_PLANES + 1024 * (TILE_FACTORS[-1] * 2 - 1)
+
 
 def twiddle_table(device) -> torch.Tensor:
-    """[2, 4096] fp32: cos and sin of 2 pi e / 4096, evaluated in float64 and rounded once."""
+    """Flat fp32 [TW_SIZE]: cos and sin of 2 pi e / 4096 (evaluated in float64 and rounded once),
+    then the tile transform's factors as contiguous tiles of those same values (see TW_PLANES)."""
     key = str(device)
     if key not in _TABLES:
         e = torch.arange(4096, dtype=torch.float64) * (2 * math.pi / 4096)
-        _TABLES[key] = torch.stack([torch.cos(e), torch.sin(e)]).to(torch.float32).to(device).contiguous()
+        roots = torch.stack([torch.cos(e), torch.sin(e)]).to(torch.float32)      # [2, 4096]
+
+        def plane(exp, log_m):
+            """[2, *exp.shape] cos / sin of 2 pi exp / 2**log_m, read from the roots (bit-identical)."""
+            return roots[:, (exp % (1 << log_m)) << (12 - log_m)]
+
+        o = torch.arange(16)
+        parts = [roots.reshape(-1), plane(o[:, None] * o[None, :], 4).reshape(-1)]
+        same = (o[:, None] // 8) == (o[None, :] // 8)
+        parts.append((plane((o[:, None] % 8) * (o[None, :] % 8), 3) * same).reshape(-1))
+        for a in TILE_FACTORS:
+            log_a = a.bit_length() - 1
+            b = torch.arange(256)[:, None] // 16
+            parts.append(plane(b * torch.arange(a)[None, :], log_a + 4).reshape(-1))           # [2, 256, a]
+            r = torch.arange(16 * a)[:, None]
+            parts.append(plane((r // a) * (r % a + a * o[None, :]), log_a + 8).reshape(-1))   # [2, 16 a, 16]
+        table = torch.cat(parts)
+        assert table.numel() == TW_SIZE
+        _TABLES[key] = table.to(device).contiguous()
     return _TABLES[key]
 
 
@@ -123,6 +160,9 @@ if HAVE_TRITON:
     #: 1e-3 of the scale after the transforms, against bf16's own 2^-9 rounding and its 2e-2 budget)
     #: instead of three; the gradients keep DOT_PRECISION (dk is returned in k's dtype, fp32)
     BF16_OUT_DOT = tl.constexpr(os.environ.get("FFTCONV_DOT_BF16", "tf32"))
+    TW_F16_C = tl.constexpr(TW_F16)
+    TW_F8_C = tl.constexpr(TW_F8)
+    TW_PLANES_C = tl.constexpr(TW_PLANES)
 
     @triton.jit
     def twiddle(e, LOG_M):
@@ -141,14 +181,6 @@ if HAVE_TRITON:
         cs = tl.where((q == 1) | (q == 2), -cs, cs)
         sn = tl.where(q >= 2, -sn, sn)
         return cs, sn
-
-    @triton.jit
-    def table_twiddle(tw_ptr, e, LOG_M: tl.constexpr):
-        """(cos, sin) of 2 pi e / 2**LOG_M (LOG_M <= 12) from the host's float64-exact fp32 table of
-        the 4096th roots of unity (e reduced mod M in integers): half-ulp exact values for one gather
-        each instead of ~30 ALU ops; the 32 KB table stays L1/L2 resident."""
-        idx = (e & ((1 << LOG_M) - 1)) << (12 - LOG_M)          # table index of e / M in 4096ths
-        return tl.load(tw_ptr + idx), tl.load(tw_ptr + 4096 + idx)
 
     @triton.jit
     def opaque_zero(tw_ptr):
@@ -172,12 +204,21 @@ if HAVE_TRITON:
         return b_r, b_i
 
     @triton.jit
+    def table_tile(tw_ptr, OFF: tl.constexpr, M: tl.constexpr, K: tl.constexpr):
+        """The [M, K] cos and sin tiles stored row-major at ``OFF`` and ``OFF + M K`` of the table
+        (positions rooted in ``opaque_zero``: re-read per use, never hoisted or held). The opaque term
+        sits on the column index, which also keeps the loads scalar: rooting the rows only (4-wide
+        vector loads) spilled the bf16 N = 2048 backward on sm_90, and both indices the fp32 one on
+        sm_80 (16 B), with Triton 3.9; this form spills in neither."""
+        o = tl.arange(0, M)[:, None] * K + (tl.arange(0, K)[None, :] + opaque_zero(tw_ptr))
+        return tl.load(tw_ptr + OFF + o), tl.load(tw_ptr + OFF + M * K + o)
+
+    @triton.jit
     def dft16(tw_ptr, SIGN: tl.constexpr):
         """The 16-point DFT matrix W_16^(-SIGN f n) = cos + SIGN i sin of 2 pi f n / 16 (symmetric) as
         (re, im, -im) [16, 16]: SIGN = -1 forward, +1 inverse; -im lets a complex product run as four
         accumulating dots with no negation of the data operand."""
-        o = tl.arange(0, 16) + opaque_zero(tw_ptr)
-        c, s = table_twiddle(tw_ptr, o[:, None] * o[None, :], 4)
+        c, s = table_tile(tw_ptr, TW_F16_C, 16, 16)
         return c, SIGN * s, -SIGN * s
 
     @triton.jit
@@ -244,11 +285,8 @@ if HAVE_TRITON:
         (rows 2r and 2r + 1 side by side) times the block-diagonal diag(F_8, F_8) (a dot needs K >= 16;
         half its products are by zero, cheaper than a radix-8 of splits and joins)."""
         tl.debug_barrier()
-        o = tl.arange(0, 16) + opaque_zero(tw_ptr)
-        c, s = table_twiddle(tw_ptr, (o[:, None] % 8) * (o[None, :] % 8), 3)
-        same = (o[:, None] // 8) == (o[None, :] // 8)
-        fr = tl.where(same, c, 0.0)
-        fi = tl.where(same, SIGN * s, 0.0)
+        fr, s = table_tile(tw_ptr, TW_F8_C, 16, 16)                        # zero off the diagonal blocks
+        fi = SIGN * s
         re, im = mm_right(tl.reshape(xr, [128, 16]), tl.reshape(xi, [128, 16]), fr, fi, -fi, P)
         return tl.reshape(re, [256, 8]), tl.reshape(im, [256, 8])
 
@@ -281,8 +319,7 @@ if HAVE_TRITON:
         """[(b, c), f0] *= W_16A^(-SIGN b f0) (A > 1)."""
         if A > 1:
             tl.debug_barrier()
-            b = (tl.arange(0, 256)[:, None] + opaque_zero(tw_ptr)) // 16
-            tc, ts = table_twiddle(tw_ptr, b * tl.arange(0, A)[None, :], LOG_A + 4)
+            tc, ts = table_tile(tw_ptr, TW_PLANES_C + 1024 * (A - 1), 256, A)
             ar, ai = cmul(ar, ai, tc, SIGN * ts)
         return ar, ai
 
@@ -290,8 +327,7 @@ if HAVE_TRITON:
     def twiddle_n(tw_ptr, ar, ai, A: tl.constexpr, LOG_A: tl.constexpr, SIGN: tl.constexpr):
         """[(c, f0), f1] *= W_N^(-SIGN c (f0 + A f1))."""
         tl.debug_barrier()
-        o_r = tl.arange(0, 16 * A)[:, None] + opaque_zero(tw_ptr)
-        tc, ts = table_twiddle(tw_ptr, (o_r // A) * (o_r % A + A * tl.arange(0, 16)[None, :]), LOG_A + 8)
+        tc, ts = table_tile(tw_ptr, TW_PLANES_C + 1024 * (A - 1) + 512 * A, 16 * A, 16)
         return cmul(ar, ai, tc, SIGN * ts)
 
     @triton.jit
@@ -604,8 +640,9 @@ if HAVE_TRITON:
     ):
         """Program (d, p, q): columns [q BC, (q + 1) BC) of pair p's rows 2p, 2p + 1 (the second only
         when HAS_IM): y[m + C j] = sum_s W_R^(-j s) W_N^(-m s) v_s[m] for the blocks j < BJ, as
-        [BJ, 16] @ [16, BC] dots over 16 slices at a time (slices >= R masked), then the epilogue
-        (cema): + omega x + bias, rounded once into y's dtype."""
+        [BJ, 16] @ [16, BC] dots over 16 slices at a time (slices >= R masked) when BJ >= 16, else
+        as broadcast multiply-adds slice by slice; then the epilogue (cema): + omega x + bias,
+        rounded once into y's dtype."""
         d = tl.program_id(0)
         p = tl.program_id(1)
         b0 = p * (1 + HAS_IM)                      # dk's partials: one real row per "pair" (chunk)
@@ -616,16 +653,31 @@ if HAVE_TRITON:
         src = v_ptr + (p * D + d).to(tl.int64) * R * (2 * C)
         accr = tl.zeros([BJ, BC], dtype=tl.float32)
         acci = tl.zeros([BJ, BC], dtype=tl.float32)
-        for f0 in range(0, R, 16):
-            o_s = f0 + o_f
-            m_a = (o_s[:, None] < R) & (o_c[None, :] < C)
-            p_a = src + o_s[:, None] * (2 * C) + o_c[None, :]
-            ar = tl.load(p_a, mask=m_a, other=0.0)
-            ai = tl.load(p_a + C, mask=m_a, other=0.0)
-            tc, ts = twiddle(o_s[:, None] * o_c[None, :], LOG_N)           # W_N^(-m s): conj
-            ar, ai = cmul(ar, ai, tc, ts)
-            fr, fs = table_root(tw_ptr, o_j[:, None] * o_s[None, :], o_s[None, :] < R, R, LOG_R)
-            accr, acci = mm_left(fr, fs, -fs, ar, ai, accr, acci)
+        if BJ >= 16:
+            for f0 in range(0, R, 16):
+                o_s = f0 + o_f
+                m_a = (o_s[:, None] < R) & (o_c[None, :] < C)
+                p_a = src + o_s[:, None] * (2 * C) + o_c[None, :]
+                ar = tl.load(p_a, mask=m_a, other=0.0)
+                ai = tl.load(p_a + C, mask=m_a, other=0.0)
+                tc, ts = twiddle(o_s[:, None] * o_c[None, :], LOG_N)           # W_N^(-m s): conj
+                ar, ai = cmul(ar, ai, tc, ts)
+                fr, fs = table_root(tw_ptr, o_j[:, None] * o_s[None, :], o_s[None, :] < R, R, LOG_R)
+                accr, acci = mm_left(fr, fs, -fs, ar, ai, accr, acci)
+        else:
+            # R = 2 BJ <= 8 slices: the sum as broadcast fp32 multiply-adds, one slice at a time (the
+            # [16, 16] dots would be 16 / BJ x padded in j and 16 / R x in s: at R = 4 the dot form
+            # issued 9 x the instructions, docs/fft.md "Cost")
+            m_c = o_c < C
+            for s in range(0, R):
+                p_a = src + s * (2 * C) + o_c
+                ar = tl.load(p_a, mask=m_c, other=0.0)
+                ai = tl.load(p_a + C, mask=m_c, other=0.0)
+                tc, ts = twiddle(o_c * s, LOG_N)                              # W_N^(-m s): conj
+                ar, ai = cmul(ar, ai, tc, ts)
+                fr, fs = table_root(tw_ptr, o_j * s, o_j < BJ, R, LOG_R)      # W_R^(-j s)
+                accr += fr[:, None] * ar[None, :] - fs[:, None] * ai[None, :]
+                acci += fr[:, None] * ai[None, :] + fs[:, None] * ar[None, :]
         o_n = o_j[:, None] * C + o_c[None, :]
         m_n = (o_n < L) & (o_c[None, :] < C)
         m_1 = m_n & (o_n < L * tl.minimum(B - 1 - b0, 1) * HAS_IM)            # row b0 + 1 exists
@@ -701,14 +753,15 @@ if HAVE_TRITON:
 
 def _plan(L: int, direct_max_len: int):
     """("direct", BL) | ("tile", A) | ("slice", A, R, BJ): the slice path's C = 256 A point tiles,
-    R = N / C slices and BJ >= R / 2 output blocks per combine program."""
+    R = N / C slices and BJ >= R / 2 output blocks per combine program (>= 16: the dot form)."""
     if L <= min(direct_max_len, DIRECT_MAX):
         return ("direct", max(16, triton.next_power_of_2(L)))
     N = fft_size(L)
     if N <= MAX_TILE_FFT:
         return ("tile", tile_factor(N))
     R = N // SLICE_C
-    return ("slice", tile_factor(SLICE_C), R, max(16, R // 2))
+    bj = max(2, R // 2)
+    return ("slice", tile_factor(SLICE_C), R, bj if bj < COMBINE_DOT_BJ else max(16, bj))
 
 
 _SMS: dict = {}
@@ -844,8 +897,12 @@ def conv_bwd(dy, x, k, need_x=True, need_k=True, omega=None, *, direct_max_len, 
 
 
 def combine_cols(bj: int, work_bc: int, C: int) -> int:
-    """Columns per combine program: ``work_bc``, at most C, and at most COMBINE_TILE / BJ (the
-    [BJ, BC] accumulators: BJ = 64 with 64 columns spilled 24-96 B with Triton 3.9)."""
+    """Columns per combine program. The dot form (BJ >= 16): ``work_bc``, at most C and at most
+    COMBINE_TILE / BJ (the [BJ, BC] accumulators: BJ = 64 with 64 columns spilled 24-96 B with
+    Triton 3.9). The multiply-add form (BJ < 16): COMBINE_TILE / BJ, at most C (16 outputs per
+    thread at 4 warps, so the per-column twiddle and loads are not replicated over the threads)."""
+    if bj < 16:
+        return min(C, COMBINE_TILE // bj)
     return max(16, min(work_bc, C, COMBINE_TILE // bj))
 
 

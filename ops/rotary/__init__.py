@@ -36,7 +36,8 @@ from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_ten
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
 from .._host_sync import check_on_device
-from .._library import as_dtype, custom_op, empty_like, plain_eager, plain_tensor
+from .._library import as_dtype, cuda_stream_place, custom_op, empty_like, plain_eager, plain_tensor
+from . import table_cache
 from .table_cache import TABLES as _TABLES
 
 __all__ = ["rotary", "rotation_tables", "xpos_limit"]
@@ -151,20 +152,40 @@ def rotation_tables(positions: torch.Tensor, dim: int, base: float, xpos_scale_b
 
 
 def _tables(positions, dim, base, xpos_scale_base, xpos_downscale, dtype, reference=None, limit_dtype=None):
-    """rotation_tables, answered from the table cache (ops/rotary/table_cache.py) when the same
-    positions were seen, for CPU calls in plain eager mode (the cache's doc says why only those)."""
+    """rotation_tables, answered from the table cache (ops/rotary/table_cache.py) in plain eager mode:
+    CPU positions equal to cached ones, or on a GPU the same positions tensor, unchanged, on the same
+    stream (the cache's doc says why and when not)."""
     args = (positions, dim, base, xpos_scale_base, xpos_downscale, dtype, reference, limit_dtype)
     ref_is_tensor = isinstance(reference, torch.Tensor)
-    if (not positions.is_cpu or not plain_eager(profiler_ok=True) or not plain_tensor(positions)
-            or torch.is_inference_mode_enabled()
-            or (ref_is_tensor and (not reference.is_cpu or not plain_tensor(reference)))):
+    if (not plain_eager(profiler_ok=True) or not plain_tensor(positions)
+            or (ref_is_tensor and (reference.device != positions.device or not plain_tensor(reference)))):
         return rotation_tables(*args)
+    place = _identity_place(positions)
+    if place is None:  # CPU: compared by value; elsewhere (a graph being captured, IDENTITY off): built anew
+        if not positions.is_cpu or torch.is_inference_mode_enabled():
+            return rotation_tables(*args)
+    elif positions.is_inference() or (ref_is_tensor and reference.is_inference()):
+        return rotation_tables(*args)  # no version counter: an in-place write would go unseen
+    identity = place is not None
     ref_key = (reference.dtype, reference.shape) if ref_is_tensor else reference
-    key = (positions.dtype, positions.shape, dim, base, xpos_scale_base, xpos_downscale, dtype, limit_dtype, ref_key)
-    entry = _TABLES.get(key, positions, reference)
+    key = (positions.dtype, positions.shape, dim, base, xpos_scale_base, xpos_downscale, dtype, limit_dtype, ref_key,
+           place)
+    entry = _TABLES.get(key, positions, reference, identity)
     if entry is None:
-        entry = _TABLES.put(key, positions, reference, *rotation_tables(*args))
+        with torch.inference_mode(False):  # normal tensors (a version counter) even under inference_mode
+            entry = _TABLES.put(key, positions, reference, *rotation_tables(*args), identity=identity)
     return entry.cos, entry.sin
+
+
+def _identity_place(positions: torch.Tensor):
+    """(device, stream) under which a GPU call's tables are cached by the positions tensor's identity
+    (ops/rotary/table_cache.py); None for CPU positions (compared by value), while the current stream
+    captures a CUDA graph (the graph must compute its tables at every replay), for positions on a
+    device other than the current one (see cuda_stream_place) or with the identity entries turned
+    off (table_cache.IDENTITY). Tests fake a place here to run the GPU road on the CPU."""
+    if positions.is_cpu or not table_cache.IDENTITY:
+        return None
+    return cuda_stream_place(positions.device)
 
 
 def _like(x, *_):

@@ -3,10 +3,20 @@ layer, every step of a fixed length) reuses the tables it built, and the torch b
 complex forms it multiplies by.
 
 One bounded, explicit cache (:data:`TABLES`, at most :data:`SIZE` entries, the oldest evicted
-first), used only by CPU calls in plain eager mode (ops/rotary/__init__.py ``_tables``): comparing
-positions on a GPU would wait for it, and a traced call must build its own tensors. An entry is
-used only if the call's positions (and tensor reference) EQUAL the cached ones, so a hit returns
-exactly what ``rotation_tables`` would. The cached cos and sin are never handed out by the public
+first), used only by calls in plain eager mode (ops/rotary/__init__.py ``_tables``; a traced call
+must build its own tensors). How a call finds its entry:
+
+* CPU positions: an entry is used only if the call's positions (and tensor reference) EQUAL the
+  cached ones (a copy is kept), so a hit returns exactly what ``rotation_tables`` would.
+* GPU positions (``identity=True``): comparing values would wait for the GPU, so an entry is
+  used only for the SAME positions tensor (and tensor reference) unchanged since: the same
+  object, data pointer and version counter, the counter autograd reads to detect that a saved
+  tensor was modified (every in-place torch op bumps it: ``copy_``, ``add_``, an indexed write,
+  also through a view). The key holds the device and the current stream (another stream could
+  read the tables before the stream that fills them has run), and no call that captures a CUDA
+  graph uses or fills the cache (a graph must compute its own tables from its positions at
+  every replay). A write that bypasses the version counter (through ``.data``, a raw pointer,
+  DLPack) is not seen: :data:`IDENTITY` turns this kind of entry off. The cached cos and sin are never handed out by the public
 ``rotation_tables``, so nobody outside the op holds them to modify; a write through them anyway
 (they are views of the entry's complex table) bumps its version, and the torch backend then
 rebuilds what it derived from them.
@@ -20,6 +30,8 @@ import torch
 
 #: entries kept (a model calls rotary with a few distinct position tensors)
 SIZE = 16
+#: whether GPU calls cache their tables by the positions tensor's identity (see the module doc)
+IDENTITY = True
 
 
 @dataclass
@@ -40,6 +52,14 @@ class Entry:
     table: torch.Tensor
     version: int
     per_head: dict = field(default_factory=dict)
+    #: for an identity entry (GPU), the (data pointer, version) of positions and of a tensor
+    #: reference when it was filled; None for an entry found by value (CPU)
+    stamp: tuple | None = None
+
+    def same_tensors(self, positions: torch.Tensor, reference) -> bool:
+        """Whether ``positions`` (and ``reference``) are this identity entry's own tensors, unchanged."""
+        return (self.stamp is not None and self.positions is positions and self.stamp == _stamp(positions, reference)
+                and (self.reference is reference if isinstance(reference, torch.Tensor) else self.reference is None))
 
     def complex_table(self, conjugate: bool, heads: int) -> torch.Tensor:
         """cos + i sin, or its conjugate, for x with ``heads`` heads."""
@@ -63,22 +83,34 @@ class TableCache:
         self._entries: dict = {}
         self._lock = threading.Lock()
 
-    def get(self, key, positions: torch.Tensor, reference) -> Entry | None:
-        """The entry of ``key`` if its positions (and tensor reference) equal the call's."""
+    def get(self, key, positions: torch.Tensor, reference, identity: bool = False) -> Entry | None:
+        """The entry of ``key`` if its positions (and tensor reference) equal the call's, or with
+        ``identity`` are the call's own tensors, unchanged since (see the module doc)."""
         entry = self._entries.get(key)
-        if entry is None or not torch.equal(entry.positions, positions):
+        if identity:
+            return entry if entry is not None and entry.same_tensors(positions, reference) else None
+        if entry is None or entry.stamp is not None or not torch.equal(entry.positions, positions):
             return None
         if isinstance(reference, torch.Tensor) and not torch.equal(entry.reference, reference):
             return None
         return entry
 
-    def put(self, key, positions: torch.Tensor, reference, cos: torch.Tensor, sin: torch.Tensor) -> Entry:
-        """Cache the tables (cos, sin) of ``key`` (copied into one complex table, see Entry)."""
-        table = torch.empty((2, *cos.shape), dtype=torch.complex128 if cos.dtype == torch.float64 else torch.complex64)
+    def put(self, key, positions: torch.Tensor, reference, cos: torch.Tensor, sin: torch.Tensor,
+            identity: bool = False) -> Entry:
+        """Cache the tables (cos, sin) of ``key`` (copied into one complex table, see Entry); with
+        ``identity`` the entry holds the call's own positions (and reference) tensors and their
+        stamp, else copies of them."""
+        table = torch.empty((2, *cos.shape), dtype=torch.complex128 if cos.dtype == torch.float64 else torch.complex64,
+                            device=cos.device)
         table[0] = torch.complex(cos, sin)
         torch.conj_physical(table[0], out=table[1])
-        entry = Entry(positions.clone(), reference.clone() if isinstance(reference, torch.Tensor) else None,
-                      table[0].real, table[0].imag, table, table._version)
+        ref_is_tensor = isinstance(reference, torch.Tensor)
+        if identity:
+            entry = Entry(positions, reference if ref_is_tensor else None, table[0].real, table[0].imag, table,
+                          table._version, stamp=_stamp(positions, reference))
+        else:
+            entry = Entry(positions.clone(), reference.clone() if ref_is_tensor else None,
+                          table[0].real, table[0].imag, table, table._version)
         with self._lock:
             self._entries.pop(key, None)
             while len(self._entries) >= self.size:
@@ -99,6 +131,14 @@ class TableCache:
     def clear(self) -> None:
         with self._lock:
             self._entries.clear()
+
+
+def _stamp(positions: torch.Tensor, reference) -> tuple:
+    """What an in-place write or a new storage changes: (data pointer, version) of positions, and of
+    a tensor reference."""
+    if isinstance(reference, torch.Tensor):
+        return positions.data_ptr(), positions._version, reference.data_ptr(), reference._version
+    return positions.data_ptr(), positions._version
 
 
 TABLES = TableCache(SIZE)

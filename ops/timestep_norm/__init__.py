@@ -32,7 +32,7 @@ from torch import Tensor
 from .._checks import INT_DTYPES, REAL_DTYPES, acc_dtype, check_float, check_int, check_tensor
 from ...autotune import registry as autotune
 from .._dispatch import OpBackends, check_backend
-from .._library import as_dtype, custom_op, empty_like, filled, is_filled
+from .._library import as_dtype, custom_op, empty_like, fill_place, filled, is_filled
 from .._host_sync import check_on_device
 from .._packing import check_cu_seqlens, check_per_document, document_bounds
 
@@ -74,22 +74,23 @@ class Saved(NamedTuple):
 
 
 class CudaSaved(NamedTuple):
-    """What the CUDA forward hands its backward (which recomputes the shift from x)."""
+    """What the CUDA forward hands its backward: its statistics and the shift they are relative to."""
 
     x: Tensor
     scale: Tensor
     prev_count: Tensor
     prev_mean: Tensor
     padding_mask: Tensor
-    cummean: Tensor        # r(B L G) running mean per step, relative to the recomputed shift
+    cummean: Tensor        # r(B L G) running mean per step, relative to the shift
     cumrstd: Tensor        # r(B L G) running reciprocal std per step
+    kstep: Tensor          # r(B L G) the shift at every step (the op's gmu residual)
+    kshift: Tensor         # r(n G) the shift of every state row (the op's K residual)
 
 
 def _residuals(impl, saved, mean, acc):
     """A backend's saved tensors as the op's residuals (mu, rstd, gmu, K) in the accumulation dtype."""
-    if impl.name == "cuda":
-        mu, rstd = saved.cummean, saved.cumrstd
-        gmu, K = torch.zeros_like(mu), mean.new_zeros(mean.shape)
+    if impl.name == "cuda":  # its shift rides in the gmu and K slots (same shapes and dtype)
+        mu, rstd, gmu, K = saved.cummean, saved.cumrstd, saved.kstep, saved.kshift
     else:
         mu, rstd, gmu, K = saved.mu, saved.rstd, saved.gmu, saved.K
     return as_dtype(mu, acc), as_dtype(rstd, acc), as_dtype(gmu, acc), as_dtype(K, acc)
@@ -100,7 +101,7 @@ def _saved(impl, x, scale, prev_count, prev_mean, padding_mask, mu, rstd, gmu, K
     if impl.name == "cuda":
         return CudaSaved(x.contiguous(), as_dtype(scale, acc).contiguous(),
                          as_dtype(prev_count, torch.int64).contiguous(), as_dtype(prev_mean, acc).contiguous(),
-                         padding_mask.contiguous(), mu, rstd)
+                         padding_mask.contiguous(), mu, rstd, gmu, K)
     xs = x.contiguous() if impl.name == "triton" else x  # Triton's kernels read the contiguous copy of x
     return Saved(xs, scale, mu, rstd, gmu, padding_mask, prev_count, as_dtype(prev_mean, acc) - K, K)
 
@@ -124,9 +125,9 @@ def timestep_norm_op(x: Tensor, scale: Tensor, bias: Tensor, prev_count: Tensor,
                      ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """-> (y, count, mean, var, and for the backward mu, rstd, gmu r(B L G) and K in the
     accumulation dtype): the running mean and reciprocal std per step, each step's group mean
-    and the per-group shift they are relative to (the CUDA backend's mu is relative to a shift it
-    recomputes from x in its backward: its gmu and K residuals are zeros). count, mean, var and K have one row per batch element, or with
-    ``cu_seqlens`` one per document."""
+    and the per-group shift they are relative to (the CUDA backend saves no group means: its gmu
+    is the shift at every step, which its backward reads with K). count, mean, var and K have one
+    row per batch element, or with ``cu_seqlens`` one per document."""
     if not is_filled(prev_count):  # the public function's default (zeros) needs no check
         check_on_device(prev_count >= 0, "prev_count must be >= 0 (a number of steps already seen)")
     impl = _select(x, num_groups, backend, cu_seqlens)
@@ -253,21 +254,24 @@ def timestep_norm(x: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, num_
     check_tensor("scale", scale, (D,), REAL_DTYPES, device=dev, dims="(D,)")
     check_tensor("bias", bias, (D,), REAL_DTYPES, device=dev, dims="(D,)")
     acc = acc_dtype(x.dtype)
+    # where the defaults come from (kept tensors in plain eager mode: see filled), asked once
+    place = (fill_place(dev) if prev_count is None or prev_mean is None or prev_var is None or padding_mask is None
+             else None)
     if prev_count is None:
-        prev_count = filled((n,), 0, torch.int64, dev)
+        prev_count = filled((n,), 0, torch.int64, dev, place)
     else:
         _check_state("prev_count", prev_count, (n,), INT_DTYPES, dev, cu_seqlens)
         # its values (>= 0) are checked inside the op, where reading them traces nothing
     if prev_mean is None:
-        prev_mean = filled((n, G), 0.0, acc, dev)
+        prev_mean = filled((n, G), 0.0, acc, dev, place)
     else:
         _check_state("prev_mean", prev_mean, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if prev_var is None:
-        prev_var = filled((n, G), 1.0, acc, dev)
+        prev_var = filled((n, G), 1.0, acc, dev, place)
     else:
         _check_state("prev_var", prev_var, (n, G), REAL_DTYPES, dev, cu_seqlens)
     if padding_mask is None:
-        padding_mask = filled((B, L), False, torch.bool, dev)
+        padding_mask = filled((B, L), False, torch.bool, dev, place)
     else:
         check_tensor("padding_mask", padding_mask, (B, L), (torch.bool,), device=dev, dims="(B, L)")
     eps = check_float("eps", eps, low=0.0, low_open=True)

@@ -11,8 +11,9 @@ prev_var, count, mean, var and their gradients) is per document.
 
 Shift: the kernels take every statistic relative to a per-(row, group) shift K (as the torch and
 Triton backends do; the header says how it is chosen): tsn_shift_kernel writes K per state row
-and per step, the saved cummean is relative to it, and the backward launches the same kernel on
-the saved x again (a read of at most 32 unpadded steps per row and group) rather than saving K.
+and per step, the saved cummean is relative to it, and both are saved for the backward (they are
+the op's gmu and K residuals, which the op's schema has whatever the backend: before, the forward
+zero-filled those and the backward launched the shift kernel again).
 """
 from __future__ import annotations
 
@@ -130,12 +131,14 @@ def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, paddin
     cummean = torch.empty(B, Lq, G, dtype=acc, device=dev)
     cumrstd = torch.empty(B, Lq, G, dtype=acc, device=dev)
     ws = torch.empty(max(1, workspace_elems(B, Lq, D, G)), dtype=acc, device=dev)
-    saved = CudaSaved(xc, scale_f, pc, pm, mask, cummean, cumrstd)
-    if n == 0:
-        return y, count, mean, var, saved
+    if n == 0:  # nothing to shift (no state row, so no step either)
+        empty = torch.empty(0, G, dtype=acc, device=dev)
+        return y, count, mean, var, CudaSaved(xc, scale_f, pc, pm, mask, cummean, cumrstd,
+                                              torch.empty(B, Lq, G, dtype=acc, device=dev), empty)
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
     p = cuda_launch.ptr
     kshift, kstep = _shift(launcher, xc, mask, cu_seqlens, n, Lq, G)
+    saved = CudaSaved(xc, scale_f, pc, pm, mask, cummean, cumrstd, kstep, kshift)
     if rows > 0:
         cuda_launch.launch(launcher, _kernel("tsn_moments_kernel", x), _row_grid(rows), ROW_THREADS, 0,
                  [("ptr", p(xc)), ("ptr", p(mask)), ("ptr", p(kstep)), ("ptr", p(ws)), ("i64", rows), ("i32", G),
@@ -155,7 +158,7 @@ def launch_fwd(launcher, x, scale, bias, prev_count, prev_mean, prev_var, paddin
 def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
     """(dx (x's dtype), dscale, dbias, dprev_mean, dprev_var) (accumulation type); dprev_* per
     document with ``cu_seqlens`` (the forward's)."""
-    xc, scale_f, pc, pm, mask, cummean, cumrstd = saved
+    xc, scale_f, pc, pm, mask, cummean, cumrstd, kstep, kshift = saved
     G = int(num_groups)
     B, Lq, D, n, chunks = _shape(xc, G, cu_seqlens)
     dev, acc = xc.device, cummean.dtype
@@ -171,9 +174,6 @@ def launch_bwd(launcher, dy, dmean, dvar, saved, num_groups, cu_seqlens=None):
     rows, total, Dg = B * Lq * G, B * Lq * D, D // G
     part = ws[3 * rows:]  # the dscale/dbias partial sums follow the per-row gradients
     p = cuda_launch.ptr
-    # the forward's K again (the same kernel on the same x and mask; padded-only or absent rows
-    # have no step that reads it)
-    kshift, kstep = _shift(launcher, xc, mask, cu_seqlens, n, Lq, G)
     if n > 0:
         if rows > 0:
             cuda_launch.launch(launcher, _kernel("tsn_row_grads_kernel", xc), _row_grid(rows), ROW_THREADS, 0,
