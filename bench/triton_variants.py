@@ -554,11 +554,14 @@ def _cema_bytes():
 
 
 def _cema_chunked_bytes():
-    """The chunked form's launches (ops/cema/triton_chunked.py). Ideal: the forward reads x, the
-    per-feature tables and omega once and writes y once; the backward's two launches read x, dy, the
-    tables and omega once (the sums kernel's second read of x and dy is the same addresses) and
-    write dx, dhx and the per-feature sums once, and the chunk states S and their gradients dU are
-    written by the scan kernel and read by the sums kernel: each counts once stored, once loaded."""
+    """The chunked form's launches (ops/cema/triton_chunked.py). Ideal: each pass's tables kernel
+    reads the float64 coefficients (p, log q, gamma) once and writes the per-feature tables once,
+    which the pass's kernels then read once (counted stored and loaded); the forward reads x and
+    omega once and writes y once; the backward's scan and sums kernels read x, dy and omega once
+    (the sums kernel's second read of x and dy is the same addresses) and write dx, dhx and the
+    per-feature sums once, the chunk states S and their gradients dU are written by the scan kernel
+    and read by the sums kernel (each once stored, once loaded), and the finish kernel reads the
+    sums it needs (not domega) and the coefficients and writes their float64 gradients once."""
     ck = cema_chunked
     cfg = {k: cema_impl.DEFAULT_CONFIG[k] for k in cema_impl.CHUNK_SPACE}
     B, D, N, L = 2, 2, 16, 1000
@@ -570,16 +573,19 @@ def _cema_chunked_bytes():
     C, BM = cfg["chunk"], cfg["chunk_block"]
     tab = ck.Tables(p, log_q, gamma, C, BM)
     tables = nbytes(tab.k, tab.win, tab.wout, tab.a, tab.pw)
+    coefficients = nbytes(tab.p, tab.lq, tab.gamma)                          # float64, read by the tables kernel
     f32 = 4
     states = B * D * (-(-L // (C * BM)) * BM) * 2 * ck.NP * f32             # S (and dU) [R, nblk*BM, 2, NP]
     sums = D * (C + 2 * ck.NP * C * 2 + 2 * ck.NP + 1) * f32                # dk, A, Wi, pc, domega
+    finish = (sums - D * f32) + coefficients   # reads the sums but domega; writes dp, dlq, dgamma (the coefficients' sizes)
 
     def fwd():
-        return nbytes(x, om, ck.conv_fwd(x, p, log_q, gamma, om, None, **cfg)) + tables
+        return nbytes(x, om, ck.conv_fwd(x, p, log_q, gamma, om, None, **cfg)) + coefficients + 2 * tables
 
     def bwd():
         dx = ck.conv_bwd(dy, x, p, log_q, gamma, om, None, (True,) * 6, torch.float32, **cfg)[0]
-        return nbytes(dy, x, om, dx) + tables + 2 * 2 * states + B * D * 2 * ck.NP * f32 + sums
+        return (nbytes(dy, x, om, dx) + coefficients + 2 * tables + 2 * 2 * states + B * D * 2 * ck.NP * f32 + sums
+                + finish)
 
     yield "cema chunked fwd", f"B={B} D={D} N={N} L={L} C={C} fp32", fwd
     yield "cema chunked bwd", f"B={B} D={D} N={N} L={L} C={C} fp32", bwd
