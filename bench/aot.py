@@ -129,7 +129,8 @@ def _cuobjdump() -> str:
     return os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
 
-def compile_variant(v: Variant, cc: int) -> Resources:
+def compile_kernel(v: Variant, cc: int):
+    """``triton.compile`` of the variant for sm_<cc> with its launch options (its ``asm`` holds the cubin)."""
     if not hasattr(v.fn, "cache_key"):
         raise RuntimeError(f"{v.op}/{v.kernel} was decorated under TRITON_INTERPRET=1 and cannot be compiled; "
                            "use compile_all(), whose worker processes import the kernels without the interpreter")
@@ -139,7 +140,11 @@ def compile_variant(v: Variant, cc: int) -> Resources:
     options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
     if v.maxnreg is not None:
         options["maxnreg"] = v.maxnreg
-    k = triton.compile(_source(v), target=GPUTarget("cuda", cc, 32), options=options)
+    return triton.compile(_source(v), target=GPUTarget("cuda", cc, 32), options=options)
+
+
+def compile_variant(v: Variant, cc: int) -> Resources:
+    k = compile_kernel(v, cc)
     with tempfile.NamedTemporaryFile(suffix=".cubin", delete=False) as f:
         f.write(k.asm["cubin"])
         path = f.name

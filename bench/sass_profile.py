@@ -170,17 +170,9 @@ def disassemble(cubin: bytes) -> str:
 
 def _sass_job(args):
     op, index, cc = args
-    import triton
-    from triton.backends.compiler import GPUTarget
+    from .aot import all_variants, compile_kernel
 
-    from .aot import _source, all_variants
-
-    v = all_variants((op,))[index]
-    options = {"num_warps": v.num_warps, "num_stages": v.num_stages}
-    if v.maxnreg is not None:
-        options["maxnreg"] = v.maxnreg
-    k = triton.compile(_source(v), target=GPUTarget("cuda", cc, 32), options=options)
-    return disassemble(k.asm["cubin"])
+    return disassemble(compile_kernel(all_variants((op,))[index], cc).asm["cubin"])
 
 
 def variant_sass(op: str, match: str, cc: int = 90) -> list[tuple[object, str]]:

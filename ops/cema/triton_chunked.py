@@ -355,6 +355,17 @@ if HAVE_TRITON:
         return mag * c, mag * s
 
     @triton.jit
+    def _load_coefficients(p_ptr, lq_ptr, g_ptr, d, n_r, nm, N):
+        """Feature d's float64 log q (re, im), p and gamma (re, im) as [NP, 1] columns (lanes n >= N
+        zero)."""
+        lr = tl.load(lq_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
+        li = tl.load(lq_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        pv = tl.load(p_ptr + d * N + n_r, mask=nm, other=0.0)[:, None]
+        gr = tl.load(g_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
+        gi = tl.load(g_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        return lr, li, pv, gr, gi
+
+    @triton.jit
     def _tables_kernel(p_ptr, lq_ptr, g_ptr, k_ptr, win_ptr, wout_ptr, a_ptr, pw_ptr, N,
                        C: tl.constexpr, NP: tl.constexpr, BM: tl.constexpr):
         """One program per feature d: the tables of :class:`Tables` from float64 powers, each entry
@@ -364,11 +375,7 @@ if HAVE_TRITON:
         s_r = tl.arange(0, C)
         i_r = tl.arange(0, 2 * BM)   # a**i for i <= BM (BM + 1 is no power of two)
         nm = n_r < N
-        lr = tl.load(lq_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
-        li = tl.load(lq_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
-        pv = tl.load(p_ptr + d * N + n_r, mask=nm, other=0.0)[:, None]
-        gr = tl.load(g_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
-        gi = tl.load(g_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        lr, li, pv, gr, gi = _load_coefficients(p_ptr, lq_ptr, g_ptr, d, n_r, nm, N)
         e = s_r.to(tl.float64)[None, :]
         Pr, Pi = _power(lr, li, e)                                   # q**s [NP, C]
         tl.store(k_ptr + d * C + s_r, tl.sum(pv * (gr * Pr - gi * Pi), axis=0).to(tl.float32))
@@ -412,11 +419,7 @@ if HAVE_TRITON:
         n_r = tl.arange(0, NP)
         s_r = tl.arange(0, C)
         nm = n_r < N
-        lr = tl.load(lq_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
-        li = tl.load(lq_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
-        pv = tl.load(p_ptr + d * N + n_r, mask=nm, other=0.0)[:, None]
-        gr = tl.load(g_ptr + (d * N + n_r) * 2, mask=nm, other=0.0)[:, None]
-        gi = tl.load(g_ptr + (d * N + n_r) * 2 + 1, mask=nm, other=0.0)[:, None]
+        lr, li, pv, gr, gi = _load_coefficients(p_ptr, lq_ptr, g_ptr, d, n_r, nm, N)
         e = s_r.to(tl.float64)[None, :]
         Pr, Pi = _power(lr, li, e)                                           # q**s
         P1r, P1i = _power(lr, li, e + 1.0)                                   # q**(s+1)
