@@ -36,7 +36,13 @@ rounds:
   (it returns copies of the recorded outputs; with autograd, it saves as many tensors, marks the
   same outputs non-differentiable and returns precomputed gradients), called through the
   dispatcher, and the copies alone: ``twin - twin clones`` is torch's own custom-op machinery for
-  a call of this signature (the road compile, export and every non-plain eager call take).
+  a call of this signature (the road compile, export and every non-plain eager call take);
+* ``twin beside``: the twin's call followed by the math (the ``direct`` calls), as one call.
+  ``twin beside - direct - twin clones`` is torch.library's road measured the way ours is (beside
+  the same math, minus the math alone): the control for ``public - direct - glue``. When torch's
+  own machinery also costs more beside the math than alone, by about as much as ours, the excess is
+  the machine's (the math's kernels leave the caches cold for any host code around them), not a
+  property of our code.
 
 Each row ends with a verdict: within the target, or which torch part alone costs more than the
 target (torch's autograd around the math, ``bare - direct``; torch.library's road,
@@ -553,6 +559,23 @@ def backend_object(op, name, stubs):
     return backends, module
 
 
+def beside(first, math):
+    """One call of ``first`` and then the math (the control level ``twin beside``)."""
+    def run():
+        first()
+        math()
+    return run
+
+
+def twin_costs(r) -> tuple:
+    """(torch.library's road for the signature alone, the same beside the math or None) of one
+    row's levels: ``twin - twin clones`` and ``twin beside - direct - twin clones``."""
+    if "twin" not in r:
+        return None, None
+    alone = r["twin"] - r["twin clones"]
+    return alone, (r["twin beside"] - r["direct"] - r["twin clones"] if "twin beside" in r else None)
+
+
 def measure(op, name, build, calls, rounds, clock, stubs, timer_us):
     backends, module = backend_object(op, name, stubs)
     if module is None:
@@ -601,6 +624,7 @@ def measure(op, name, build, calls, rounds, clock, stubs, timer_us):
                          if not op_._name.endswith("_bwd")]
                 levels["twin"] = lambda: [t() for t, _ in twins]
                 levels["twin clones"] = lambda: [c() for _, c in twins]
+                levels["twin beside"] = beside(levels["twin"], levels["direct"])
                 got = interleaved(levels, calls, rounds, clock)
                 # the instrumented pass over the direct calls
                 timers = Timers(clock)
@@ -707,26 +731,40 @@ def commit() -> str:
 
 def verdict(r, phase) -> str:
     """Whether our part of one row is within the issue's target; if not, the torch part that alone
-    costs more than the target, with its figure, and whether ours is above that torch part too."""
+    costs more than the target, with its figure, and whether ours is above that torch part too.
+    torch.library's road counts when it costs more than the target alone, or beside the math
+    (measured the way ours is: ``twin beside``)."""
     target = TARGET_FWD_US if phase == "forward" else TARGET_BOTH_US
     ours = r["public"] - r["direct"]
     if ours <= target:
         return "within"
-    twin = r["twin"] - r["twin clones"] if "twin" in r else None
+    twin, twin_beside = twin_costs(r)
+    worst = max(twin, twin_beside if twin_beside is not None else twin) if twin is not None else None
     notes = []
     if phase != "forward" and r["bare"] - r["direct"] > target:
         notes.append(f"torch's autograd around the math alone {r['bare'] - r['direct']:.0f} (ours beyond it "
                      f"{r['public'] - r['bare']:.0f})")
-    if twin is not None and twin > target:
+    if worst is not None and worst > target:
         notes.append(f"torch.library's own road for this signature alone {twin:.0f}"
-                     + (" (ours is below it)" if ours <= twin else ""))
+                     + (f", beside the math {twin_beside:.0f}" if twin_beside is not None else "")
+                     + (" (ours is below it)" if ours <= worst else ""))
     if not notes:
         if "glue" not in r:
             return "over: ours"
         return (f"over: ours ({r['glue']:.0f} alone, {ours - r['glue']:.0f} more when run between the math's calls; "
-                f"torch.library's road {twin:.0f})" if twin is not None else f"over: ours ({r['glue']:.0f} alone)")
-    return "over: " + "; ".join(notes) + ("" if phase != "forward" or (twin is not None and ours <= twin)
+                f"torch.library's road {twin:.0f}"
+                + (f" alone, {twin_beside:.0f} beside the math" if twin_beside is not None else "") + ")"
+                if twin is not None else f"over: ours ({r['glue']:.0f} alone)")
+    return "over: " + "; ".join(notes) + ("" if phase != "forward" or (worst is not None and ours <= worst)
                                           else "; ours is above it too")
+
+
+def twin_cell(r) -> str:
+    """torch.library's road for the row's signature: alone, and beside the math in parentheses."""
+    alone, beside_math = twin_costs(r)
+    if alone is None:
+        return "-"
+    return f"{alone:.1f}" + (f" ({beside_math:.1f})" if beside_math is not None else "")
 
 
 def table(result) -> list[str]:
@@ -739,7 +777,8 @@ def table(result) -> list[str]:
                   "allocations (n) | "
                   + ("autograd, empty body | **autograd around the math (bare - direct)** | **ours beyond it "
                      "(public - bare)** | " if both else "")
-                  + "torch.library op, same signature, empty body | native op, same arity | verdict |",
+                  + "torch.library op, same signature, empty body: alone (beside the math) | native op, same arity "
+                  "| verdict |",
                   "|---|---|" + "---:|" * (15 if both else 12) + "---|"]
         for op, by_backend in result["ops"].items():
             for name, row in by_backend.items():
@@ -754,7 +793,7 @@ def table(result) -> list[str]:
                 floor = r["floor"] - r["floor clones"] if both else None
                 around = r["bare"] - r["direct"] if both else None
                 glue = f"{r['glue']:.1f}" if "glue" in r else "-"
-                twin = f"{r['twin'] - r['twin clones']:.1f}" if "twin" in r else "-"
+                twin = twin_cell(r)
                 lines.append(
                     f"| {op} | {name} | {r['public']:.1f} | {r['direct']:.1f} | **{ours:.1f}** | {glue} | "
                     f"{r['public'] - r['op']:.1f} | {r['op'] - r['real']:.1f} | "
@@ -777,7 +816,8 @@ def compare(before: dict, after: dict) -> list[str]:
         lines += ["", f"#### {phase} (target: ours <= {target:.0f} us)", "",
                   "| op | backend | ours before | **ours after** | of which our code alone (no math) | "
                   + ("torch's autograd around the math | ours beyond it | " if both else "")
-                  + "torch.library's own road, same signature, empty body | verdict (after) |",
+                  + "torch.library's own road, same signature, empty body: alone (beside the math) | "
+                  "verdict (after) |",
                   "|---|---|---:|---:|---:|" + ("---:|---:|" if both else "") + "---:|---|"]
         for op, by_backend in after["ops"].items():
             for name, row in by_backend.items():
@@ -789,7 +829,7 @@ def compare(before: dict, after: dict) -> list[str]:
                          f"{r['glue']:.1f}" if "glue" in r else "-"]
                 if both:
                     cells += [f"{r['bare'] - r['direct']:.1f}", f"{r['public'] - r['bare']:.1f}"]
-                cells += [f"{r['twin'] - r['twin clones']:.1f}" if "twin" in r else "-", verdict(r, phase)]
+                cells += [twin_cell(r), verdict(r, phase)]
                 lines.append(f"| {op} | {name} | " + " | ".join(cells) + " |")
     return lines
 

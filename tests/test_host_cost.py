@@ -54,14 +54,25 @@ def test_one_row_records_the_levels_of_a_call(bench_modules):
     both = row["forward+backward"]
     assert both["calls"] == {"op": ["fftconv", "fftconv_bwd"], "backend": ["forward", "backward"], "select": 2}
     for level in ("public", "op", "real", "direct", "select", "floor", "floor clones", "bare", "glue", "twin",
-                  "twin clones"):
+                  "twin clones", "twin beside"):
         assert both[level] > 0, level
-    assert {"glue", "twin", "twin clones"} <= set(row["forward"])
+    assert {"glue", "twin", "twin clones", "twin beside"} <= set(row["forward"])
+    # the control runs the twin and then the math: it costs at least the math alone
+    assert row["forward"]["twin beside"] > row["forward"]["direct"]
     assert host_cost.verdict({"public": 30.0, "direct": 10.0}, "forward") == "within"
     over = {"public": 300.0, "direct": 100.0, "bare": 190.0, "twin": 95.0, "twin clones": 5.0}
     assert host_cost.verdict(over, "forward+backward") == (
         "over: torch's autograd around the math alone 90 (ours beyond it 110); "
         "torch.library's own road for this signature alone 90")
+    # forward: ours over 25, torch.library's road within it alone but above it beside the math
+    fwd = {"public": 60.0, "direct": 20.0, "glue": 18.0, "twin": 22.0, "twin clones": 5.0, "twin beside": 72.0}
+    assert host_cost.verdict(fwd, "forward") == (
+        "over: torch.library's own road for this signature alone 17, beside the math 47 (ours is below it)")
+    fwd["twin beside"] = 40.0  # beside the math 15: ours is the part over the target
+    assert host_cost.verdict(fwd, "forward") == (
+        "over: ours (18 alone, 22 more when run between the math's calls; torch.library's road 17 alone, "
+        "15 beside the math)")
+    assert host_cost.twin_cell(fwd) == "17.0 (15.0)"
     assert both["pieces"]["launch road (count)"] >= 2  # a forward and a backward launch at least
     assert host_cost.measure("rotary", "cpu", host_cost.cases(torch.device("cpu")), 2, 1, clock, stubs, 0.0) == {
         "skipped": "no cpu backend of rotary"}
