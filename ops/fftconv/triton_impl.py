@@ -408,19 +408,6 @@ if HAVE_TRITON:
         return kr * inv_n, -ki * inv_n
 
     @triton.jit
-    def dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, L_DY,
-                A: tl.constexpr, LOG_A: tl.constexpr):
-        """dx rows b0, b0 + 1 = IFFT(Z conj(K) / N) + omega dy, from dy's pair spectrum Z; dy is re-read
-        for the skip term up to L_DY (0: its lanes are masked off, no traffic)."""
-        sr, si = cmul(zr, zi, kr, ki)
-        gr, gi = ifftn(tw_ptr, sr, si, A, LOG_A, DOT_PRECISION)
-        b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L_DY, syb, syd, syt, A)
-        o_n = tile_offsets(tw_ptr, A)
-        row = (b0 * D + d).to(tl.int64) * L
-        tl.store(dx_ptr + row + o_n, gr + om * b_gr, mask=o_n < L)
-        tl.store(dx_ptr + row + D * L + o_n, gi + om * b_gi, mask=o_n < L * tl.minimum(B - 1 - b0, 1))
-
-    @triton.jit
     def _tile_bwd_kernel(
         dy_ptr, x_ptr, k_ptr, tw_ptr, om_ptr, dx_ptr, dk_ptr, dom_ptr,
         B, D, L, syb, syd, syt, sxb, sxd, sxt, NEED_X, NEED_K, HAS_SKIP, PAIRS,
@@ -433,64 +420,36 @@ if HAVE_TRITON:
         c = tl.program_id(1)
         b_lo = c * (2 * PAIRS)
         b_hi = tl.minimum(B, b_lo + 2 * PAIRS)
-        o_n = tile_offsets(tw_ptr, A)
-        m_n = o_n < L
         inv_n = 1.0 / (A * 256)
-        zero = tl.zeros([256, A], dtype=tl.float32)
-        ONE_PASS: tl.constexpr = A < 8
-        if ONE_PASS:
-            kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
-        else:
-            kr = tl.zeros([16 * A, 16], dtype=tl.float32)                # computed before the dx pass
-            ki = kr
         om = tl.load(om_ptr + d, mask=tl.full([], HAS_SKIP, tl.int32) != 0, other=0.0).to(tl.float32)
+        kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
+        kr += om * inv_n                       # the skip term: dx = IFFT(Z (conj(K) + omega) / N)
         acc_r = tl.zeros([16 * A, 16], dtype=tl.float32)          # sum_pairs Z conj(P)
         acc_i = acc_r
-        dom = tl.sum(tl.sum(zero, 1), 0)
         need_x_tile = (NEED_K != 0) | (HAS_SKIP != 0)
-        # dy's re-reads (for domega and the skip term) only with the skip term at N <= 1024; at
-        # N >= 2048 they stay unmasked: the masks' extra live state made the 4096-point bf16
-        # backward spill 8 B on sm_90 with Triton 3.6 (it reads dy twice more there instead)
-        if ONE_PASS:
-            l_dy = L * HAS_SKIP
-        else:
-            l_dy = L
-        # N = 2048 and 4096: two passes over the pairs when dx is needed (the dy transform done twice),
-        # since k's spectrum, the dk accumulator and dy's spectrum (3 x 32 registers per thread at 4
-        # and 8 warps) next to a transform in flight exceed sm_80's 255 registers (N = 2048 in one
-        # pass spilled 56-96 B with Triton 3.9); smaller tiles do it in one pass.
         for b0 in range(b_lo, b_hi, 2):
-            if need_x_tile | ((NEED_X != 0) & ONE_PASS):
-                b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
-                zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
-                if need_x_tile:
-                    # x read here, dy re-read (an L1/L2 hit) for domega alone, rather than held across
-                    # the transforms (masked off without the skip term at N <= 1024, l_dy)
-                    b_xr, b_xi = tile_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, A)
-                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, l_dy, syb, syd, syt, A)
-                    dom += tl.sum(tl.sum(b_gr * b_xr + b_gi * b_xi, 1), 0)
-                    if NEED_K != 0:
-                        pr, pi = fftn(tw_ptr, b_xr, b_xi, A, LOG_A, DOT_PRECISION)
-                        sr, si = cmul(zr, zi, pr, -pi)
-                        acc_r += sr
-                        acc_i += si
-                if ONE_PASS:
-                    if NEED_X != 0:
-                        dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, l_dy,
-                                A, LOG_A)
-        if not ONE_PASS:
+            b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
+            zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
+            if need_x_tile:
+                b_xr, b_xi = tile_pair(tw_ptr, x_ptr, b0, d, B, L, sxb, sxd, sxt, A)
+                pr, pi = fftn(tw_ptr, b_xr, b_xi, A, LOG_A, DOT_PRECISION)
+                sr, si = cmul(zr, zi, pr, -pi)
+                acc_r += sr
+                acc_i += si
             if NEED_X != 0:
-                kr, ki = conj_spectrum(tw_ptr, k_ptr, d, L, NEED_X, A, LOG_A)
-                for b0 in range(b_lo, b_hi, 2):
-                    b_gr, b_gi = tile_pair(tw_ptr, dy_ptr, b0, d, B, L, syb, syd, syt, A)
-                    zr, zi = fftn(tw_ptr, b_gr, b_gi, A, LOG_A, DOT_PRECISION)
-                    dx_pair(tw_ptr, zr, zi, kr, ki, om, dy_ptr, dx_ptr, b0, d, B, D, L, syb, syd, syt, l_dy,
-                                A, LOG_A)
+                sr, si = cmul(zr, zi, kr, ki)
+                gr, gi = ifftn(tw_ptr, sr, si, A, LOG_A, DOT_PRECISION)
+                o_n = tile_offsets(tw_ptr, A)
+                row = (b0 * D + d).to(tl.int64) * L
+                tl.store(dx_ptr + row + o_n, gr, mask=o_n < L)
+                tl.store(dx_ptr + row + D * L + o_n, gi, mask=o_n < L * tl.minimum(B - 1 - b0, 1))
+        if HAS_SKIP != 0:
+            # domega = sum_t dy x = Re sum_f Z conj(P) / N (Parseval on the packed pairs), from acc
+            tl.store(dom_ptr + c * D + d, tl.sum(tl.sum(acc_r, 1), 0) * inv_n)
         if NEED_K != 0:
             gr, gi = ifftn(tw_ptr, acc_r, acc_i, A, LOG_A, DOT_PRECISION)
-            tl.store(dk_ptr + (c * D + d).to(tl.int64) * L + o_n, gr * inv_n, mask=m_n)
-        if HAS_SKIP != 0:
-            tl.store(dom_ptr + c * D + d, dom)
+            o_n = tile_offsets(tw_ptr, A)
+            tl.store(dk_ptr + (c * D + d).to(tl.int64) * L + o_n, gr * inv_n, mask=o_n < L)
 
     # ------------------------------------------------------------------ slice path (N >= 8192)
     # N = R C, C = SLICE_C: X[R f + s] is the C-point DFT of the slice s's fold
