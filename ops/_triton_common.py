@@ -119,7 +119,7 @@ _SPILL_36_80 = ("spills registers to local memory on the sm_80 family (A100, A10
 #: From the committed AOT reports of each tested Triton release (bench/results/aot_sm80*.json,
 #: aot_sm90*.json; tests/test_triton_aot.py checks this table against them): every variant that
 #: spills or overflows with a tested release is pruned here for that release, and nothing else.
-#: Triton 3.6 spills on sm_90 in the first four and on the sm_80 family in the last three (config
+#: Triton 3.6 spills on sm_90 in the first three and on the sm_80 family in the last one (config
 #: prunes cannot see the device, so direct_max_len=64 is left out everywhere on 3.6; each launch
 #: prune applies to the families it spills on).
 RELEASE_PRUNES: tuple = (
@@ -134,20 +134,10 @@ RELEASE_PRUNES: tuple = (
     ReleasePrune("timestep_norm", (3, 7), launch={"dtype": "fp32", "BLOCK_D": 1024, "packed": True}, families=(90,),
                  variants=(("_timestep_norm_fwd_kernel", "fwd fp32 T=4 D=1024 warps=8 packed"),),
                  why=f"the packed (cu_seqlens) fp32 forward for group sizes 257-1024 {_SPILL_36} (8 B per thread)"),
-    ReleasePrune("fftconv", (3, 7), launch={"path": "tile", "N": 4096}, families=(80,),
-                 variants=(("_tile_bwd_kernel", "tile bwd x=fp32 N=4096 warps=8"),
-                           ("_tile_bwd_kernel", "tile bwd x=bf16 N=4096 warps=8")),
-                 why=f"the backward of the 4096-point FFT tile (1024 < L <= 2048) {_SPILL_36_80} "
-                     "(96-152 B per thread)"),
-    ReleasePrune("fftconv", (3, 7), launch={"path": "tile", "N": 2048}, families=(80,),
-                 variants=(("_tile_bwd_kernel", "tile bwd x=fp32 N=2048 warps=4"),
-                           ("_tile_bwd_kernel", "tile bwd x=bf16 N=2048 warps=4")),
-                 why=f"the backward of the 2048-point FFT tile (512 < L <= 1024) {_SPILL_36_80} "
-                     "(40-48 B per thread)"),
-    ReleasePrune("cema", (3, 7), launch={"path": "tile", "N": 4096}, families=(80,),
-                 variants=(("_tile_bwd_kernel", "fused tile bwd x=bf16 N=4096 warps=8"),),
-                 why=f"the fused convolution backward of the 4096-point FFT tile (1024 < L <= 2048) "
-                     f"{_SPILL_36_80} (96 B per thread)"),
+    ReleasePrune("fftconv", (3, 7), launch={"path": "tile", "N": 2048, "dtype": "bf16"}, families=(80,),
+                 variants=(("_tile_bwd_kernel", "tile bwd x=bf16 N=2048 warps=4"),),
+                 why=f"the bf16 backward of the 2048-point FFT tile (512 < L <= 1024) {_SPILL_36_80} "
+                     "(8 B per thread: one element of k's spectrum)"),
 )
 
 

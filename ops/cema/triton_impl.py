@@ -63,7 +63,7 @@ def _fft_form_reasons(x) -> list[str]:
     running Triton release compiles to spilling code); the chunked form has none of these."""
     why = conv_impl.not_supported_reasons(x=x)
     if x.shape[-1] <= conv_impl.MAX_LENGTH:  # its fused convolution kernels (fftconv's tiles with the skip term)
-        why += release_reasons("cema", x.device, **conv_impl.launch_path(x.shape[-1]))
+        why += release_reasons("cema", x.device, **conv_impl.launch_path(x.shape[-1], x.dtype))
     return why
 
 

@@ -80,16 +80,17 @@ def not_supported_reasons(x=None, k=None, **_) -> list[str]:
     if x.shape[-1] > MAX_LENGTH:
         why.append(f"L = {x.shape[-1]} > {MAX_LENGTH} (FFT size up to 2**18; use backend='torch')")
     else:
-        why += release_reasons("fftconv", x.device, **launch_path(x.shape[-1]))
+        why += release_reasons("fftconv", x.device, **launch_path(x.shape[-1], x.dtype))
     return why
 
 
-def launch_path(L: int) -> dict:
-    """What RELEASE_PRUNES reads of a launch at length L: the FFT path (tile: one program holds
-    the transform; work: the workspace passes beyond MAX_TILE_FFT) and its FFT size N (the
-    direct path's short lengths have a small N)."""
+def launch_path(L: int, dtype=None) -> dict:
+    """What RELEASE_PRUNES reads of a launch at length L of x in ``dtype``: the FFT path (tile: one
+    program holds the transform; slice: the workspace passes beyond MAX_TILE_FFT), its FFT size N
+    (the direct path's short lengths have a small N) and the kernels' load type ("bf16" / "fp32")."""
     N = fft_size(L)
-    return {"path": "slice" if N > MAX_TILE_FFT else "tile", "N": N}
+    return {"path": "slice" if N > MAX_TILE_FFT else "tile", "N": N,
+            "dtype": "bf16" if dtype == torch.bfloat16 else "fp32"}
 
 
 def fft_size(L: int) -> int:
