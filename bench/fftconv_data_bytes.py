@@ -28,32 +28,39 @@ def data_bytes(count, lo: int, hi: int) -> int:
     return total
 
 
-def main() -> int:
+def ratios(B: int, D: int, L: int) -> tuple[float, float, float, float]:
+    """(forward data / ideal, forward total / ideal, backward data / ideal, backward total / ideal) of
+    one fp32 call of the default config at (B, D, L) (random inputs), the table left out of "data"."""
     import torch
 
     from ..ops.fftconv import triton_impl as T
     from .triton_bytes import count_bytes
 
     cfg = dict(T.DEFAULT_CONFIG, direct_max_len=0)
+    g = torch.Generator().manual_seed(0)
+    x, dy = torch.randn(B, D, L, generator=g), torch.randn(B, D, L, generator=g)
+    k = torch.randn(D, L, generator=g)
+    tw = T.twiddle_table(x.device)
+    lo, hi = tw.data_ptr(), tw.data_ptr() + tw.numel() * tw.element_size()
+    with count_bytes() as c:
+        T.forward(x, k, **cfg)
+    ideal = 4 * (2 * B * D * L + D * L)
+    fwd = (data_bytes(c, lo, hi) / ideal, c.total / ideal)
+    with count_bytes() as c:
+        T.backward(dy, x, k, True, True, **cfg)
+    ideal = 4 * (3 * B * D * L + 2 * D * L)
+    return fwd + (data_bytes(c, lo, hi) / ideal, c.total / ideal)
+
+
+def main() -> int:
+    from ..ops.fftconv import triton_impl as T
+
     print(f"{'pass':<5} {'shape':<16} {'N':>5} {'data/ideal':>10} {'total/ideal':>11}")
     for B, D, L in SHAPES:
-        g = torch.Generator().manual_seed(0)
-        x, dy = torch.randn(B, D, L, generator=g), torch.randn(B, D, L, generator=g)
-        k = torch.randn(D, L, generator=g)
-        tw = T.twiddle_table(x.device)
-        lo, hi = tw.data_ptr(), tw.data_ptr() + tw.numel() * tw.element_size()
-        with count_bytes() as c:
-            T.forward(x, k, **cfg)
-        ideal = 4 * (2 * B * D * L + D * L)
-        print(f"{'fwd':<5} {f'B{B} D{D} L{L}':<16} {T.fft_size(L):>5} {data_bytes(c, lo, hi) / ideal:>10.2f} "
-              f"{c.total / ideal:>11.2f}")
-        with count_bytes() as c:
-            T.backward(dy, x, k, True, True, **cfg)
-        ideal = 4 * (3 * B * D * L + 2 * D * L)
-        print(f"{'bwd':<5} {f'B{B} D{D} L{L}':<16} {T.fft_size(L):>5} {data_bytes(c, lo, hi) / ideal:>10.2f} "
-              f"{c.total / ideal:>11.2f}")
+        fd, ft, bd, bt = ratios(B, D, L)
+        for name, data, total in (("fwd", fd, ft), ("bwd", bd, bt)):
+            print(f"{name:<5} {f'B{B} D{D} L{L}':<16} {T.fft_size(L):>5} {data:>10.2f} {total:>11.2f}")
     return 0
-
 
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_INTERPRET", "1")

@@ -48,3 +48,14 @@ def test_every_triton_op_reports_its_bytes_against_the_ideal():
             assert uniq >= ideal, name
             # ... and no address beyond the op's inputs/outputs is touched more than once per launch.
             assert uniq <= 1.05 * ideal, name
+
+
+def test_fftconv_tile_path_moves_the_ideal_data_bytes_at_n_2048_and_4096():
+    """Issue 39's byte criterion on the tile path (the twiddle table excepted): the forward and the
+    one-pass backward read each input once and write each output once at the 2048- and 4096-point
+    tiles (the two-pass backward read dy four times there: 1.86x)."""
+    from megalodon_kernels.bench.fftconv_data_bytes import ratios
+
+    for L in (1000, 2048):
+        fwd, _, bwd, _ = ratios(2, 1, L)
+        assert abs(fwd - 1.0) < 1e-9 and abs(bwd - 1.0) < 1e-9, (L, fwd, bwd)
