@@ -416,7 +416,15 @@ if HAVE_TRITON:
     ):
         """Program (d, c): feature d, batch rows [2 PAIRS c, 2 PAIRS (c + 1)); dk and domega are this
         chunk's partial sums, stored at chunk c of [chunks, D, L] / [chunks, D] (the launcher adds
-        the chunks in a fixed order: deterministic, no atomics)."""
+        the chunks in a fixed order: deterministic, no atomics).
+
+        One pass over the pairs, three transforms per pair (dy, x, dx's inverse), each input read
+        once: the skip term rides on k's spectrum and domega is read off the dk accumulator, so
+        neither re-reads dy. Across x's transform three spectra are live (k's, the accumulator,
+        dy's: 3 x 32 registers per thread at 4 warps and N = 2048, 8 warps and N = 4096). In this
+        order (dy, x, then dx) no tile backward spills with Triton 3.9 and only the bf16 N = 2048
+        one on sm_80 with 3.6 (8 B, pruned there); x first spilled 8 B with 3.9 (sm_80, bf16
+        N = 2048), dx before x 8 B with 3.6 (docs/fft.md, "Keeping the registers in check")."""
         d = tl.program_id(0)
         c = tl.program_id(1)
         b_lo = c * (2 * PAIRS)
