@@ -415,7 +415,9 @@ def step_ops(run: Run, limit_s: float) -> dict:
 #: cema's own rows (issue 40): the H100 probe's shape (bench/results/gpu/h100_run1_probe.txt, fp32:
 #: torch 3.35 / 11.0 ms there) and the set's paper-7B shapes, each backend and ``auto``
 CEMA_PROBE = {"B": 2, "D": 256, "N": 16, "L": 4096}
-CEMA_PROVIDERS = ("auto", "cuda", "triton", "torch")
+#: auto last: at the probe it is timed after the backend it resolves to has run warm (in the H200's
+#: run 4, timed first, auto (cuda) took 0.533 ms forward against 0.286 for the cuda row timed after it)
+CEMA_PROVIDERS = ("cuda", "triton", "torch", "auto")
 
 
 def _cema_points(run: Run, s, rows: list, end: float, peak, reps, probe: bool) -> dict:
