@@ -62,6 +62,7 @@ def main() -> int:
             print(f"{name:<5} {f'B{B} D{D} L{L}':<16} {T.fft_size(L):>5} {data:>10.2f} {total:>11.2f}")
     return 0
 
+
 if __name__ == "__main__":
     os.environ.setdefault("TRITON_INTERPRET", "1")
     sys.exit(main())
